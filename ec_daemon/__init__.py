@@ -1,0 +1,1 @@
+"""ecd: the encoder-cache daemon (pools, allocator, index, sessions, gRPC service, CLI)."""

@@ -1,0 +1,249 @@
+"""The `ecd` command: `ecd serve` runs the daemon; the others are client tools for operators.
+
+    ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
+    ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict ENGINE KEY...
+
+Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
+Exit status: 0 success, 1 the daemon answered with an error or is not SERVING, 2 bad usage or
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ec_client import Client, EcdError, Role
+from ec_client._connection import Options
+from ec_client.client import check_health, shared_channel
+from ec_client.units import format_size
+from ec_daemon import config as config_module
+from ec_daemon.checks import StartupError
+
+
+def display_key(key: bytes) -> str:
+    """A key as text when it is printable UTF-8, else as 0x-prefixed hex."""
+    try:
+        text = key.decode()
+    except UnicodeDecodeError:
+        return "0x" + key.hex()
+    return text if text.isprintable() and not text.startswith("0x") else "0x" + key.hex()
+
+
+def parse_key(text: str) -> bytes:
+    """The inverse of display_key: 0x-prefixed hex, else UTF-8."""
+    return bytes.fromhex(text[2:]) if text.startswith("0x") else text.encode()
+
+
+def to_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, bytes):
+        return display_key(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def emit(args: argparse.Namespace, data: Any, human: Callable[[], str]) -> None:
+    print(json.dumps(to_json(data), indent=2) if args.json else human())
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ec_daemon import logs, server
+
+    try:
+        config, sources = config_module.load(vars(args), os.environ, args.config)
+    except config_module.ConfigError as exc:
+        print(f"ecd: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config_module.describe(config, sources))
+        return 0
+    logs.configure(config.log_format, config.log_level)
+    try:
+        server.run(config)
+    except StartupError as exc:
+        print(f"ecd: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    options = Options.make(args.address, "ecd-cli", Role.ADMIN, args.timeout, args.timeout, None)
+    try:
+        status = check_health(shared_channel(options.target), options)
+    except EcdError as exc:
+        status = f"UNREACHABLE ({exc.message})"
+    emit(args, {"status": status, "target": options.target}, lambda: status)
+    return 0 if status == "SERVING" else 1
+
+
+def admin_client(args: argparse.Namespace) -> Client:
+    return Client(
+        args.address,
+        name="ecd-cli",
+        role=Role.ADMIN,
+        keepalive=False,
+        connect_timeout_s=args.timeout,
+    )
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with admin_client(args) as client:
+        stats = client.stats(args.engine or "")
+
+    def human() -> str:
+        head = (
+            f"ecd {stats.version}  epoch {stats.boot_epoch}  up {stats.uptime_s:.0f}s  "
+            f"sessions {stats.sessions}  lease expiries {stats.lease_expiries}\n"
+            f"budget {format_size(stats.reserved_bytes)} of {format_size(stats.max_bytes)} reserved"
+        )
+        rows = [
+            (
+                p.engine_id,
+                format_size(p.capacity_bytes),
+                f"{100 * (1 - p.free_blocks / p.num_blocks):.1f}%",
+                p.entries_ready,
+                p.entries_pending,
+                p.pins,
+                p.hits,
+                p.misses,
+                p.evictions,
+                p.no_space,
+            )
+            for p in stats.pools
+        ]
+        headers = (
+            "POOL",
+            "CAPACITY",
+            "USED",
+            "READY",
+            "PENDING",
+            "PINS",
+            "HITS",
+            "MISSES",
+            "EVICTIONS",
+            "NO_SPACE",
+        )
+        return head + "\n\n" + table(headers, rows) if rows else head + "\n\n(no pools)"
+
+    emit(args, stats, human)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with admin_client(args) as client:
+        entries = list(client.iter_entries(args.engine))
+
+    def human() -> str:
+        rows = [
+            (
+                display_key(e.key),
+                e.state.value.upper(),
+                format_size(e.spec.nbytes),
+                e.spec.dtype,
+                "x".join(map(str, e.spec.shape)),
+                len(e.extents),
+                e.pins,
+                f"{e.age_s:.1f}s",
+                e.producer,
+            )
+            for e in entries
+        ]
+        headers = ("KEY", "STATE", "SIZE", "DTYPE", "SHAPE", "EXTENTS", "PINS", "AGE", "PRODUCER")
+        return table(headers, rows) if rows else "(no entries)"
+
+    emit(args, entries, human)
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    with admin_client(args) as client:
+        results = client.evict(args.engine, [parse_key(k) for k in args.keys])
+    emit(
+        args,
+        results,
+        lambda: table(
+            ("KEY", "RESULT", "MESSAGE"),
+            [(display_key(r.key), r.status.value, r.message) for r in results],
+        ),
+    )
+    return 0 if all(not r.status.is_error for r in results) else 1
+
+
+# ---- parser --------------------------------------------------------------------------------------
+
+
+def client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        help="daemon address, e.g. unix:///run/ecd/ecd.sock or 127.0.0.1:7878 "
+        "[default: ECD_ADDRESS, else the default socket]",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to reach the daemon")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ecd", description="ecd, the encoder-cache daemon")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon. Settings: flags over ECD_* environment variables over the "
+        "--config TOML file (same names, with underscores) over defaults.",
+    )
+    config_module.add_arguments(serve)
+    serve.set_defaults(run=cmd_serve)
+
+    health = commands.add_parser("health", help="check the daemon (exit 0 if SERVING)")
+    client_arguments(health)
+    health.set_defaults(run=cmd_health)
+
+    stats = commands.add_parser("stats", help="daemon and pool statistics")
+    stats.add_argument("engine", nargs="?", help="only this pool")
+    client_arguments(stats)
+    stats.set_defaults(run=cmd_stats)
+
+    ls = commands.add_parser("ls", help="list the entries of a pool")
+    ls.add_argument("engine")
+    client_arguments(ls)
+    ls.set_defaults(run=cmd_ls)
+
+    evict = commands.add_parser("evict", help="evict READY unpinned entries of a pool")
+    evict.add_argument("engine")
+    evict.add_argument("keys", nargs="+", metavar="KEY", help="key as text, or 0x-prefixed hex")
+    client_arguments(evict)
+    evict.set_defaults(run=cmd_evict)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.run(args)
+    except EcdError as exc:
+        print(f"ecd: {exc}", file=sys.stderr)
+        return 1
+    return result

@@ -1,0 +1,264 @@
+"""Daemon configuration: command-line flags over ECD_* environment variables over a TOML file over
+defaults. Every setting is declared once in SETTINGS; the flags, the environment names, the TOML
+keys, `ecd serve --help` and `--print-config` are all derived from that table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ec_client.address import daemon_socket_path
+from ec_client.units import parse_size
+
+ENV_PREFIX = "ECD_"
+
+
+def _octal(text: str | int) -> int:
+    return text if isinstance(text, int) else int(str(text), 8)
+
+
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean; expected true or false")
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise ValueError(f"{text!r} is not one of {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
+def _max_bytes(text: str | int) -> int | None:
+    """None means auto: half of the shm directory's size, decided at startup."""
+    return None if text == "auto" else parse_size(text)
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if text and (not sep or not host or not port.isdigit()):
+        raise ValueError(f"{text!r} is not HOST:PORT, e.g. 127.0.0.1:7878")
+    return text
+
+
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    metavar: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "socket",
+        Path,
+        None,
+        "Unix socket to listen on [/run/ecd, $XDG_RUNTIME_DIR/ecd or /tmp/ecd-UID]/ecd.sock",
+        "PATH",
+    ),
+    Setting("socket_mode", _octal, 0o660, "permissions of the socket (octal)", "MODE"),
+    Setting(
+        "socket_group", str, "", "group owning the socket (clients in it may connect)", "GROUP"
+    ),
+    Setting("tcp", _host_port, "", "also listen on TCP HOST:PORT (off by default)", "HOST:PORT"),
+    Setting("shm_dir", Path, Path("/dev/shm"), "directory of the pool files (a tmpfs)", "DIR"),
+    Setting(
+        "max_bytes",
+        _max_bytes,
+        None,
+        "budget of all pool files together, e.g. 8GiB; auto = half of shm-dir",
+        "SIZE",
+    ),
+    Setting(
+        "lease_ttl",
+        float,
+        10.0,
+        "seconds a silent client's allocations and pins are kept",
+        "SECONDS",
+    ),
+    Setting(
+        "eviction",
+        _choice("lru", "fifo"),
+        "lru",
+        "which READY entry is evicted first: lru or fifo",
+        "POLICY",
+    ),
+    Setting(
+        "max_entries_per_pool",
+        int,
+        65536,
+        "entries one pool can hold (1 KiB of pool file each)",
+        "N",
+    ),
+    Setting("max_batch", int, 4096, "items one request may carry", "N"),
+    Setting("max_message_bytes", parse_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
+    Setting(
+        "pool_mode",
+        _octal,
+        0o600,
+        "permissions of pool files (octal; 0660 with --pool-group)",
+        "MODE",
+    ),
+    Setting(
+        "pool_group",
+        str,
+        "",
+        "group owning pool files, for clients running as other users",
+        "GROUP",
+    ),
+    Setting("metrics_port", int, 0, "serve Prometheus metrics on this port (0 = off)", "PORT"),
+    Setting(
+        "token_file",
+        _optional_path,
+        None,
+        "require the bearer token in this file on every RPC",
+        "FILE",
+    ),
+    Setting(
+        "log_format", _choice("text", "json"), "text", "log line format: text or json", "FORMAT"
+    ),
+    Setting(
+        "log_level",
+        _choice("debug", "info", "warning", "error"),
+        "info",
+        "least severe level logged",
+        "LEVEL",
+    ),
+    Setting(
+        "shutdown_grace", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM", "SECONDS"
+    ),
+    Setting(
+        "drop_pools_on_exit",
+        _bool,
+        False,
+        "delete pool files on shutdown (default: keep them, they are the cache)",
+        "BOOL",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: Path
+    socket_mode: int
+    socket_group: str
+    tcp: str
+    shm_dir: Path
+    max_bytes: int | None
+    lease_ttl: float
+    eviction: str
+    max_entries_per_pool: int
+    max_batch: int
+    max_message_bytes: int
+    pool_mode: int
+    pool_group: str
+    metrics_port: int
+    token_file: Path | None
+    log_format: str
+    log_level: str
+    shutdown_grace: float
+    drop_pools_on_exit: bool
+
+
+assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(Config)]
+
+
+class ConfigError(ValueError):
+    """A setting could not be parsed; the message names the setting and where it came from."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; every default is None so that 'not given' can be told apart."""
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML file of settings")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective settings and exit"
+    )
+    for setting in SETTINGS:
+        default = "(computed)" if setting.default is None else setting.default
+        if isinstance(default, int) and setting.name.endswith("_mode"):
+            default = oct(default)
+        parser.add_argument(
+            setting.flag,
+            dest=setting.name,
+            metavar=setting.metavar or None,
+            help=f"{setting.help} [env {setting.env}; default {default}]",
+        )
+
+
+def load(
+    flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None
+) -> tuple[Config, dict[str, str]]:
+    """The effective configuration and, per setting, where its value came from."""
+    file_values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            with config_file.open("rb") as f:
+                file_values = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        unknown = set(file_values) - {s.name for s in SETTINGS}
+        if unknown:
+            raise ConfigError(f"unknown settings in {config_file}: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for setting in SETTINGS:
+        for source, raw in (
+            (f"flag {setting.flag}", flags.get(setting.name)),
+            (f"env {setting.env}", environ.get(setting.env)),
+            (f"file {config_file}", file_values.get(setting.name)),
+        ):
+            if raw is not None:
+                try:
+                    values[setting.name] = setting.parse(raw)
+                except (ValueError, TypeError) as exc:
+                    raise ConfigError(f"{setting.name} from {source}: {exc}") from exc
+                sources[setting.name] = source
+                break
+        else:
+            values[setting.name] = setting.default
+            sources[setting.name] = "default"
+    if values["socket"] is None:
+        values["socket"] = daemon_socket_path()
+    return Config(**values), sources
+
+
+def describe(config: Config, sources: Mapping[str, str]) -> str:
+    """The --print-config table: name, value, source."""
+    rows = []
+    for setting in SETTINGS:
+        value = getattr(config, setting.name)
+        if setting.name.endswith("_mode"):
+            value = oct(value)
+        if value is None:
+            value = "auto" if setting.name == "max_bytes" else "(none)"
+        rows.append((setting.name, str(value), sources[setting.name]))
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    return "\n".join(f"{n:<{width}}  {v:<{vwidth}}  {s}" for n, v, s in rows)

@@ -1,0 +1,57 @@
+"""Errors and per-item outcomes of the core, free of gRPC: the service maps them to status codes."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.Enum):
+    """Why a whole request failed; each value names the gRPC status code it becomes."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+
+class Reason(enum.Enum):
+    """A machine-readable refinement of a Code that clients act on (sent as trailing metadata)."""
+
+    UNKNOWN_SESSION = "unknown_session"
+    UNKNOWN_POOL = "unknown_pool"
+    POOL_MISMATCH = "pool_mismatch"
+    POOL_UNVERIFIED = "pool_unverified"
+    BUDGET = "budget"
+    SHM_FULL = "shm_full"
+    BAD_REQUEST = "bad_request"
+    BUSY = "busy"
+
+
+class CoreError(Exception):
+    """A request the core refuses as a whole; the message says what was wrong and what was
+    expected."""
+
+    def __init__(self, code: Code, message: str, reason: Reason = Reason.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+
+
+class ItemStatus(enum.Enum):
+    """The outcome of one item of a batched request (the proto's ItemStatus without its prefix)."""
+
+    OK = "OK"
+    ALLOCATED = "ALLOCATED"
+    EXISTS = "EXISTS"
+    PENDING = "PENDING"
+    NO_SPACE = "NO_SPACE"
+    HIT = "HIT"
+    MISS = "MISS"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"

@@ -1,0 +1,88 @@
+"""Fan-out of core events to the RPCs that wait on them: Acquire with wait_ms and Watch streams.
+
+The core publishes synchronously from inside a handler; waiters are asyncio futures and queues on
+the same (single) event loop, so a waiter registered in the same synchronous step as the lookup
+that found a key PENDING cannot miss the commit that follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ec_daemon.index import Event, EventType
+
+
+@dataclass(eq=False)
+class Subscription:
+    """A Watch stream's queue. A subscriber that falls `limit` events behind is cut off (it must
+    resubscribe with a snapshot) rather than let the daemon's memory grow without bound; the
+    queue then ends with None."""
+
+    engine_id: str
+    limit: int
+    queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
+    overflowed: bool = False
+
+    def offer(self, event: Event) -> None:
+        if self.overflowed or (self.engine_id and event.engine_id != self.engine_id):
+            return
+        if self.queue.qsize() >= self.limit:
+            self.overflowed = True
+            self.queue.put_nowait(None)
+        else:
+            self.queue.put_nowait(event)
+
+
+class EventHub:
+    def __init__(self, watch_queue_limit: int = 100_000) -> None:
+        self._waiters: dict[tuple[str, bytes], list[asyncio.Future[None]]] = defaultdict(list)
+        self._subscriptions: set[Subscription] = set()
+        self._watch_queue_limit = watch_queue_limit
+
+    def publish(self, event: Event) -> None:
+        # Any event about a key settles its waiters: it became READY or went away. A dropped pool
+        # settles every waiter of that pool.
+        if event.type is EventType.POOL_DROPPED:
+            settled = [k for k in self._waiters if k[0] == event.engine_id]
+        else:
+            settled = [(event.engine_id, event.key)]
+        for waiter_key in settled:
+            for future in self._waiters.pop(waiter_key, []):
+                if not future.done():
+                    future.set_result(None)
+        for subscription in self._subscriptions:
+            subscription.offer(event)
+
+    async def wait_settled(self, engine_id: str, keys: list[bytes], timeout_s: float) -> None:
+        """Return once every key was committed or went away, or after timeout_s."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[None]] = [loop.create_future() for _ in keys]
+        for key, future in zip(keys, futures, strict=True):
+            self._waiters[(engine_id, key)].append(future)
+        try:
+            await asyncio.wait(futures, timeout=timeout_s)
+        finally:
+            for key, future in zip(keys, futures, strict=True):
+                waiting = self._waiters.get((engine_id, key), [])
+                if future in waiting:
+                    waiting.remove(future)
+                    if not waiting:
+                        del self._waiters[(engine_id, key)]
+
+    def subscribe(self, engine_id: str) -> Subscription:
+        subscription = Subscription(engine_id, self._watch_queue_limit)
+        self._subscriptions.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscriptions.discard(subscription)
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(v) for v in self._waiters.values())
+
+    @property
+    def watchers(self) -> int:
+        return len(self._subscriptions)

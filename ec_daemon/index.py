@@ -1,0 +1,456 @@
+"""The entries of one pool: their states, their blocks, eviction and single flight.
+
+Lifecycle of an entry:
+
+    allocate -> PENDING --commit--> READY --(pins drop to 0, space needed)--> evicted
+                   |                  |
+                 abort / lease out   delete / evict / pool dropped
+
+- PENDING: blocks reserved, the producer writes them; invisible to consumers, never evicted.
+  Allocating the key again answers PENDING (wait, don't encode twice), or, for the producer's own
+  session, the same extents again (a retried Allocate is harmless).
+- READY: the bytes are immutable until the entry is removed. Evictable while nobody pins it.
+- A READY entry removed while pinned (Delete, or its pool dropped with force) leaves the index at
+  once but keeps its blocks until its last pin is released, so a consumer never reads blocks that
+  were handed to someone else.
+
+Invariant (`check`): free blocks + blocks held by entries (indexed or removed-but-pinned) ==
+num_blocks, and no block is in two places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ec_client.layout import MAX_EXTENTS_PER_ENTRY, Geometry, SlotRecord
+from ec_daemon.allocator import Extent, ExtentAllocator
+from ec_daemon.errors import ItemStatus
+from ec_daemon.eviction import EvictionPolicy
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of the stored tensor, so a consumer can rebuild it without the model."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+class EntryState(enum.Enum):
+    PENDING = "PENDING"
+    READY = "READY"
+
+
+class EventType(enum.Enum):
+    COMMITTED = "COMMITTED"
+    EVICTED = "EVICTED"
+    ABORTED = "ABORTED"
+    DELETED = "DELETED"
+    POOL_DROPPED = "POOL_DROPPED"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something consumers or watchers may wait on: a key became READY or went away."""
+
+    type: EventType
+    engine_id: str
+    key: bytes = b""
+    nbytes: int = 0
+
+
+@dataclass(eq=False)
+class Entry:
+    key: bytes
+    spec: TensorSpec
+    extents: tuple[Extent, ...]
+    slot: int
+    session_id: str  # the producer's session, which alone may commit or abort it
+    producer: str  # the producer's client name, for operators
+    created_at: float
+    state: EntryState = EntryState.PENDING
+    pins: int = 0
+    checksum: int = 0
+    committed_at: float = 0.0
+    commit_seq: int = 0
+    removed: bool = False  # left the index while pinned: blocks return at the last unpin
+
+    @property
+    def blocks(self) -> int:
+        return sum(e.count for e in self.extents)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one item: a status, a message for errors, and the entry where one applies."""
+
+    status: ItemStatus
+    message: str = ""
+    entry: Entry | None = None
+
+
+@dataclass
+class PoolCounters:
+    """Monotonic counts since the daemon started (not persisted across restarts)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    no_space: int = 0
+    commits: int = 0
+    aborts: int = 0
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """A pool's occupancy at one moment, for Stats and metrics."""
+
+    engine_id: str
+    geometry: Geometry
+    free_blocks: int
+    free_extents: int
+    largest_free_extent: int
+    entries_pending: int
+    entries_ready: int
+    entries_pinned: int
+    pins: int
+    bytes_ready: int
+    counters: PoolCounters
+
+
+class SlotJournal(Protocol):
+    """Where READY entries are recorded so they survive a daemon restart (the pool file)."""
+
+    def write_slot(self, slot: int, record: SlotRecord) -> None: ...
+
+    def erase_slot(self, slot: int) -> None: ...
+
+
+class PoolIndex:
+    def __init__(
+        self,
+        engine_id: str,
+        geometry: Geometry,
+        journal: SlotJournal,
+        policy: EvictionPolicy,
+        clock: Callable[[], float],
+        on_event: Callable[[Event], None],
+    ) -> None:
+        self.engine_id = engine_id
+        self.geometry = geometry
+        self.counters = PoolCounters()
+        self._journal = journal
+        self._policy = policy
+        self._clock = clock
+        self._on_event = on_event
+        self._allocator = ExtentAllocator(geometry.num_blocks)
+        self._entries: dict[bytes, Entry] = {}
+        self._orphans: set[Entry] = set()  # removed while pinned
+        self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
+        self._evictable_blocks = 0  # blocks of READY entries with no pins
+        self._evictable_entries = 0
+        self._commit_seq = 0
+
+    # ---- restore -------------------------------------------------------------------------------
+
+    def restore(self, records: list[tuple[int, SlotRecord]]) -> None:
+        """Re-adopt READY entries from the slot table of a pool file (oldest commit first).
+
+        Raises ValueError if records overlap each other or lie outside the pool; the caller then
+        refuses the whole pool rather than serve bytes two entries claim.
+        """
+        used = [Extent(s, c) for _, r in records for s, c in r.extents]
+        self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, used)
+        seen_slots = set()
+        for slot, record in sorted(records, key=lambda sr: sr[1].commit_seq):
+            if record.key in self._entries or slot in seen_slots:
+                raise ValueError(f"slot table names key {record.key!r} or slot {slot} twice")
+            seen_slots.add(slot)
+            entry = Entry(
+                key=record.key,
+                spec=TensorSpec(record.shape, record.dtype, record.nbytes),
+                extents=tuple(Extent(s, c) for s, c in record.extents),
+                slot=slot,
+                session_id="",
+                producer="(restored)",
+                created_at=self._clock(),
+                state=EntryState.READY,
+                checksum=record.checksum,
+                committed_at=self._clock(),
+                commit_seq=record.commit_seq,
+            )
+            if entry.blocks != self.blocks_for(record.nbytes):
+                raise ValueError(
+                    f"entry {record.key!r}: extents do not match {record.nbytes} bytes"
+                )
+            self._entries[record.key] = entry
+            self._policy.on_ready(record.key)
+            self._set_evictable(entry, True)
+            self._commit_seq = max(self._commit_seq, record.commit_seq)
+        self._free_slots = [
+            s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in seen_slots
+        ]
+
+    # ---- producer side -------------------------------------------------------------------------
+
+    def blocks_for(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.geometry.block_size_bytes)
+
+    def allocate(self, key: bytes, spec: TensorSpec, session_id: str, producer: str) -> Outcome:
+        entry = self._entries.get(key)
+        if entry is not None:
+            if entry.state is EntryState.READY:
+                return Outcome(ItemStatus.EXISTS, entry=entry)
+            if entry.session_id != session_id:
+                return Outcome(ItemStatus.PENDING, "another producer is writing this key", entry)
+            if entry.spec != spec:
+                return Outcome(
+                    ItemStatus.FAILED_PRECONDITION,
+                    f"this session already allocated the key as {entry.spec}, not {spec}",
+                )
+            return Outcome(ItemStatus.ALLOCATED, entry=entry)  # a retried Allocate
+        blocks = self.blocks_for(spec.nbytes)
+        if blocks > self.geometry.num_blocks:
+            return Outcome(
+                ItemStatus.INVALID_ARGUMENT,
+                f"entry of {spec.nbytes} bytes needs {blocks} blocks of "
+                f"{self.geometry.block_size_bytes} bytes; the pool has {self.geometry.num_blocks}",
+            )
+        extents = self._make_room(blocks)
+        if extents is None:
+            self.counters.no_space += 1
+            return Outcome(
+                ItemStatus.NO_SPACE,
+                f"needs {blocks} blocks; {self._allocator.free_blocks} free and "
+                f"{self._evictable_blocks} evictable (the rest is PENDING or pinned), "
+                f"{len(self._free_slots)} of {self.geometry.num_slots} entry slots free",
+            )
+        entry = Entry(
+            key=key,
+            spec=spec,
+            extents=tuple(extents),
+            slot=self._free_slots.pop(),
+            session_id=session_id,
+            producer=producer,
+            created_at=self._clock(),
+        )
+        self._entries[key] = entry
+        return Outcome(ItemStatus.ALLOCATED, entry=entry)
+
+    def commit(self, key: bytes, session_id: str, checksum: int) -> Outcome:
+        entry = self._entries.get(key)
+        problem = self._not_pending_of(entry, session_id, "commit")
+        if problem is not None or entry is None:
+            return problem or Outcome(ItemStatus.NOT_FOUND)
+        self._commit_seq += 1
+        entry.state = EntryState.READY
+        entry.checksum = checksum
+        entry.committed_at = self._clock()
+        entry.commit_seq = self._commit_seq
+        # The slot record is written before the entry becomes visible: anything a consumer can
+        # see after a restart was READY before it.
+        self._journal.write_slot(
+            entry.slot,
+            SlotRecord(
+                key=key,
+                dtype=entry.spec.dtype,
+                shape=entry.spec.shape,
+                nbytes=entry.spec.nbytes,
+                checksum=checksum,
+                commit_seq=entry.commit_seq,
+                extents=tuple((e.start, e.count) for e in entry.extents),
+            ),
+        )
+        self._policy.on_ready(key)
+        self._set_evictable(entry, True)
+        self.counters.commits += 1
+        self._on_event(Event(EventType.COMMITTED, self.engine_id, key, entry.spec.nbytes))
+        return Outcome(ItemStatus.OK, entry=entry)
+
+    def abort(self, key: bytes, session_id: str) -> Outcome:
+        entry = self._entries.get(key)
+        problem = self._not_pending_of(entry, session_id, "abort")
+        if problem is not None or entry is None:
+            return problem or Outcome(ItemStatus.NOT_FOUND)
+        self._remove(entry, EventType.ABORTED)
+        self.counters.aborts += 1
+        return Outcome(ItemStatus.OK, entry=entry)
+
+    def _not_pending_of(self, entry: Entry | None, session_id: str, verb: str) -> Outcome | None:
+        if entry is None:
+            return Outcome(
+                ItemStatus.NOT_FOUND,
+                f"cannot {verb}: no PENDING entry with this key (never allocated, aborted, "
+                "or its producer's lease ran out)",
+            )
+        if entry.state is not EntryState.PENDING:
+            return Outcome(
+                ItemStatus.FAILED_PRECONDITION,
+                f"cannot {verb}: the entry is {entry.state.value}, expected PENDING",
+            )
+        if entry.session_id != session_id:
+            return Outcome(
+                ItemStatus.FAILED_PRECONDITION,
+                f"cannot {verb}: the entry was allocated by another session ({entry.producer})",
+            )
+        return None
+
+    # ---- consumer side -------------------------------------------------------------------------
+
+    def pin(self, key: bytes) -> Outcome:
+        """Acquire: a READY entry is pinned (HIT), a PENDING one answers PENDING, else MISS."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.counters.misses += 1
+            return Outcome(ItemStatus.MISS)
+        if entry.state is EntryState.PENDING:
+            return Outcome(ItemStatus.PENDING, "the producer has not committed it yet", entry)
+        if entry.pins == 0:
+            self._set_evictable(entry, False)
+        entry.pins += 1
+        self._policy.on_access(key)
+        self.counters.hits += 1
+        return Outcome(ItemStatus.HIT, entry=entry)
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        if entry.pins > 0:
+            return
+        if entry.removed:
+            self._orphans.discard(entry)
+            self._release_space(entry)
+        else:
+            self._set_evictable(entry, True)
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    # ---- operator side -------------------------------------------------------------------------
+
+    def evict(self, key: bytes) -> Outcome:
+        """Drop a READY unpinned entry, as the eviction policy would."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return Outcome(ItemStatus.NOT_FOUND, "no entry with this key")
+        if entry.state is EntryState.PENDING:
+            return Outcome(ItemStatus.FAILED_PRECONDITION, "the entry is PENDING; use Delete")
+        if entry.pins:
+            return Outcome(
+                ItemStatus.FAILED_PRECONDITION,
+                f"the entry is pinned {entry.pins} time(s); use Delete",
+            )
+        self._remove(entry, EventType.EVICTED)
+        self.counters.evictions += 1
+        return Outcome(ItemStatus.OK, entry=entry)
+
+    def delete(self, key: bytes) -> Outcome:
+        """Drop an entry in any state; a pinned one keeps its blocks until its last release."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return Outcome(ItemStatus.NOT_FOUND, "no entry with this key")
+        self._remove(entry, EventType.DELETED)
+        return Outcome(ItemStatus.OK, entry=entry)
+
+    def drop_all(self) -> int:
+        """Remove every entry (the pool is being dropped); returns how many there were."""
+        entries = list(self._entries.values())
+        for entry in entries:
+            self._remove(entry, None)
+        return len(entries)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def snapshot(self) -> PoolSnapshot:
+        entries = self._entries.values()
+        ready = [e for e in entries if e.state is EntryState.READY]
+        return PoolSnapshot(
+            engine_id=self.engine_id,
+            geometry=self.geometry,
+            free_blocks=self._allocator.free_blocks,
+            free_extents=self._allocator.free_extents,
+            largest_free_extent=self._allocator.largest_free_extent,
+            entries_pending=len(entries) - len(ready),
+            entries_ready=len(ready),
+            entries_pinned=sum(1 for e in ready if e.pins),
+            pins=sum(e.pins for e in ready) + sum(e.pins for e in self._orphans),
+            bytes_ready=sum(e.spec.nbytes for e in ready),
+            counters=dataclasses.replace(self.counters),
+        )
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _make_room(self, blocks: int) -> list[Extent] | None:
+        """Blocks and a slot for a new entry, evicting in policy order; None if impossible.
+
+        Nothing is evicted when even evicting every evictable entry could not make room.
+        """
+        if self._allocator.free_blocks + self._evictable_blocks < blocks:
+            return None
+        if not self._free_slots and not self._evictable_entries:
+            return None
+        while True:
+            if self._free_slots:
+                extents = self._allocator.allocate(blocks, MAX_EXTENTS_PER_ENTRY)
+                if extents is not None:
+                    return extents
+            victim = next(
+                (self._entries[k] for k in self._policy.candidates() if self._entries[k].pins == 0),
+                None,
+            )
+            if victim is None:
+                return None
+            self._remove(victim, EventType.EVICTED)
+            self.counters.evictions += 1
+
+    def _set_evictable(self, entry: Entry, evictable: bool) -> None:
+        sign = 1 if evictable else -1
+        self._evictable_blocks += sign * entry.blocks
+        self._evictable_entries += sign
+
+    def _remove(self, entry: Entry, event: EventType | None) -> None:
+        del self._entries[entry.key]
+        if entry.state is EntryState.READY:
+            # Erase the record before the blocks can be reused: a restart must never adopt an
+            # entry whose blocks belong to someone else.
+            self._journal.erase_slot(entry.slot)
+            self._policy.on_removed(entry.key)
+            if entry.pins == 0:
+                self._set_evictable(entry, False)
+        entry.removed = True
+        if entry.pins:
+            self._orphans.add(entry)
+        else:
+            self._release_space(entry)
+        if event is not None:
+            self._on_event(Event(event, self.engine_id, entry.key, entry.spec.nbytes))
+
+    def _release_space(self, entry: Entry) -> None:
+        self._allocator.free(entry.extents)
+        self._free_slots.append(entry.slot)
+
+    def check(self) -> None:
+        """Raise AssertionError unless every block and slot is in exactly one place."""
+        self._allocator.check()
+        holders = list(self._entries.values()) + list(self._orphans)
+        held = sorted(e for entry in holders for e in entry.extents)
+        runs = sorted(held + self._allocator.free_runs())
+        assert sum(e.count for e in runs) == self.geometry.num_blocks
+        for a, b in itertools.pairwise(runs):
+            assert a.end <= b.start, f"block range {a} overlaps {b}"
+        slots = [e.slot for e in holders] + self._free_slots
+        assert sorted(slots) == list(range(self.geometry.num_slots)), "slot held twice or lost"
+        evictable = [
+            e for e in self._entries.values() if e.state is EntryState.READY and e.pins == 0
+        ]
+        assert self._evictable_blocks == sum(e.blocks for e in evictable)
+        assert self._evictable_entries == len(evictable)
+        assert all(e.pins > 0 and e.removed for e in self._orphans)
+        assert all(e.pins >= 0 for e in holders)

@@ -1,0 +1,146 @@
+"""A pool's shared-memory file, as the daemon creates, adopts and journals it.
+
+The daemon never maps the file: it writes the header and slot records with pwrite and reads them
+with pread. A mapping would turn a file truncated by another process into a SIGBUS that kills the
+daemon; a pwrite past the end only extends the file. Tensor bytes are the clients' business.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ec_client.layout import (
+    HEADER_SIZE,
+    MAGIC,
+    SLOT_FREE_MARK,
+    SLOT_READY_MARK,
+    SLOT_SIZE,
+    Geometry,
+    Header,
+    LayoutError,
+    SlotRecord,
+    pool_file_name,
+    slot_offset,
+)
+from ec_daemon.errors import Code, CoreError, Reason
+
+_MARK = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class FileAccess:
+    """Permissions of pool files: 0600, or 0660 with a group that consumers run as."""
+
+    mode: int = 0o600
+    gid: int | None = None
+
+
+class PoolFile:
+    def __init__(self, path: Path, header: Header, fd: int) -> None:
+        self.path = path
+        self.header = header
+        self._fd = fd
+
+    @classmethod
+    def create(
+        cls,
+        shm_dir: Path,
+        engine_id: str,
+        geometry: Geometry,
+        compat_key: str,
+        access: FileAccess,
+    ) -> PoolFile:
+        """Create the file with all its pages allocated up front, then write a verified header.
+
+        Allocating up front (posix_fallocate) turns a full tmpfs into a clean error now instead of
+        a SIGBUS in some client later, and spares clients first-touch page faults.
+        """
+        path = shm_dir / pool_file_name(engine_id)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(path, flags, access.mode)
+        try:
+            os.fchmod(fd, access.mode)
+            if access.gid is not None:
+                os.fchown(fd, -1, access.gid)
+            try:
+                os.posix_fallocate(fd, 0, geometry.file_size)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+                    raise
+                stat = os.statvfs(shm_dir)
+                raise CoreError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{shm_dir} is full: pool {engine_id!r} needs {geometry.file_size} bytes, "
+                    f"{stat.f_bavail * stat.f_frsize} are free; enlarge it (docker --shm-size, "
+                    "a Kubernetes emptyDir sizeLimit) or ask for a smaller capacity_bytes",
+                    Reason.SHM_FULL,
+                ) from exc
+            header = Header(uuid.uuid4(), geometry, engine_id, compat_key, time.time_ns())
+            os.pwrite(fd, header.pack(), 0)
+            os.pwrite(fd, MAGIC, 0)  # last: until now the header cannot verify
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return cls(path, header, fd)
+
+    @classmethod
+    def adopt(cls, path: Path) -> tuple[PoolFile, list[tuple[int, SlotRecord]]]:
+        """Open an existing pool file and read its READY records; LayoutError if it does not
+        verify."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            header = Header.unpack(os.pread(fd, HEADER_SIZE, 0))
+            size = os.fstat(fd).st_size
+            if size < header.geometry.file_size:
+                raise LayoutError(
+                    f"file is {size} bytes, its header says {header.geometry.file_size}: truncated"
+                )
+            if path.name != pool_file_name(header.engine_id):
+                raise LayoutError(f"header names engine {header.engine_id!r}, not this file")
+            table = os.pread(fd, header.geometry.num_slots * SLOT_SIZE, HEADER_SIZE)
+            records = []
+            for slot in range(header.geometry.num_slots):
+                raw = table[slot * SLOT_SIZE : (slot + 1) * SLOT_SIZE]
+                if _MARK.unpack_from(raw)[0] == SLOT_READY_MARK:
+                    record = SlotRecord.unpack(raw)
+                    if record is not None:
+                        records.append((slot, record))
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, header, fd), records
+
+    def verify(self) -> None:
+        """Raise LayoutError if the file on disk no longer matches what the daemon created."""
+        on_disk = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
+        if on_disk != self.header:
+            raise LayoutError("header changed under the daemon")
+        size = os.fstat(self._fd).st_size
+        if size < self.header.geometry.file_size:
+            raise LayoutError(f"file is {size} bytes, expected {self.header.geometry.file_size}")
+
+    def write_slot(self, slot: int, record: SlotRecord) -> None:
+        # The mark is written after the rest: a crash in between leaves a record that is ignored.
+        offset = slot_offset(slot)
+        packed = record.pack()
+        os.pwrite(self._fd, packed[_MARK.size :], offset + _MARK.size)
+        os.pwrite(self._fd, _MARK.pack(SLOT_READY_MARK), offset)
+
+    def erase_slot(self, slot: int) -> None:
+        os.pwrite(self._fd, _MARK.pack(SLOT_FREE_MARK), slot_offset(slot))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,189 @@
+"""Running the daemon: startup checks, the store, listeners, the lease reaper, readiness and stop.
+
+Order of startup: check the shm directory and budget -> take the locks -> adopt pool files left by
+a previous daemon -> bind and start the gRPC server -> health SERVING and READY=1.
+Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, let
+in-flight RPCs finish for shutdown_grace -> close pool files (they stay: they are the cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import uvloop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
+from grpc_reflection.v1alpha import reflection
+
+from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_daemon import checks, systemd
+from ec_daemon.config import Config
+from ec_daemon.events import EventHub
+from ec_daemon.pool import FileAccess
+from ec_daemon.service import EncoderCacheService
+from ec_daemon.store import Store, StoreConfig
+from ec_daemon.validate import Limits
+
+log = logging.getLogger("ecd.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
+
+
+@dataclass
+class Daemon:
+    """Everything the running daemon holds, so that stop() can undo it in order."""
+
+    config: Config
+    store: Store
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    locks: list[checks.DirectoryLock]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def build_store(config: Config, hub: EventHub) -> Store:
+    access = FileAccess(config.pool_mode, checks.group_id(config.pool_group))
+    store_config = StoreConfig(
+        shm_dir=config.shm_dir,
+        max_bytes=checks.resolve_budget(config.shm_dir, config.max_bytes),
+        lease_ttl_s=config.lease_ttl,
+        eviction=config.eviction,
+        max_entries_per_pool=config.max_entries_per_pool,
+        file_access=access,
+    )
+    return Store(store_config, clock=time.monotonic, on_event=hub.publish)
+
+
+async def start(config: Config) -> Daemon:
+    checks.check_shm_dir(config.shm_dir)
+    locks = [
+        checks.DirectoryLock(config.shm_dir / ".ecd.lock", f"shm directory {config.shm_dir}"),
+        checks.DirectoryLock(
+            config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
+        ),
+    ]
+    for lock in locks:
+        lock.acquire()
+    hub = EventHub()
+    store = build_store(config, hub)
+    store.adopt_pools()
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    service = EncoderCacheService(store, hub, Limits(max_batch=config.max_batch))
+    pb_grpc.add_EncoderCacheServicer_to_server(service, server)
+    health_servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    bind_unix_socket(server, config)
+    if config.tcp:
+        server.add_insecure_port(config.tcp)
+    await server.start()
+    secure_socket(config)
+
+    daemon = Daemon(config, store, server, health_servicer, locks)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
+    interval = systemd.watchdog_interval_s()
+    if interval:
+        daemon.tasks.append(asyncio.create_task(feed_watchdog(interval)))
+    systemd.notify("READY=1")
+    log.info(
+        "serving",
+        extra={
+            "socket": str(config.socket),
+            "tcp": config.tcp or "off",
+            "shm_dir": str(config.shm_dir),
+            "max_bytes": store.config.max_bytes,
+            "pools": len(store.pools()),
+            "boot_epoch": store.boot_epoch,
+            "pid": os.getpid(),
+        },
+    )
+    return daemon
+
+
+def bind_unix_socket(server: grpc.aio.Server, config: Config) -> None:
+    config.socket.parent.mkdir(parents=True, exist_ok=True)
+    # We hold the socket lock, so a file at the path is a stale socket of a dead daemon.
+    config.socket.unlink(missing_ok=True)
+    server.add_insecure_port(f"unix:{config.socket}")
+
+
+def secure_socket(config: Config) -> None:
+    os.chmod(config.socket, config.socket_mode)
+    gid = checks.group_id(config.socket_group)
+    if gid is not None:
+        os.chown(config.socket, -1, gid)
+
+
+async def reap_sessions(store: Store) -> None:
+    """End sessions whose lease ran out, a few times per TTL so nothing outlives it by much."""
+    period = min(store.sessions.ttl_s / 4, 1.0)
+    while True:
+        await asyncio.sleep(period)
+        for end in store.expire_sessions():
+            log.warning(
+                "session lease expired",
+                extra={
+                    "session": end.session.id,
+                    "client": end.session.name,
+                    "pid": end.session.pid,
+                    "aborted": end.aborted,
+                    "released": end.released,
+                },
+            )
+
+
+async def feed_watchdog(interval_s: float) -> None:
+    while True:
+        systemd.notify("WATCHDOG=1")
+        await asyncio.sleep(interval_s)
+
+
+async def stop(daemon: Daemon) -> None:
+    log.info("stopping", extra={"grace_s": daemon.config.shutdown_grace})
+    await daemon.health.enter_graceful_shutdown()
+    systemd.notify("STOPPING=1")
+    await daemon.server.stop(daemon.config.shutdown_grace)
+    for task in daemon.tasks:
+        task.cancel()
+    daemon.store.close(drop_pools=daemon.config.drop_pools_on_exit)
+    daemon.config.socket.unlink(missing_ok=True)
+    for lock in daemon.locks:
+        lock.release()
+    log.info("stopped")
+
+
+async def serve(config: Config) -> None:
+    daemon = await start(config)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.stopping.set)
+    await daemon.stopping.wait()
+    await stop(daemon)
+
+
+def run(config: Config) -> None:
+    uvloop.run(serve(config))

@@ -1,0 +1,115 @@
+"""Client sessions, their leases on life, and the pins (leases on entries) they hold.
+
+A session stays alive while its client keeps it alive (KeepAlive at least every TTL/3). When it
+closes or its TTL runs out, the store aborts the PENDING entries it allocated and releases the
+pins it holds, so nothing a dead client held stays held longer than one TTL.
+
+A pin is named by a lease ID that is never reused within a daemon's life, so a late or repeated
+Release cannot drop a pin that someone else took since.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ec_daemon.errors import Code, CoreError, Reason
+from ec_daemon.index import Entry
+
+
+class Role(enum.Enum):
+    UNSPECIFIED = "UNSPECIFIED"
+    PRODUCER = "PRODUCER"
+    CONSUMER = "CONSUMER"
+    BOTH = "BOTH"
+    ADMIN = "ADMIN"
+
+
+@dataclass(eq=False)
+class Lease:
+    """One pin of one entry, held by one session."""
+
+    id: int
+    session_id: str
+    engine_id: str
+    entry: Entry
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    name: str
+    pid: int
+    role: Role
+    opened_at: float
+    expires_at: float
+    pending: set[tuple[str, bytes]] = field(default_factory=set)  # (engine_id, key) it allocated
+    leases: dict[int, Lease] = field(default_factory=dict)
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._lease_ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def open(self, name: str, pid: int, role: Role) -> Session:
+        now = self._clock()
+        session = Session(uuid.uuid4().hex, name, pid, role, now, now + self.ttl_s)
+        self._sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The live session; NOT_FOUND (reason unknown_session) if it closed or expired."""
+        session = self._sessions.get(session_id)
+        if session is None or session.expires_at <= self._clock():
+            raise CoreError(
+                Code.NOT_FOUND,
+                f"unknown session {session_id!r}: it was closed, its lease ran out, or the "
+                "daemon restarted; open a new session",
+                Reason.UNKNOWN_SESSION,
+            )
+        return session
+
+    def find(self, session_id: str) -> Session | None:
+        """The session with this ID if the table still holds it, expired or not."""
+        return self._sessions.get(session_id)
+
+    def touch(self, session_id: str) -> Session:
+        """The live session, its lease renewed: any RPC of a session is a sign of life."""
+        session = self.get(session_id)
+        session.expires_at = self._clock() + self.ttl_s
+        return session
+
+    def remove(self, session: Session) -> None:
+        """Forget a session (closed or expired); the caller first undoes what it held."""
+        self._sessions.pop(session.id, None)
+
+    def expired(self) -> list[Session]:
+        now = self._clock()
+        return [s for s in self._sessions.values() if s.expires_at <= now]
+
+    def add_lease(self, session: Session, engine_id: str, entry: Entry) -> Lease:
+        lease = Lease(next(self._lease_ids), session.id, engine_id, entry)
+        session.leases[lease.id] = lease
+        return lease
+
+    def leases_on(self, engine_id: str) -> list[tuple[Session, Lease]]:
+        return [
+            (session, lease)
+            for session in self._sessions.values()
+            for lease in session.leases.values()
+            if lease.engine_id == engine_id
+        ]

@@ -1,0 +1,108 @@
+"""Checks of client input that need no state: names, keys, sizes, tensor specs, batch limits.
+
+Whole-request problems raise CoreError; per-item problems return a message, so one bad item of a
+batch fails alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client.layout import (
+    DTYPES,
+    ENGINE_ID_PATTERN,
+    MAX_COMPAT_KEY_BYTES,
+    MAX_KEY_BYTES,
+    MAX_NDIM,
+    tensor_nbytes,
+)
+from ec_daemon.errors import Code, CoreError
+from ec_daemon.index import TensorSpec
+
+MAX_WAIT_MS = 600_000
+MAX_BLOCK_SIZE = 1 << 30
+MAX_CLIENT_NAME = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch: int = 4096
+
+
+def _invalid(message: str) -> CoreError:
+    return CoreError(Code.INVALID_ARGUMENT, message)
+
+
+def engine_id(value: str) -> str:
+    if not ENGINE_ID_PATTERN.match(value):
+        raise _invalid(
+            f"bad engine_id {value!r}: expected 1-128 characters of A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def batch(size: int, limits: Limits) -> None:
+    if size > limits.max_batch:
+        raise CoreError(
+            Code.RESOURCE_EXHAUSTED,
+            f"batch of {size} items is over the limit of {limits.max_batch}; split it",
+        )
+
+
+def key_problem(key: bytes) -> str | None:
+    if not key:
+        return "empty key: expected 1 to 256 bytes (e.g. the mm_hash)"
+    if len(key) > MAX_KEY_BYTES:
+        return f"key of {len(key)} bytes is too long: expected at most {MAX_KEY_BYTES}"
+    return None
+
+
+def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
+    """The validated spec of an Allocate item, or a message saying what is wrong with it."""
+    problem = key_problem(key)
+    if problem:
+        return problem
+    if spec.dtype not in DTYPES:
+        return f"unknown dtype {spec.dtype!r}: expected one of {', '.join(DTYPES)}"
+    shape = tuple(spec.shape)
+    if not 1 <= len(shape) <= MAX_NDIM:
+        return f"shape {list(shape)} has {len(shape)} dimensions: expected 1 to {MAX_NDIM}"
+    if any(d <= 0 for d in shape):
+        return f"shape {list(shape)} has a dimension that is not positive"
+    if spec.nbytes <= 0:
+        return f"nbytes {spec.nbytes} must be positive"
+    expected = tensor_nbytes(shape, spec.dtype)
+    if spec.nbytes != expected:
+        return (
+            f"nbytes {spec.nbytes} disagrees with shape {list(shape)} of {spec.dtype}: "
+            f"expected {expected}"
+        )
+    return TensorSpec(shape, spec.dtype, spec.nbytes)
+
+
+def pool_request(block_size_bytes: int, capacity_bytes: int, compat_key: str) -> None:
+    if not 0 < block_size_bytes <= MAX_BLOCK_SIZE:
+        raise _invalid(
+            f"block_size_bytes {block_size_bytes} is out of range: expected 1 to {MAX_BLOCK_SIZE} "
+            "(one embedding row: hidden size x element size)"
+        )
+    if capacity_bytes < block_size_bytes:
+        raise _invalid(
+            f"capacity_bytes {capacity_bytes} is less than one block of {block_size_bytes} bytes"
+        )
+    if len(compat_key.encode()) > MAX_COMPAT_KEY_BYTES:
+        raise _invalid(f"compat_key is longer than {MAX_COMPAT_KEY_BYTES} bytes")
+
+
+def wait_ms(value: int) -> int:
+    if value > MAX_WAIT_MS:
+        raise _invalid(f"wait_ms {value} is over the limit of {MAX_WAIT_MS}")
+    return value
+
+
+def client_name(value: str) -> str:
+    if len(value) > MAX_CLIENT_NAME:
+        raise _invalid(f"client_name is longer than {MAX_CLIENT_NAME} characters")
+    return value

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ecd_testing import Daemon, new_shm_dir, running_daemon
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory on tmpfs for pool files."""
+    path = new_shm_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    """A real daemon with a 2 s lease TTL, a 256 MiB budget, on a private socket and shm dir."""
+    with running_daemon() as d:
+        yield d
