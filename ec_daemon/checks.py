@@ -5,7 +5,9 @@ from __future__ import annotations
 import fcntl
 import grp
 import os
+import resource
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from ec_client.layout import POOL_FILE_PREFIX, POOL_FILE_SUFFIX
@@ -31,6 +33,126 @@ def check_shm_dir(shm_dir: Path) -> None:
             f"cannot create files in shm directory {shm_dir}: {exc.strerror}; run the daemon as "
             "a user that may write there, or point --shm-dir elsewhere"
         ) from exc
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of /proc/self/mounts."""
+
+    point: Path
+    fstype: str
+    options: frozenset[str]
+
+
+# /proc/self/mounts rather than /proc/mounts: under systemd's ProcSubset=pid only the former exists.
+MOUNTS = Path("/proc/self/mounts")
+SHMEM_HUGE_POLICY = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+def _unescape(field: str) -> str:
+    """The kernel writes space, tab, newline and backslash in mount points as octal escapes."""
+    for code in ("040", "011", "012", "134"):
+        field = field.replace("\\" + code, chr(int(code, 8)))
+    return field
+
+
+def parse_mounts(text: str) -> list[Mount]:
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 4:
+            point, fstype, options = _unescape(fields[1]), fields[2], fields[3]
+            mounts.append(Mount(Path(point), fstype, frozenset(options.split(","))))
+    return mounts
+
+
+def mount_of(path: Path, mounts: list[Mount]) -> Mount | None:
+    """The mount that holds `path`: the longest mount point above it, and of several mounts on
+    the same point the last (it is stacked on top of the others)."""
+    path = path.resolve()
+    best: Mount | None = None
+    for mount in mounts:
+        if (mount.point == path or mount.point in path.parents) and (
+            best is None or len(mount.point.parts) >= len(best.point.parts)
+        ):
+            best = mount
+    return best
+
+
+def tmpfs_warning(shm_dir: Path, mounts: list[Mount]) -> str | None:
+    """Pool files on a disk file system are written back to disk: copies stall on I/O, and the
+    cache competes with the page cache. Worth a warning, not a refusal (it works, slowly)."""
+    mount = mount_of(shm_dir, mounts)
+    if mount is None or mount.fstype == "tmpfs":
+        return None
+    return (
+        f"shm directory {shm_dir} is on a {mount.fstype} file system (mounted at {mount.point}), "
+        "not tmpfs: pool pages will be written back to disk and copies will stall; use /dev/shm, "
+        "a tmpfs (mount -t tmpfs -o size=16G tmpfs DIR), or a Kubernetes emptyDir with "
+        "medium: Memory"
+    )
+
+
+def memlock_warning(budget: int, limit: int) -> str | None:
+    """Clients pin the pools for fast GPU copies (cudaHostRegister), which needs a memlock limit
+    that covers them. The daemon locks nothing itself; its own limit stands in for the limit that
+    engines started the same way (same container runtime, same systemd defaults) will get."""
+    if limit == resource.RLIM_INFINITY or limit >= budget:
+        return None
+    return (
+        f"memlock limit {format_size(limit)} is below the {format_size(budget)} pool budget: CUDA "
+        "clients started with the same limits cannot register the pools and fall back to slower "
+        "pageable copies; raise it for the engines and the daemon (ulimit -l unlimited, systemd "
+        "LimitMEMLOCK=infinity, docker run --ulimit memlock=-1)"
+    )
+
+
+def environment_warnings(shm_dir: Path, budget: int) -> dict[str, str]:
+    """Problems the daemon can run with but should not: check name -> message with the fix."""
+    found = {
+        "tmpfs": tmpfs_warning(shm_dir, parse_mounts(MOUNTS.read_text())),
+        "memlock": memlock_warning(budget, resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]),
+    }
+    return {name: message for name, message in found.items() if message is not None}
+
+
+def shmem_huge_policy(path: Path = SHMEM_HUGE_POLICY) -> str:
+    """The selected word of shmem_enabled ("always [never] deny ..." -> "never"); "" without
+    transparent huge pages in the kernel."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return ""
+    return next((w.strip("[]") for w in words if w.startswith("[")), "")
+
+
+def check_hugepages(shm_dir: Path, mounts: list[Mount], policy: str) -> None:
+    """With --hugepages, pool files must get 2 MiB pages (11x faster first touch, see FACTS.md):
+    refuse to start rather than silently run on 4 KiB pages."""
+    mount = mount_of(shm_dir, mounts)
+    fix = (
+        "mount a tmpfs with huge pages (mount -t tmpfs -o size=16G,huge=always tmpfs DIR, or "
+        "mount -o remount,huge=always /dev/shm) and point --shm-dir there, or turn --hugepages off"
+    )
+    if mount is None:
+        raise StartupError(f"--hugepages: cannot tell which file system holds {shm_dir}; {fix}")
+    if mount.fstype == "hugetlbfs":
+        raise StartupError(
+            f"--hugepages: {shm_dir} is a hugetlbfs, whose files cannot be written with write(2) "
+            f"as the daemon writes pool headers; {fix}"
+        )
+    if mount.fstype != "tmpfs":
+        raise StartupError(f"--hugepages: {shm_dir} is on {mount.fstype}, not tmpfs; {fix}")
+    if policy == "deny":
+        raise StartupError(
+            "--hugepages: huge pages are denied to every tmpfs by "
+            f"{SHMEM_HUGE_POLICY} (deny); write 'never' or 'advise' there, then restart"
+        )
+    if policy != "force" and not mount.options & {"huge=always", "huge=within_size"}:
+        raise StartupError(
+            f"--hugepages: the tmpfs at {mount.point} is mounted without huge=always or "
+            f"huge=within_size, so pool files would get 4 KiB pages; {fix}"
+        )
 
 
 def pool_files_bytes(shm_dir: Path) -> int:

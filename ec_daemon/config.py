@@ -65,6 +65,7 @@ class Setting:
     default: Any
     help: str
     metavar: str = ""
+    unset: str = "(none)"  # what a value of None means, as --help and --print-config show it
 
     @property
     def flag(self) -> str:
@@ -74,6 +75,16 @@ class Setting:
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
 
+    def show(self, value: Any) -> str:
+        """A value as an operator writes it: modes in octal, TOML booleans, unset as what it means."""
+        if value is None or value == "":
+            return self.unset
+        if isinstance(value, bool):
+            return str(value).lower()
+        if self.name.endswith("_mode"):
+            return oct(value)
+        return str(value)
+
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
@@ -82,19 +93,29 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "Unix socket to listen on [/run/ecd, $XDG_RUNTIME_DIR/ecd or /tmp/ecd-UID]/ecd.sock",
         "PATH",
+        "(computed)",
     ),
     Setting("socket_mode", _octal, 0o660, "permissions of the socket (octal)", "MODE"),
     Setting(
         "socket_group", str, "", "group owning the socket (clients in it may connect)", "GROUP"
     ),
-    Setting("tcp", _host_port, "", "also listen on TCP HOST:PORT (off by default)", "HOST:PORT"),
+    Setting("tcp", _host_port, "", "also listen on TCP HOST:PORT", "HOST:PORT", "off"),
     Setting("shm_dir", Path, Path("/dev/shm"), "directory of the pool files (a tmpfs)", "DIR"),
+    Setting(
+        "hugepages",
+        _bool,
+        False,
+        "require 2 MiB pages for pool files: refuse to start unless shm-dir is a tmpfs mounted "
+        "with huge=always or huge=within_size",
+        "BOOL",
+    ),
     Setting(
         "max_bytes",
         _max_bytes,
         None,
         "budget of all pool files together, e.g. 8GiB; auto = half of shm-dir",
         "SIZE",
+        "auto",
     ),
     Setting(
         "lease_ttl",
@@ -135,6 +156,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("metrics_port", int, 0, "serve Prometheus metrics on this port (0 = off)", "PORT"),
     Setting(
+        "metrics_host",
+        str,
+        "0.0.0.0",
+        "address the metrics port binds; all interfaces so that Prometheus can scrape a pod or "
+        "node, 127.0.0.1 to keep it local",
+        "HOST",
+    ),
+    Setting(
         "token_file",
         _optional_path,
         None,
@@ -171,6 +200,7 @@ class Config:
     socket_group: str
     tcp: str
     shm_dir: Path
+    hugepages: bool
     max_bytes: int | None
     lease_ttl: float
     eviction: str
@@ -180,6 +210,7 @@ class Config:
     pool_mode: int
     pool_group: str
     metrics_port: int
+    metrics_host: str
     token_file: Path | None
     log_format: str
     log_level: str
@@ -201,14 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--print-config", action="store_true", help="print the effective settings and exit"
     )
     for setting in SETTINGS:
-        default = "(computed)" if setting.default is None else setting.default
-        if isinstance(default, int) and setting.name.endswith("_mode"):
-            default = oct(default)
         parser.add_argument(
             setting.flag,
             dest=setting.name,
             metavar=setting.metavar or None,
-            help=f"{setting.help} [env {setting.env}; default {default}]",
+            help=f"{setting.help} [env {setting.env}; default {setting.show(setting.default)}]",
         )
 
 
@@ -251,14 +279,23 @@ def load(
 
 def describe(config: Config, sources: Mapping[str, str]) -> str:
     """The --print-config table: name, value, source."""
-    rows = []
-    for setting in SETTINGS:
-        value = getattr(config, setting.name)
-        if setting.name.endswith("_mode"):
-            value = oct(value)
-        if value is None:
-            value = "auto" if setting.name == "max_bytes" else "(none)"
-        rows.append((setting.name, str(value), sources[setting.name]))
+    rows = [(s.name, s.show(getattr(config, s.name)), sources[s.name]) for s in SETTINGS]
     width = max(len(r[0]) for r in rows)
     vwidth = max(len(r[1]) for r in rows)
     return "\n".join(f"{n:<{width}}  {v:<{vwidth}}  {s}" for n, v, s in rows)
+
+
+def reference() -> str:
+    """Every setting as a Markdown table (flag, environment variable, default, meaning), for the
+    README; the TOML key is the setting's name. Regenerate it with
+    `python -c "from ec_daemon.config import reference; print(reference())"`."""
+    lines = [
+        "| setting (TOML key) | flag | environment | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{s.name}` | `{s.flag}` | `{s.env}` | `{s.show(s.default)}` | "
+        f"{s.help.replace('|', '/')} |"
+        for s in SETTINGS
+    ]
+    return "\n".join(lines)

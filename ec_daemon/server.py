@@ -1,9 +1,11 @@
 """Running the daemon: startup checks, the store, listeners, the lease reaper, readiness and stop.
 
-Order of startup: check the shm directory and budget -> take the locks -> adopt pool files left by
-a previous daemon -> bind and start the gRPC server -> health SERVING and READY=1.
+Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
+-> adopt pool files left by a previous daemon -> warn about what will run badly (not tmpfs,
+memlock) -> metrics endpoint -> bind and start the gRPC server -> health SERVING and READY=1.
 Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, let
-in-flight RPCs finish for shutdown_grace -> close pool files (they stay: they are the cache).
+in-flight RPCs finish for shutdown_grace -> stop the metrics endpoint -> close pool files (they
+stay: they are the cache).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import uvloop
@@ -26,6 +29,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import checks, systemd
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
+from ec_daemon.metrics import Metrics, snapshot_on_loop
 from ec_daemon.pool import FileAccess
 from ec_daemon.service import EncoderCacheService
 from ec_daemon.store import Store, StoreConfig
@@ -45,6 +49,7 @@ class Daemon:
     server: grpc.aio.Server
     health: health_aio.HealthServicer
     locks: list[checks.DirectoryLock]
+    metrics_server: WSGIServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -64,6 +69,12 @@ def build_store(config: Config, hub: EventHub) -> Store:
 
 async def start(config: Config) -> Daemon:
     checks.check_shm_dir(config.shm_dir)
+    if config.hugepages:
+        checks.check_hugepages(
+            config.shm_dir,
+            checks.parse_mounts(checks.MOUNTS.read_text()),
+            checks.shmem_huge_policy(),
+        )
     locks = [
         checks.DirectoryLock(config.shm_dir / ".ecd.lock", f"shm directory {config.shm_dir}"),
         checks.DirectoryLock(
@@ -75,6 +86,14 @@ async def start(config: Config) -> Daemon:
     hub = EventHub()
     store = build_store(config, hub)
     store.adopt_pools()
+    for check, problem in checks.environment_warnings(
+        config.shm_dir, store.config.max_bytes
+    ).items():
+        log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
+    metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
+    metrics_server = (
+        metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None
+    )
 
     server = grpc.aio.server(
         options=[
@@ -83,7 +102,9 @@ async def start(config: Config) -> Daemon:
             ("grpc.so_reuseport", 0),
         ]
     )
-    service = EncoderCacheService(store, hub, Limits(max_batch=config.max_batch))
+    service = EncoderCacheService(
+        store, hub, Limits(max_batch=config.max_batch), observe=metrics.observe
+    )
     pb_grpc.add_EncoderCacheServicer_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -101,7 +122,7 @@ async def start(config: Config) -> Daemon:
     await server.start()
     secure_socket(config)
 
-    daemon = Daemon(config, store, server, health_servicer, locks)
+    daemon = Daemon(config, store, server, health_servicer, locks, metrics_server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
@@ -114,6 +135,7 @@ async def start(config: Config) -> Daemon:
         extra={
             "socket": str(config.socket),
             "tcp": config.tcp or "off",
+            "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
             "shm_dir": str(config.shm_dir),
             "max_bytes": store.config.max_bytes,
             "pools": len(store.pools()),
@@ -167,6 +189,10 @@ async def stop(daemon: Daemon) -> None:
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
     await daemon.server.stop(daemon.config.shutdown_grace)
+    if daemon.metrics_server is not None:
+        # shutdown() waits for the serving thread's next poll: off the loop, so it cannot stall it.
+        await asyncio.to_thread(daemon.metrics_server.shutdown)
+        daemon.metrics_server.server_close()
     for task in daemon.tasks:
         task.cancel()
     daemon.store.close(drop_pools=daemon.config.drop_pools_on_exit)

@@ -278,12 +278,19 @@ class Store:
     ) -> list[Outcome]:
         session = self.sessions.touch(session_id)
         index = self.pool(engine_id).index
+        evictions_before = index.counters.evictions
         outcomes = []
         for key, spec in items:
             outcome = index.allocate(key, spec, session.id, session.name)
             if outcome.status is ItemStatus.ALLOCATED:
                 session.pending.add((engine_id, key))
             outcomes.append(outcome)
+        evicted = index.counters.evictions - evictions_before
+        if evicted:  # one line per batch, never one per entry
+            log.info(
+                "entries evicted",
+                extra={"engine_id": engine_id, "evicted": evicted, "client": session.name},
+            )
         return outcomes
 
     def commit(
@@ -397,6 +404,9 @@ class Store:
                 assert entry is not None and entry.session_id == session.id
             for lease in session.leases.values():
                 assert lease.entry.pins > 0
+        leases = sum(len(s.leases) for s in self.sessions.all())
+        pins = sum(p.index.snapshot().pins for p in self._pools.values())
+        assert pins == leases, f"{pins} pins but {leases} leases: a pin outlived its session"
 
     def close(self, drop_pools: bool = False) -> None:
         """Release the pool files (the data stays in shm_dir unless drop_pools)."""

@@ -6,6 +6,7 @@ production), removed afterwards, so tests never touch each other's files.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -61,8 +62,15 @@ class Daemon:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "ec_daemon", "serve",
-            "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), *self.args,
+            sys.executable,
+            "-m",
+            "ec_daemon",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--shm-dir",
+            str(self.shm_dir),
+            *self.args,
         ]
 
     def start(self, timeout_s: float = 15.0, wait: bool = True) -> Daemon:
@@ -120,6 +128,15 @@ class Daemon:
         return grpc.insecure_channel(self.address)
 
 
+def assert_blocks_accounted(client: Client, engine_id: str) -> None:
+    """The block invariant seen from outside: free blocks + blocks of listed entries == all."""
+    [pool] = client.stats(engine_id).pools
+    held = sorted(e for entry in client.iter_entries(engine_id) for e in entry.extents)
+    assert pool.free_blocks + sum(e.count for e in held) == pool.num_blocks
+    for a, b in itertools.pairwise(held):
+        assert a.start + a.count <= b.start, f"extents {a} and {b} overlap"
+
+
 @contextmanager
 def running_daemon(*args: str, env: dict[str, str] | None = None) -> Iterator[Daemon]:
     workdir = Path(tempfile.mkdtemp(prefix="ecd-run-"))
@@ -139,5 +156,10 @@ def run_python(code: str, *args: str, timeout_s: float = 60.0) -> subprocess.Com
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     return subprocess.run(
         [sys.executable, "-c", code, *args],
-        capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=REPO,
+        check=False,
     )

@@ -1,0 +1,99 @@
+"""The life of an entry through a real daemon process, over its Unix socket."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from ecd_testing import Daemon, assert_blocks_accounted
+
+from ec_client import AllocateItem, EntryState, EventType, Status
+
+POOL = "qwen-vl-node1"
+BLOCK = 7168
+
+
+def test_an_entry_goes_from_allocate_to_commit_to_hit_to_eviction(daemon: Daemon) -> None:
+    with daemon.client(name="encoder-0") as c:
+        info = c.open_pool(POOL, BLOCK, 1024 * BLOCK, "Qwen2.5-VL-7B|bf16|3584")
+        assert info.created and info.num_blocks == 1024
+        assert info.path == str(daemon.shm_dir / f"ecd-{POOL}.pool")
+
+        [allocated] = c.allocate(POOL, [AllocateItem("mm-hash-1", (256, 3584), "bfloat16")])
+        assert allocated.status is Status.ALLOCATED
+        assert [(e.start, e.count) for e in allocated.extents] == [(0, 256)]
+        assert c.lookup(POOL, ["mm-hash-1"])[0].state is EntryState.PENDING
+
+        assert [r.status for r in c.commit(POOL, ["mm-hash-1"])] == [Status.OK]
+        [hit] = c.acquire(POOL, ["mm-hash-1"])
+        assert hit.status is Status.HIT
+        assert hit.spec is not None and hit.spec.shape == (256, 3584)
+        assert hit.spec.dtype == "bfloat16" and hit.spec.nbytes == 256 * 3584 * 2
+        assert hit.extents == allocated.extents
+        assert c.lookup(POOL, ["mm-hash-1"])[0].pins == 1
+
+        assert [r.status for r in c.release([hit.lease_id])] == [Status.OK]
+        assert [r.status for r in c.evict(POOL, ["mm-hash-1"])] == [Status.OK]
+        assert c.lookup(POOL, ["mm-hash-1"])[0].state is EntryState.ABSENT
+        assert_blocks_accounted(c, POOL)
+
+
+def test_one_batch_carries_many_items_with_their_own_statuses(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        items = [AllocateItem(f"k{i}", (1, 3584), "bfloat16") for i in range(64)]
+        results = c.allocate(POOL, items)
+        assert [r.status for r in results] == [Status.ALLOCATED] * 64
+        assert [r.status for r in c.allocate(POOL, items[:2])] == [Status.ALLOCATED] * 2
+        c.commit(POOL, [f"k{i}" for i in range(64)])
+        acquired = c.acquire(POOL, [f"k{i}" for i in range(64)] + ["absent"])
+        assert [r.status for r in acquired] == [Status.HIT] * 64 + [Status.MISS]
+        c.release([r.lease_id for r in acquired[:64]])
+        assert_blocks_accounted(c, POOL)
+
+
+def test_stats_report_pools_entries_and_counters(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("a", (1, 3584), "bfloat16")])
+        c.commit(POOL, ["a"])
+        c.acquire(POOL, ["a", "b"])
+        [pool] = c.stats().pools
+        assert (pool.engine_id, pool.entries_ready, pool.pins) == (POOL, 1, 1)
+        assert (pool.hits, pool.misses, pool.commits) == (1, 1, 1)
+        assert pool.free_blocks == 63
+
+
+def test_watch_streams_a_snapshot_then_live_events(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("before", (1,), "uint8")])
+        c.commit(POOL, ["before"])
+        events = c.watch(POOL, snapshot=True)
+        assert [(e.type, e.key) for e in (next(events), next(events))] == [
+            (EventType.SNAPSHOT, b"before"),
+            (EventType.SYNCED, b""),
+        ]
+        c.allocate(POOL, [AllocateItem("after", (1,), "uint8")])
+        c.commit(POOL, ["after"])
+        c.evict(POOL, ["before"])
+        assert [(e.type, e.key) for e in (next(events), next(events))] == [
+            (EventType.COMMITTED, b"after"),
+            (EventType.EVICTED, b"before"),
+        ]
+        events.close()
+
+
+def test_the_socket_and_pool_files_are_private_by_default(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        info = c.open_pool(POOL, BLOCK, 64 * BLOCK)
+    assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(info.path).st_mode) == 0o600
+
+
+def test_pool_files_stay_after_a_graceful_stop(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        info = c.open_pool(POOL, BLOCK, 64 * BLOCK)
+    assert daemon.stop() == 0
+    assert os.path.exists(info.path)
+    assert not daemon.socket.exists()

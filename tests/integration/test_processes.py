@@ -1,0 +1,161 @@
+"""Several client processes and one daemon: races, hand-offs, deaths and restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from ecd_testing import REPO, Daemon, assert_blocks_accounted
+
+from ec_client import AllocateItem, EntryState, Status
+
+POOL = "shared"
+BLOCK = 4096
+
+
+def spawn(daemon: Daemon, code: str, *args: str) -> subprocess.Popen[str]:
+    """A client process running `code` with ADDRESS, POOL and argv set."""
+    prelude = textwrap.dedent(f"""
+        import sys, time
+        from ec_client import AllocateItem, Client, Status
+        ADDRESS, POOL, BLOCK, CAPACITY = {daemon.address!r}, {POOL!r}, {BLOCK}, {64 * BLOCK}
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def output(proc: subprocess.Popen[str], timeout_s: float = 60) -> str:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, f"client process failed ({proc.returncode}):\n{err}"
+    return out.strip()
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_two_processes_racing_on_one_key_encode_it_once(daemon: Daemon, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    racer = f"""
+        with Client(ADDRESS, name=sys.argv[1]) as c:
+            c.open_pool(POOL, BLOCK, CAPACITY)
+            print("ready", flush=True)
+            while not __import__("os").path.exists({str(go)!r}):
+                time.sleep(0.001)
+            [r] = c.allocate(POOL, [AllocateItem("img", (4, 1024), "uint8")])
+            if r.status is Status.ALLOCATED:
+                time.sleep(1.0)  # "encode" while the other racer looks
+                c.commit(POOL, ["img"])
+            print(r.status.value)
+    """
+    racers = [spawn(daemon, racer, name) for name in ("encoder-a", "encoder-b")]
+    for proc in racers:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    go.touch()
+    outcomes = sorted(output(proc).splitlines()[-1] for proc in racers)
+    assert outcomes == ["allocated", "pending"]
+    with daemon.client() as c:
+        assert c.lookup(POOL, ["img"])[0].state is EntryState.READY
+
+
+def test_a_waiting_acquire_wakes_when_another_process_commits(daemon: Daemon) -> None:
+    with daemon.client(name="encoder") as producer:
+        producer.open_pool(POOL, BLOCK, 64 * BLOCK)
+        producer.allocate(POOL, [AllocateItem("img", (8, 512), "uint8")])
+        consumer = spawn(
+            daemon,
+            """
+            with Client(ADDRESS, name="decoder") as c:
+                c.open_pool(POOL, BLOCK, CAPACITY)
+                t0 = time.monotonic()
+                [r] = c.acquire(POOL, ["img"], wait_ms=20000)
+                print(r.status.value, r.spec.nbytes, time.monotonic() - t0, flush=True)
+                c.release([r.lease_id])
+        """,
+        )
+        wait_for(lambda: producer.stats(POOL).sessions >= 2, what="the consumer's session")
+        time.sleep(0.5)  # the consumer is now waiting inside Acquire
+        committed_at = time.monotonic()
+        producer.commit(POOL, ["img"])
+        status, nbytes, waited = output(consumer).split()
+        woke_after_commit = time.monotonic() - committed_at
+    assert (status, int(nbytes)) == ("hit", 4096)
+    assert float(waited) < 10, "the consumer slept through the commit"
+    assert woke_after_commit < 10
+
+
+def test_a_killed_client_loses_its_allocations_and_pins_after_the_lease(daemon: Daemon) -> None:
+    with daemon.client(name="survivor") as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("ready", (4096,), "uint8")])
+        c.commit(POOL, ["ready"])
+        victim = spawn(
+            daemon,
+            """
+            c = Client(ADDRESS, name="victim")
+            c.open_pool(POOL, BLOCK, CAPACITY)
+            c.allocate(POOL, [AllocateItem("half-written", (8192,), "uint8")])
+            c.acquire(POOL, ["ready"])
+            print("holding", flush=True)
+            time.sleep(60)
+        """,
+        )
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "holding"
+        assert c.lookup(POOL, ["ready"])[0].pins == 1
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: c.lookup(POOL, ["ready"])[0].pins == 0, what="the pin to be released")
+        freed_after = time.monotonic() - killed_at
+        assert c.lookup(POOL, ["half-written"])[0].state is EntryState.ABSENT
+        [pool] = c.stats(POOL).pools
+        assert pool.free_blocks == 63 and pool.entries_pending == 0
+        assert c.stats().lease_expiries == 1
+        assert_blocks_accounted(c, POOL)
+    assert freed_after < 2 + 1.5  # one 2 s TTL plus the reaper's period and slack
+
+
+def test_a_client_reconnects_to_a_restarted_daemon_and_sees_the_new_epoch(daemon: Daemon) -> None:
+    with daemon.client(name="encoder") as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("kept", (100,), "uint8")])
+        c.commit(POOL, ["kept"])
+        restarts: list[str] = []
+        c.on_restart(restarts.append)
+        old_epoch, old_session = c.boot_epoch, c.session_id
+
+        daemon.restart(signal.SIGKILL)
+
+        [result] = c.allocate(POOL, [AllocateItem("after", (100,), "uint8")])
+        assert result.status is Status.ALLOCATED
+        assert c.boot_epoch != old_epoch and c.session_id != old_session
+        assert restarts == [c.boot_epoch]
+        assert c.lookup(POOL, ["kept"])[0].state is EntryState.READY  # warm restart
+
+
+def test_a_client_rides_out_a_short_daemon_outage(daemon: Daemon) -> None:
+    with daemon.client(name="encoder", connect_timeout_s=20) as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        daemon.stop()
+        comeback = threading.Timer(1.0, lambda: daemon.start(wait=False))
+        comeback.start()
+        try:
+            assert c.stats(POOL).pools[0].engine_id == POOL  # retried until the daemon is back
+        finally:
+            comeback.join()

@@ -1,0 +1,28 @@
+"""The generated protobuf modules in ec_client/_proto are what proto/ generates today."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_generator():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "proto" / "generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
+    generated = load_generator().generate(tmp_path)
+    assert generated, "protoc generated nothing"
+    for path in generated:
+        relative = path.relative_to(tmp_path)
+        committed = ROOT / relative
+        assert committed.exists(), f"{relative} is not committed: run `make proto`"
+        assert committed.read_bytes() == path.read_bytes(), f"{relative} is stale: run `make proto`"
+    committed_all = {p.relative_to(ROOT) for p in (ROOT / "ec_client" / "_proto").rglob("*.py*")}
+    assert committed_all == {p.relative_to(tmp_path) for p in generated}, "extra generated files"

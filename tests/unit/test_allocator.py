@@ -1,0 +1,99 @@
+"""ExtentAllocator: contiguous first, best fit, coalescing, bounded fragmentation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ec_daemon.allocator import Extent, ExtentAllocator
+
+
+def test_a_fresh_allocator_has_one_free_run_of_every_block() -> None:
+    allocator = ExtentAllocator(100)
+    assert allocator.free_runs() == [Extent(0, 100)]
+    assert allocator.free_blocks == 100
+
+
+def test_allocation_is_one_contiguous_extent_when_a_run_is_long_enough() -> None:
+    allocator = ExtentAllocator(100)
+    assert allocator.allocate(30, max_extents=4) == [Extent(0, 30)]
+    assert allocator.free_runs() == [Extent(30, 70)]
+
+
+def test_best_fit_takes_the_smallest_run_that_fits() -> None:
+    allocator = ExtentAllocator.with_used(100, [Extent(10, 10), Extent(25, 75)])
+    # free runs: [0,10) and [20,25); a 4-block entry goes in the 5-block hole
+    assert allocator.allocate(4, max_extents=4) == [Extent(20, 4)]
+
+
+def test_freed_neighbours_coalesce_into_one_run() -> None:
+    allocator = ExtentAllocator(30)
+    a, b, c = (allocator.allocate(10, 1) for _ in range(3))
+    assert a and b and c
+    allocator.free(a)
+    allocator.free(c)
+    assert allocator.free_extents == 2
+    allocator.free(b)
+    assert allocator.free_runs() == [Extent(0, 30)]
+    allocator.check()
+
+
+def test_fragmented_space_is_allocated_as_several_extents_largest_first() -> None:
+    allocator = ExtentAllocator.with_used(20, [Extent(3, 2), Extent(9, 2), Extent(14, 6)])
+    # free runs: [0,3) [5,9) [11,14) -> 3 + 4 + 3 blocks
+    extents = allocator.allocate(8, max_extents=4)
+    assert extents is not None
+    assert sum(e.count for e in extents) == 8
+    assert Extent(5, 4) in extents  # the largest run is used whole
+    assert allocator.free_blocks == 2
+    allocator.check()
+
+
+def test_allocation_needing_more_extents_than_allowed_fails_and_changes_nothing() -> None:
+    allocator = ExtentAllocator.with_used(20, [Extent(3, 2), Extent(9, 2), Extent(14, 6)])
+    before = allocator.free_runs()
+    assert allocator.allocate(8, max_extents=2) is None
+    assert allocator.free_runs() == before
+
+
+def test_allocation_larger_than_free_space_fails() -> None:
+    allocator = ExtentAllocator(10)
+    assert allocator.allocate(11, max_extents=4) is None
+
+
+def test_double_free_is_refused() -> None:
+    allocator = ExtentAllocator(10)
+    extents = allocator.allocate(4, 1)
+    assert extents is not None
+    allocator.free(extents)
+    with pytest.raises(ValueError, match="double free"):
+        allocator.free(extents)
+
+
+def test_rebuilding_from_overlapping_used_extents_is_refused() -> None:
+    with pytest.raises(ValueError, match="not free"):
+        ExtentAllocator.with_used(10, [Extent(0, 5), Extent(4, 2)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=60))
+def test_random_allocations_and_frees_keep_every_block_in_exactly_one_place(
+    ops: list[tuple[bool, int]],
+) -> None:
+    allocator = ExtentAllocator(128)
+    held: list[list[Extent]] = []
+    for allocate, size in ops:
+        if allocate or not held:
+            extents = allocator.allocate(size, max_extents=3)
+            if extents is not None:
+                assert sum(e.count for e in extents) == size
+                held.append(extents)
+        else:
+            allocator.free(held.pop(size % len(held)))
+        allocator.check()
+        runs = sorted([e for h in held for e in h] + allocator.free_runs())
+        assert sum(e.count for e in runs) == 128
+        assert all(a.end <= b.start for a, b in itertools.pairwise(runs))

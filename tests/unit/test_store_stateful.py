@@ -1,0 +1,182 @@
+"""Random sequences of every core operation, checking the invariants after each step:
+
+- free blocks + blocks held by entries == num_blocks, and no block or slot is in two places;
+- a PENDING entry stays until its producer commits or aborts it, it is deleted, or the producer's
+  lease runs out: eviction never takes it;
+- a pinned entry stays READY and in place until it is released or deleted;
+- every READY entry's recorded bytes length matches what its producer allocated.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from core_testing import FakeClock, make_store, spec
+from ecd_testing import new_shm_dir
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    MultipleResults,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from ec_daemon.errors import ItemStatus
+from ec_daemon.index import Entry, EntryState
+from ec_daemon.sessions import Role
+
+BLOCK = 512
+BLOCKS = 32  # small, so that a few allocations fill the pool and eviction runs often
+TTL = 10.0
+KEYS = st.sampled_from([b"k%d" % i for i in range(10)])
+
+
+class StoreMachine(RuleBasedStateMachine):
+    sessions = Bundle("sessions")
+
+    @initialize(
+        target=sessions, eviction=st.sampled_from(["lru", "fifo"]), slots=st.sampled_from([5, 32])
+    )
+    def setup(self, eviction: str, slots: int) -> MultipleResults[str]:
+        self.shm_dir = new_shm_dir()
+        self.clock = FakeClock()
+        self.store = make_store(
+            self.shm_dir, self.clock, eviction=eviction, max_entries_per_pool=slots, lease_ttl_s=TTL
+        )
+        self.store.open_pool("p", BLOCK, BLOCKS * BLOCK, "")
+        self.index = self.store.pool("p").index
+        self.pending: dict[bytes, tuple[str, Entry]] = {}  # key -> (session, entry)
+        self.pins: dict[int, tuple[str, Entry]] = {}  # lease -> (session, entry)
+        self.deleted: set[int] = set()  # ids of entries deleted while pinned
+        return multiple(*(self.store.open_session(n, 1, Role.BOTH).id for n in ("a", "b")))
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    @rule(target=sessions)
+    def open_session(self) -> str:
+        return self.store.open_session("client", 1, Role.BOTH).id
+
+    @rule(
+        sid=sessions,
+        items=st.lists(st.tuples(KEYS, st.integers(1, 12), st.integers(0, BLOCK - 1)), max_size=3),
+        commit=st.booleans(),
+    )
+    def allocate(self, sid: str, items: list[tuple[bytes, int, int]], commit: bool) -> None:
+        """Allocate a batch (a partial last block included), and maybe commit it at once."""
+        if self.store.sessions.find(sid) is None:
+            return
+        for key, blocks, extra in items:
+            self._allocate_one(sid, key, blocks, (blocks - 1) * BLOCK + extra + 1)
+        if commit:
+            for key in [k for k, (owner, _) in self.pending.items() if owner == sid]:
+                self.pending.pop(key)
+                assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [
+                    ItemStatus.OK
+                ]
+
+    def _allocate_one(self, sid: str, key: bytes, blocks: int, nbytes: int) -> None:
+        [outcome] = self.store.allocate(sid, "p", [(key, spec(nbytes))])
+        if outcome.status is ItemStatus.ALLOCATED:
+            assert outcome.entry is not None
+            assert outcome.entry.blocks == blocks
+            self.pending[key] = (sid, outcome.entry)
+        elif outcome.status is ItemStatus.PENDING:
+            assert key in self.pending
+        elif outcome.status is ItemStatus.EXISTS:
+            assert outcome.entry is not None and outcome.entry.state is EntryState.READY
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pending)))
+        sid, _ = self.pending.pop(key)
+        assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [ItemStatus.OK]
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pending)))
+        sid, _ = self.pending.pop(key)
+        assert [o.status for o in self.store.abort(sid, "p", [key])] == [ItemStatus.OK]
+
+    @rule(sid=sessions, key=KEYS)
+    def acquire(self, sid: str, key: bytes) -> None:
+        if self.store.sessions.find(sid) is None:
+            return
+        [result] = self.store.acquire(sid, "p", [key])
+        if result.outcome.status is ItemStatus.HIT:
+            assert result.outcome.entry is not None
+            self.pins[result.lease_id] = (sid, result.outcome.entry)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(sorted(self.pins)))
+        sid, _ = self.pins.pop(lease)
+        assert [o.status for o in self.store.release(sid, [lease])] == [ItemStatus.OK]
+        assert [o.status for o in self.store.release(sid, [lease])] == [ItemStatus.NOT_FOUND]
+
+    @rule(key=KEYS)
+    def evict(self, key: bytes) -> None:
+        [outcome] = self.store.evict("p", [key])
+        if outcome.status is ItemStatus.OK:
+            assert key not in self.pending
+            assert all(
+                entry.key != key or id(entry) in self.deleted for _, entry in self.pins.values()
+            )
+
+    @rule(key=KEYS)
+    def delete(self, key: bytes) -> None:
+        [outcome] = self.store.delete("p", [key])
+        if outcome.status is ItemStatus.OK and outcome.entry is not None:
+            self.pending.pop(key, None)
+            if outcome.entry.pins:
+                self.deleted.add(id(outcome.entry))
+
+    @rule(sid=consumes(sessions))
+    def close_session(self, sid: str) -> None:
+        if self.store.sessions.find(sid) is not None:
+            self.store.close_session(sid)
+        self._forget(sid)
+
+    @rule(seconds=st.sampled_from([1.0, TTL / 2, TTL]), sid=sessions)
+    def time_passes(self, seconds: float, sid: str) -> None:
+        """Time passes; one session keeps itself alive, the others may expire."""
+        if self.store.sessions.find(sid) is not None:
+            self.store.keep_alive(sid)
+        self.clock.advance(seconds)
+        for end in self.store.expire_sessions():
+            self._forget(end.session.id)
+
+    def _forget(self, sid: str) -> None:
+        self.pending = {k: v for k, v in self.pending.items() if v[0] != sid}
+        self.pins = {k: v for k, v in self.pins.items() if v[0] != sid}
+
+    @invariant()
+    def blocks_and_slots_are_each_in_exactly_one_place(self) -> None:
+        self.store.check()
+
+    @invariant()
+    def pending_entries_are_never_evicted(self) -> None:
+        for key, (_, entry) in self.pending.items():
+            assert self.index.get(key) is entry
+            assert entry.state is EntryState.PENDING
+
+    @invariant()
+    def pinned_entries_stay_until_released(self) -> None:
+        for _, entry in self.pins.values():
+            assert entry.state is EntryState.READY
+            if id(entry) not in self.deleted:
+                assert self.index.get(entry.key) is entry
+
+
+StoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+test_store_state_machine = StoreMachine.TestCase
