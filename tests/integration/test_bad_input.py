@@ -63,7 +63,7 @@ def bad_daemon() -> Iterator[Daemon]:
 
 @pytest.fixture
 def wire(bad_daemon: Daemon) -> Iterator[Wire]:
-    with bad_daemon.channel() as channel:
+    with grpc.insecure_channel(bad_daemon.address) as channel:
         stub = pb_grpc.EncoderCacheStub(channel)
         session = stub.OpenSession(pb.OpenSessionRequest(client_name="bad")).session_id
         stub.OpenPool(
