@@ -107,7 +107,8 @@ class SessionState:
     boot_epoch: str = ""
     lease_ttl_s: float = 0.0
     generation: int = 0  # bumped at every (re)open, so concurrent callers reopen only once
-    pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)
+    pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)  # replayed on reopen
+    pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
 
     def opened(self, reply: pb.OpenSessionReply) -> None:
@@ -115,6 +116,23 @@ class SessionState:
         self.boot_epoch = reply.boot_epoch
         self.lease_ttl_s = reply.lease_ttl_ms / 1000
         self.generation += 1
+
+    def pool_opened(self, call: _wire.Call[PoolInfo], info: PoolInfo) -> None:
+        self.pools[info.engine_id] = call
+        self.pool_infos[info.engine_id] = info
+
+    def pool_dropped(self, engine_id: str) -> None:
+        self.pools.pop(engine_id, None)
+        self.pool_infos.pop(engine_id, None)
+
+    def pool_info(self, engine_id: str) -> PoolInfo:
+        info = self.pool_infos.get(engine_id)
+        if info is None:
+            raise EcdError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {engine_id!r} was not opened by this client; call open_pool first",
+            )
+        return info
 
     def restarted(self, epoch: str) -> bool:
         return bool(self.boot_epoch) and bool(epoch) and epoch != self.boot_epoch

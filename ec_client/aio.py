@@ -117,12 +117,15 @@ class AsyncClient:
     ) -> PoolInfo:
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         info = await self._run(call)
-        self._state.pools[engine_id] = call
+        self._state.pool_opened(call, info)
         return info
+
+    def pool_info(self, engine_id: str) -> PoolInfo:
+        return self._state.pool_info(engine_id)
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:
         dropped = await self._run(_wire.drop_pool(engine_id, force))
-        self._state.pools.pop(engine_id, None)
+        self._state.pool_dropped(engine_id)
         return dropped
 
     async def allocate(self, engine_id: str, items: Sequence[AllocateItem]) -> list[AllocateResult]:
@@ -213,8 +216,9 @@ class AsyncClient:
             if self._state.generation != seen_generation:
                 return
             await self._open_session()
-            for call in self._state.pools.values():
-                await self._invoke(call, self._state.session_id)
+            for call in list(self._state.pools.values()):
+                info = call.parse(await self._invoke(call, self._state.session_id))
+                self._state.pool_opened(call, info)
         self._state.tell_restart()
 
     async def _keep_alive_loop(self) -> None:

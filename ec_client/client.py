@@ -149,12 +149,16 @@ class Client:
     ) -> PoolInfo:
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         info = self._run(call)
-        self._state.pools[engine_id] = call
+        self._state.pool_opened(call, info)
         return info
+
+    def pool_info(self, engine_id: str) -> PoolInfo:
+        """What the daemon said about a pool this client opened (refreshed after a restart)."""
+        return self._state.pool_info(engine_id)
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
         dropped = self._run(_wire.drop_pool(engine_id, force))
-        self._state.pools.pop(engine_id, None)
+        self._state.pool_dropped(engine_id)
         return dropped
 
     # ---- entries -------------------------------------------------------------------------------
@@ -267,8 +271,9 @@ class Client:
             if self._state.generation != seen_generation:
                 return
             self._open_session()
-            for call in self._state.pools.values():
-                self._invoke(call, self._state.session_id)
+            for call in list(self._state.pools.values()):
+                info = call.parse(self._invoke(call, self._state.session_id))
+                self._state.pool_opened(call, info)
         self._state.tell_restart()
 
     def _keep_alive_loop(self) -> None:

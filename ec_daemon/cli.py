@@ -21,6 +21,7 @@ from typing import Any
 
 from ec_client import Client, EcdError, Role
 from ec_client._connection import Options
+from ec_client.address import default_target
 from ec_client.client import check_health, shared_channel
 from ec_client.units import format_size
 from ec_daemon import config as config_module
@@ -194,6 +195,18 @@ def cmd_evict(args: argparse.Namespace) -> int:
 # ---- parser --------------------------------------------------------------------------------------
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ec_daemon import bench
+    from ec_daemon.process import private_daemon
+
+    if not args.spawn:
+        bench.run(args.address or default_target(), args)
+        return 0
+    with private_daemon("--max-bytes", "4GiB", "--log-level", "warning", prefix="ecd-bench-") as d:
+        bench.run(d.address, args)
+    return 0
+
+
 def client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
@@ -236,6 +249,27 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("keys", nargs="+", metavar="KEY", help="key as text, or 0x-prefixed hex")
     client_arguments(evict)
     evict.set_defaults(run=cmd_evict)
+
+    bench = commands.add_parser(
+        "bench",
+        help="load generator: RPC latency, bandwidth vs raw copy, ops/s, handoff latency",
+        description="Every figure is a median over --runs runs; speeds are ratios to a baseline "
+        "measured in the same run (a health check; a raw copy_ into the same mapping).",
+    )
+    bench.add_argument("--address", help="daemon address [default: ECD_ADDRESS / default socket]")
+    bench.add_argument("--spawn", action="store_true", help="start a private daemon for the run")
+    bench.add_argument("--suite", default="all", help="control,data,load,handoff or all")
+    bench.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
+    bench.add_argument(
+        "--iterations", type=int, default=100, help="samples per run (control, handoff)"
+    )
+    bench.add_argument("--sizes", default="256KiB,8MiB,64MiB", help="entry sizes (data)")
+    bench.add_argument("--batch", type=int, default=8, help="entries per put_many/get_many (data)")
+    bench.add_argument("--processes", default="1,4", help="client process counts (load)")
+    bench.add_argument("--load-size", default="256KiB", help="entry size (load)")
+    bench.add_argument("--seconds", type=float, default=5.0, help="duration per count (load)")
+    bench.add_argument("--output", help="also write the figures as JSON to this file")
+    bench.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -1,0 +1,61 @@
+"""PoolEndpoint: what Producer and Consumer share: the client, the pool's mapping, the movers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+import torch
+
+from ec_client.client import Client
+from ec_client.errors import EcdError
+from ec_client.mapping import PoolMapping
+from ec_client.mover import TensorMover
+from ec_client.types import Status
+
+
+class PoolEndpoint:
+    def __init__(self, client: Client, engine_id: str) -> None:
+        self.client = client
+        self.engine_id = engine_id
+        self._movers: dict[torch.device, TensorMover] = {}
+        self.mapping = PoolMapping.open(client.pool_info(engine_id))
+
+    def mover(self, device: torch.device | str) -> TensorMover:
+        """The mover for a device, re-mapping first if the pool was recreated since."""
+        self._refresh()
+        device = torch.device(device)
+        mover = self._movers.get(device)
+        if mover is None or mover.mapping is not self.mapping:
+            mover = self._movers[device] = TensorMover(self.mapping, device)
+        return mover
+
+    def _refresh(self) -> None:
+        """Map the pool again if the daemon announced a new file (after a restart), or if the
+        file at the path is not the one mapped (dropped and recreated): reopen it, once."""
+        info = self.client.pool_info(self.engine_id)
+        if info.pool_uuid == self.mapping.info.pool_uuid:
+            try:
+                self.mapping.check_current()
+                return
+            except EcdError:
+                info = self.client.open_pool(
+                    self.engine_id,
+                    info.block_size_bytes,
+                    info.num_blocks * info.block_size_bytes,
+                    info.compat_key,
+                )
+        self.mapping = PoolMapping.open(info)
+        self.mapping.check_current()
+
+
+def raise_item_errors(what: str, outcomes: Iterable[tuple[object, Status, str]]) -> None:
+    """Raise one EcdError naming every (item, status, message) that is an error, with the first
+    one's status code."""
+    failed = [(item, status, message) for item, status, message in outcomes if status.is_error]
+    if failed:
+        details = "; ".join(
+            f"{item!r}: {status.value}: {message}" for item, status, message in failed
+        )
+        code = getattr(grpc.StatusCode, failed[0][1].name)
+        raise EcdError(code, f"{what} refused {len(failed)} item(s): {details}")

@@ -1,0 +1,377 @@
+"""`ecd bench`: a load generator against a running daemon, or one it spawns (--spawn).
+
+Machines running this are noisy, so every figure is a median over several runs, and speeds are
+reported as ratios to a baseline measured side by side in the same run:
+- control: RPC round trips of 64-item batches against a plain health-check RPC on the channel;
+- data: put/get bandwidth against a raw torch copy_ of the same bytes into the same pool mapping;
+- load: puts and gets per second with 1 and several client processes;
+- handoff: from a producer's commit to a waiting consumer's wake-up, across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ec_client import AllocateItem, Client, Role
+from ec_client.types import Extent, Key
+from ec_client.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    import torch
+
+    from ec_client.consumer import Consumer
+    from ec_client.mover import TensorMover
+
+T = TypeVar("T")
+POOL = "ecd-bench"
+BLOCK = 4096
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def timed(fn: Callable[..., object], *args: Any) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
+
+
+def progress(items: Sequence[T], label: str) -> Iterator[T]:
+    """Yield items while drawing a progress bar on stderr."""
+    width = 30
+    for i, item in enumerate(items):
+        done = int(width * i / max(len(items), 1))
+        sys.stderr.write(f"\r{label:<28} [{'#' * done}{'.' * (width - done)}] {i}/{len(items)}")
+        sys.stderr.flush()
+        yield item
+    sys.stderr.write(f"\r{label:<28} [{'#' * width}] {len(items)}/{len(items)}\n")
+
+
+def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    cells = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    """Every figure of a run, printed as tables and optionally saved as JSON."""
+
+    sections: dict[str, list[dict[str, Any]]]
+
+    def add(self, section: str, row: dict[str, Any]) -> None:
+        self.sections.setdefault(section, []).append(row)
+
+
+# ---- control plane ----------------------------------------------------------------------------
+
+
+def _allocate_commit(client: Client, items: list[AllocateItem], keys: list[str]) -> None:
+    client.allocate(POOL, items)
+    client.commit(POOL, keys)
+
+
+def _acquire_release(client: Client, keys: list[str]) -> None:
+    client.release([r.lease_id for r in client.acquire(POOL, keys)])
+
+
+def bench_control(client: Client, runs: int, iterations: int, report: Report) -> None:
+    """Round trips of 64-item Allocate+Commit and Acquire+Release against a health check."""
+    client.open_pool(POOL, BLOCK, 8192 * BLOCK)
+    per_run: list[dict[str, float]] = []
+    for run in progress(range(runs), "control plane"):
+        health = [timed(client.health) for _ in range(iterations)]
+        write, read = [], []
+        for i in range(iterations):
+            keys = [f"c{run}-{i}-{j}" for j in range(64)]
+            items = [AllocateItem(k, (BLOCK,), "uint8") for k in keys]
+            write.append(timed(_allocate_commit, client, items, keys))
+            read.append(timed(_acquire_release, client, keys))
+            client.evict(POOL, keys)
+        per_run.append(
+            {
+                "health_p50": percentile(health, 50),
+                "health_p99": percentile(health, 99),
+                "write_p50": percentile(write, 50),
+                "write_p99": percentile(write, 99),
+                "read_p50": percentile(read, 50),
+                "read_p99": percentile(read, 99),
+                "write_items_s": 64 * len(write) / sum(write),
+                "read_items_s": 64 * len(read) / sum(read),
+            }
+        )
+    med = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
+    for name in ("write", "read"):
+        report.add(
+            "control",
+            {
+                "op": "Allocate+Commit x64" if name == "write" else "Acquire+Release x64",
+                "p50_us": med[f"{name}_p50"] * 1e6,
+                "p99_us": med[f"{name}_p99"] * 1e6,
+                "p50_vs_health": med[f"{name}_p50"] / med["health_p50"],
+                "p99_vs_health": med[f"{name}_p99"] / med["health_p99"],
+                "items_per_s": med[f"{name}_items_s"],
+            },
+        )
+    report.add(
+        "control",
+        {
+            "op": "Health.Check",
+            "p50_us": med["health_p50"] * 1e6,
+            "p99_us": med["health_p99"] * 1e6,
+            "p50_vs_health": 1.0,
+            "p99_vs_health": 1.0,
+            "items_per_s": 1 / med["health_p50"],
+        },
+    )
+    client.drop_pool(POOL, force=True)
+
+
+# ---- data path ---------------------------------------------------------------------------------
+
+
+def _save_and_wait(mover: TensorMover, tensor: torch.Tensor, extents: Sequence[Extent]) -> None:
+    mover.save(tensor, extents).wait()
+
+
+def _get_into(consumer: Consumer, outs: dict[Key, torch.Tensor]) -> None:
+    consumer.get_many_async(list(outs), out=outs).wait()
+
+
+def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, report: Report) -> None:
+    """Put/get bandwidth, single and batched, as ratios to a raw copy_ into the same mapping.
+
+    Every copy, raw or not, goes to a region not touched just before, so no figure is flattered
+    by a cache that holds the destination (256 KiB fits in L2).
+    """
+    import torch
+
+    from ec_client import Consumer, Producer
+    from ec_client.mapping import PoolMapping
+    from ec_client.mover import TensorMover
+
+    capacity = max(sizes) * (2 * batch + 4) + (64 << 20)
+    info = client.open_pool(POOL, BLOCK, capacity)
+    producer, consumer = Producer(client, POOL), Consumer(client, POOL)
+    mapping = PoolMapping.open(info)
+    mover = TensorMover(mapping)
+    for size in sizes:
+        regions = max(2 * batch, min(256, (256 << 20) // size))  # distinct destinations
+        source = torch.randint(0, 256, (size,), dtype=torch.uint8)
+        sources = {f"b{i}": source.clone() for i in range(batch)}
+        outs = [torch.zeros_like(source) for _ in range(batch)]  # zeros: pages touched now
+        rows: list[dict[str, float]] = []
+        for run in progress(range(runs), f"data {format_size(size)}"):
+            scratch_keys = [f"raw-{run}-{i}" for i in range(regions)]
+            scratch = client.allocate(
+                POOL, [AllocateItem(k, (size,), "uint8") for k in scratch_keys]
+            )
+            views = [mapping.region(r.extents[0])[:size] for r in scratch]
+            raw_in = statistics.median(timed(v.copy_, source) for v in views)
+            raw_out = statistics.median(timed(outs[0].copy_, v) for v in views)
+            copy_in = statistics.median(
+                timed(_save_and_wait, mover, source, r.extents) for r in scratch
+            )
+            client.abort(POOL, scratch_keys)
+            singles = [f"one-{run}-{i}" for i in range(batch)]
+            put = statistics.median(timed(producer.put, k, source) for k in singles)
+            get = statistics.median(timed(consumer.get, k, "cpu", 0, outs[0]) for k in singles)
+            keys = [f"many-{run}-{i}" for i in range(batch)]
+            put_many = timed(producer.put_many, dict(zip(keys, sources.values(), strict=True)))
+            targets: dict[Key, torch.Tensor] = dict(zip(keys, outs, strict=True))
+            get_many = timed(_get_into, consumer, targets)
+            client.evict(POOL, [*singles, *keys])
+            rows.append(
+                {
+                    "copy_phase": raw_in / copy_in,
+                    "put": raw_in / put,
+                    "get": raw_out / get,
+                    "put_many": batch * raw_in / put_many,
+                    "get_many": batch * raw_out / get_many,
+                    "raw_gbs": size / raw_in / 1e9,
+                    "put_gbs": size / put / 1e9,
+                    "rpc_share_put": max(0.0, 1 - copy_in / put),
+                }
+            )
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        report.add("data", {"size": format_size(size), **med})
+    client.drop_pool(POOL, force=True)
+
+
+# ---- several processes ---------------------------------------------------------------------------
+
+
+def _load_worker(address: str, worker: int, size: int, seconds: float, queue: Any) -> None:
+    import torch
+
+    from ec_client import Consumer, Producer
+
+    with Client(address, name=f"bench-{worker}") as client:
+        client.open_pool(POOL, BLOCK, 1 << 30)
+        producer, consumer = Producer(client, POOL), Consumer(client, POOL)
+        tensor = torch.ones(size, dtype=torch.uint8)
+        out = torch.empty_like(tensor)
+        puts = gets = 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            key = f"w{worker}-{puts}"
+            producer.put(key, tensor)
+            puts += 1
+            consumer.get(key, out=out)
+            gets += 1
+            if puts % 64 == 0:
+                client.evict(POOL, [f"w{worker}-{i}" for i in range(puts - 64, puts)])
+        queue.put((puts, gets))
+
+
+def bench_load(
+    address: str,
+    client: Client,
+    processes: Sequence[int],
+    size: int,
+    seconds: float,
+    report: Report,
+) -> None:
+    client.open_pool(POOL, BLOCK, 1 << 30)
+    context = multiprocessing.get_context("spawn")
+    for count in progress(processes, "client processes"):
+        queue = context.Queue()
+        workers = [
+            context.Process(target=_load_worker, args=(address, w, size, seconds, queue))
+            for w in range(count)
+        ]
+        for w in workers:
+            w.start()
+        totals = [queue.get(timeout=seconds + 120) for _ in workers]
+        for w in workers:
+            w.join()
+        report.add(
+            "load",
+            {
+                "processes": count,
+                "size": format_size(size),
+                "puts_per_s": sum(p for p, _ in totals) / seconds,
+                "gets_per_s": sum(g for _, g in totals) / seconds,
+            },
+        )
+    client.drop_pool(POOL, force=True)
+
+
+def _handoff_consumer(address: str, keys: Any, wakes: Any) -> None:
+    """Wait on each key the producer announces; report when each wait returned."""
+    with Client(address, name="bench-consumer") as client:
+        client.open_pool(POOL, BLOCK, 64 * BLOCK)
+        while (key := keys.get()) is not None:
+            [result] = client.acquire(POOL, [key], wait_ms=10_000)
+            wakes.put((time.monotonic(), result.status.value))
+            client.release([result.lease_id])
+
+
+def bench_handoff(address: str, client: Client, count: int, report: Report) -> None:
+    """Commit in this process, wake in another: CLOCK_MONOTONIC is shared by processes."""
+    client.open_pool(POOL, BLOCK, 64 * BLOCK)
+    context = multiprocessing.get_context("spawn")
+    keys, wakes = context.Queue(), context.Queue()
+    consumer = context.Process(target=_handoff_consumer, args=(address, keys, wakes))
+    consumer.start()
+    latencies = []
+    for i in progress(range(count), "handoff"):
+        key = f"h{i}"
+        client.allocate(POOL, [AllocateItem(key, (BLOCK,), "uint8")])
+        keys.put(key)
+        time.sleep(0.02)  # the consumer is inside Acquire, waiting on the PENDING key, by now
+        committed = time.monotonic()
+        client.commit(POOL, [key])
+        woke, status = wakes.get(timeout=60)
+        if status != "hit":
+            raise RuntimeError(f"handoff consumer got {status} for {key}")
+        latencies.append(woke - committed)
+        client.evict(POOL, [key])
+    keys.put(None)
+    consumer.join()
+    report.add(
+        "handoff",
+        {
+            "samples": count,
+            "p50_us": percentile(latencies, 50) * 1e6,
+            "p99_us": percentile(latencies, 99) * 1e6,
+        },
+    )
+    client.drop_pool(POOL, force=True)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+SECTIONS = {
+    "control": (
+        "Control plane, 64-item batches (medians of runs)",
+        ["op", "p50_us", "p99_us", "p50_vs_health", "p99_vs_health", "items_per_s"],
+    ),
+    "data": (
+        "Data path, bandwidth as a ratio to raw copy_ into the same mapping (medians)",
+        [
+            "size",
+            "copy_phase",
+            "put",
+            "get",
+            "put_many",
+            "get_many",
+            "raw_gbs",
+            "put_gbs",
+            "rpc_share_put",
+        ],
+    ),
+    "load": (
+        "Concurrent client processes, put+get loop",
+        ["processes", "size", "puts_per_s", "gets_per_s"],
+    ),
+    "handoff": (
+        "Handoff: producer commit -> waiting consumer wakes (other process)",
+        ["samples", "p50_us", "p99_us"],
+    ),
+}
+
+
+def render(report: Report) -> str:
+    parts = []
+    for name, (title, columns) in SECTIONS.items():
+        rows = report.sections.get(name)
+        if rows:
+            parts.append(table(title, columns, ([row[c] for c in columns] for row in rows)))
+    return "\n\n".join(parts)
+
+
+def run(address: str, args: Any) -> Report:
+    report = Report({})
+    suites = set(args.suite.split(","))
+    with Client(address, name="ecd-bench", role=Role.BOTH) as client:
+        if suites & {"control", "all"}:
+            bench_control(client, args.runs, args.iterations, report)
+        if suites & {"data", "all"}:
+            sizes = [parse_size(s) for s in args.sizes.split(",")]
+            bench_data(client, sizes, args.runs, args.batch, report)
+        if suites & {"load", "all"}:
+            counts = [int(n) for n in args.processes.split(",")]
+            bench_load(address, client, counts, parse_size(args.load_size), args.seconds, report)
+        if suites & {"handoff", "all"}:
+            bench_handoff(address, client, args.iterations, report)
+    print(render(report))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report.sections, indent=2))
+    return report

@@ -1,0 +1,143 @@
+"""Tensors through a pool and back, in one process: every dtype, shapes, extents, partial blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ecd_testing import Daemon, assert_blocks_accounted
+
+from ec_client import Client, Consumer, EcdError, Producer, PutStatus
+from ec_client.layout import DTYPES
+from ec_client.mover import byte_view
+
+POOL = "roundtrip"
+BLOCK = 7168  # one Qwen2.5-VL embedding row: 3584 x bf16
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Client:
+    with daemon.client(name="roundtrip") as c:
+        c.open_pool(POOL, BLOCK, 2048 * BLOCK, "test")
+        yield c  # type: ignore[misc]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as dtype: every bit pattern, NaNs and all."""
+    generator = torch.Generator().manual_seed(seed)
+    nbytes = int(torch.tensor(shape).prod()) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(byte_view(a), byte_view(b))
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_every_dtype_round_trips_bit_identical(client: Client, dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    producer, consumer = Producer(client, POOL), Consumer(client, POOL)
+    for i, shape in enumerate([(1,), (17, 3584), (2, 3, 5), (4096,)]):
+        tensor = random_tensor(shape, dtype, seed=i)
+        key = f"{dtype_name}-{i}"
+        assert producer.put(key, tensor) is PutStatus.STORED
+        loaded = consumer.get(key)
+        assert loaded is not None and same_bits(loaded, tensor), (dtype_name, shape)
+
+
+def test_a_partial_last_block_keeps_exactly_the_tensor_bytes(client: Client) -> None:
+    tensor = random_tensor((3 * BLOCK + 5,), torch.uint8)
+    Producer(client, POOL).put("partial", tensor)
+    [entry] = [e for e in client.iter_entries(POOL) if e.key == b"partial"]
+    assert sum(e.count for e in entry.extents) == 4
+    loaded = Consumer(client, POOL).get("partial")
+    assert loaded is not None and same_bits(loaded, tensor)
+
+
+def test_an_entry_spread_over_several_extents_reads_back_whole(client: Client) -> None:
+    producer = Producer(client, POOL)
+    row = torch.zeros(BLOCK // 2, dtype=torch.bfloat16)
+    fillers = {f"fill-{i}": row.expand(100, -1).contiguous() for i in range(20)}  # 100 blocks each
+    assert set(producer.put_many(fillers).values()) == {PutStatus.STORED}
+    client.evict(POOL, [f"fill-{i}" for i in range(0, 20, 2)])  # ten 100-block holes
+    free_tail = client.stats(POOL).pools[0].largest_free_extent
+    wide = random_tensor((free_tail + 150, BLOCK // 4), torch.float32)  # fits no single hole
+    assert producer.put("wide", wide) is PutStatus.STORED
+    [entry] = [e for e in client.iter_entries(POOL) if e.key == b"wide"]
+    assert len(entry.extents) > 1
+    loaded = Consumer(client, POOL).get("wide")
+    assert loaded is not None and same_bits(loaded, wide)
+    assert_blocks_accounted(client, POOL)
+
+
+def test_a_non_contiguous_tensor_is_stored_as_its_contiguous_copy(client: Client) -> None:
+    base = random_tensor((64, 128), torch.float16)
+    transposed = base.t()
+    assert not transposed.is_contiguous()
+    Producer(client, POOL).put("transposed", transposed)
+    loaded = Consumer(client, POOL).get("transposed")
+    assert loaded is not None and same_bits(loaded, transposed.contiguous())
+
+
+def test_get_can_fill_a_caller_provided_tensor(client: Client) -> None:
+    tensor = random_tensor((8, 3584), torch.bfloat16)
+    Producer(client, POOL).put("into", tensor)
+    out = torch.empty(8, 3584, dtype=torch.bfloat16)
+    assert Consumer(client, POOL).get("into", out=out) is out
+    assert same_bits(out, tensor)
+
+
+def test_get_refuses_an_output_of_the_wrong_shape_and_releases_its_pin(client: Client) -> None:
+    Producer(client, POOL).put("shape", torch.zeros(8, 16))
+    with pytest.raises(ValueError, match="expected a contiguous"):
+        Consumer(client, POOL).get("shape", out=torch.empty(16, 8))
+    assert client.lookup(POOL, ["shape"])[0].pins == 0
+
+
+def test_put_many_and_get_many_use_one_rpc_each_way(client: Client) -> None:
+    tensors = {f"batch-{i}": random_tensor((i + 1, 3584), torch.bfloat16, i) for i in range(8)}
+    before = client.stats(POOL).pools[0]
+    assert Producer(client, POOL).put_many(tensors) == dict.fromkeys(tensors, PutStatus.STORED)
+    loaded = Consumer(client, POOL).get_many([*tensors, "absent"])
+    assert loaded["absent"] is None
+    assert all(same_bits(loaded[k], t) for k, t in tensors.items())  # type: ignore[arg-type]
+    after = client.stats(POOL).pools[0]
+    assert (after.commits - before.commits, after.hits - before.hits) == (8, 8)
+    assert after.pins == 0
+
+
+def test_putting_a_cached_key_answers_exists_and_keeps_the_first_bytes(client: Client) -> None:
+    producer = Producer(client, POOL)
+    first = random_tensor((4, 4), torch.float32, seed=1)
+    assert producer.put("twice", first) is PutStatus.STORED
+    assert producer.put("twice", random_tensor((4, 4), torch.float32, seed=2)) is PutStatus.EXISTS
+    loaded = Consumer(client, POOL).get("twice")
+    assert loaded is not None and same_bits(loaded, first)
+
+
+def test_a_full_pool_of_pinned_entries_answers_no_space(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool("tiny", 1024, 8 * 1024)
+        Producer(c, "tiny").put("pinned", torch.zeros(8 * 1024, dtype=torch.uint8))
+        c.acquire("tiny", ["pinned"])
+        assert (
+            Producer(c, "tiny").put("more", torch.zeros(10, dtype=torch.uint8))
+            is PutStatus.NO_SPACE
+        )
+
+
+def test_an_unsupported_dtype_is_refused_before_anything_is_sent(client: Client) -> None:
+    with pytest.raises(ValueError, match="cannot be stored"):
+        Producer(client, POOL).put("q", torch.zeros(2, dtype=torch.complex32))
+
+
+def test_a_stored_checksum_is_verified_on_read(client: Client) -> None:
+    Producer(client, POOL, checksum=True).put("crc", random_tensor((100,), torch.float32))
+    consumer = Consumer(client, POOL, verify=True)
+    assert consumer.get("crc") is not None
+    [entry] = [e for e in client.iter_entries(POOL) if e.key == b"crc"]
+    consumer.endpoint.mapping.region(entry.extents[0])[7] ^= 0xFF  # someone scribbles on it
+    with pytest.raises(EcdError, match="checksum") as info:
+        consumer.get("crc")
+    assert info.value.code.name == "DATA_LOSS"
+    assert client.lookup(POOL, ["crc"])[0].pins == 0
