@@ -45,6 +45,7 @@ class PoolEndpoint:
                     info.num_blocks * info.block_size_bytes,
                     info.compat_key,
                 )
+        self.mapping.close()
         self.mapping = PoolMapping.open(info)
         self.mapping.check_current()
 

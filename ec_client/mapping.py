@@ -163,6 +163,14 @@ class PoolMapping:
             self._registered.append(base + offset)
         PoolMapping.registrations.registered += 1
 
+    @classmethod
+    def close_all(cls) -> None:
+        """Forget every mapping this process holds (at shutdown, or between tests)."""
+        with cls._lock:
+            mappings = [m for key, m in cls._shared.items() if key[0] == os.getpid()]
+        for mapping in mappings:
+            mapping.close()
+
     @property
     def cuda_registered(self) -> bool:
         return bool(self._registered)

@@ -7,6 +7,16 @@ from pathlib import Path
 import pytest
 from ecd_testing import Daemon, new_shm_dir, running_daemon
 
+from ec_client.mapping import PoolMapping
+
+
+@pytest.fixture(autouse=True)
+def _unmap_pools() -> Iterator[None]:
+    """Each test's pools live in its own shm directory; unmap them when it ends so their memory
+    goes back to the tmpfs."""
+    yield
+    PoolMapping.close_all()
+
 
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
