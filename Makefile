@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install proto run test test-gpu lint format clean
+.PHONY: install proto run test test-gpu bench lint format clean
 
 install: $(STAMP)
 
@@ -24,7 +24,11 @@ run: $(STAMP)
 	$(VENV)/bin/ecd serve $(ARGS)
 
 test: $(STAMP)
+	sh deploy/ci/install-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/ecd bench --spawn $(BENCH_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests/gpu -v -s $(PYTEST_ARGS)

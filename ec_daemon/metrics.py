@@ -133,8 +133,8 @@ def snapshot_on_loop(store: Store, loop: asyncio.AbstractEventLoop) -> Callable[
 
 
 class Metrics:
-    """The daemon's registry: its own, not the process-global one, so that nothing else imported
-    into the process adds series, and tests can build several."""
+    """The daemon's own registry rather than the process-global one, so that the endpoint shows
+    exactly these series and nothing that an imported library registers."""
 
     def __init__(self, snapshot: Callable[[], StoreSnapshot]) -> None:
         self.registry = CollectorRegistry()

@@ -1,0 +1,225 @@
+"""Startup checks: each refuses or warns, with the fix in the message, on real directories; the
+mount table is passed in only where a case cannot be arranged on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ecd_testing import Daemon, running_daemon
+
+from ec_daemon import checks
+from ec_daemon.checks import Mount, StartupError
+
+MiB = 1 << 20
+
+
+def fstype(path: Path) -> str:
+    """The file system type as coreutils sees it: an oracle independent of parse_mounts."""
+    return subprocess.run(
+        ["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def mounts(*lines: str) -> list[Mount]:
+    return checks.parse_mounts("\n".join(lines))
+
+
+# ---- shm directory and budget --------------------------------------------------------------------
+
+
+def test_missing_shm_dir_fails_with_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match=r"does not exist.*emptyDir with medium: Memory"):
+        checks.check_shm_dir(tmp_path / "absent")
+
+
+def test_shm_dir_where_files_cannot_be_created_fails() -> None:
+    # Even root cannot create files in /proc.
+    with pytest.raises(StartupError, match="cannot create files in shm directory /proc"):
+        checks.check_shm_dir(Path("/proc"))
+
+
+def test_budget_larger_than_the_directory_fails(shm_dir: Path) -> None:
+    stat = os.statvfs(shm_dir)
+    available = stat.f_bavail * stat.f_frsize
+    with pytest.raises(StartupError, match=r"exceeds.*--shm-size"):
+        checks.resolve_budget(shm_dir, available + 64 * MiB)
+    assert checks.resolve_budget(shm_dir, 64 * MiB) == 64 * MiB
+    assert checks.resolve_budget(shm_dir, None) == min(
+        stat.f_blocks * stat.f_frsize // 2, available
+    )
+
+
+# ---- tmpfs ---------------------------------------------------------------------------------------
+
+
+def test_tmpfs_warning_agrees_with_the_file_system(shm_dir: Path, tmp_path: Path) -> None:
+    """On this machine's real mount table: a warning exactly where the directory is not tmpfs."""
+    table = checks.parse_mounts(checks.MOUNTS.read_text())
+    assert fstype(shm_dir) == "tmpfs"
+    for directory in (shm_dir, tmp_path, Path(__file__).parent):
+        warning = checks.tmpfs_warning(directory, table)
+        assert (warning is None) == (fstype(directory) == "tmpfs"), directory
+        if warning:
+            assert "not tmpfs" in warning and "mount -t tmpfs" in warning
+
+
+def test_tmpfs_warning_names_the_mount(tmp_path: Path) -> None:
+    table = mounts(
+        "/dev/vda / ext4 rw,relatime 0 0",
+        f"tmpfs {tmp_path} tmpfs rw,size=1g 0 0",
+        f"/dev/vdb {tmp_path}/disk xfs rw 0 0",
+    )
+    (tmp_path / "disk" / "pools").mkdir(parents=True)
+    assert checks.tmpfs_warning(tmp_path, table) is None
+    assert checks.tmpfs_warning(tmp_path / "x" / "y", table) is None  # longest prefix: tmpfs
+    warning = checks.tmpfs_warning(tmp_path / "disk" / "pools", table)
+    assert warning is not None and f"xfs file system (mounted at {tmp_path}/disk)" in warning
+
+
+def test_mount_points_with_spaces_and_stacked_mounts(tmp_path: Path) -> None:
+    spaced = tmp_path / "my pools"
+    spaced.mkdir()
+    escaped = str(spaced).replace(" ", "\\040")
+    table = mounts(
+        "/dev/vda / ext4 rw 0 0",
+        f"/dev/vdb {escaped} ext4 rw 0 0",
+        f"tmpfs {escaped} tmpfs rw 0 0",  # mounted over the disk: this one is visible
+    )
+    mount = checks.mount_of(spaced, table)
+    assert mount is not None and mount.point == spaced and mount.fstype == "tmpfs"
+    # A symlink to the directory is judged by where it leads.
+    link = tmp_path / "link"
+    link.symlink_to(spaced)
+    assert checks.mount_of(link, table) == mount
+
+
+# ---- memlock -------------------------------------------------------------------------------------
+
+
+def test_memlock_warning_compares_the_limit_with_the_budget() -> None:
+    assert checks.memlock_warning(8 * MiB, resource.RLIM_INFINITY) is None
+    assert checks.memlock_warning(8 * MiB, 8 * MiB) is None
+    warning = checks.memlock_warning(1 << 30, 8 * MiB)
+    assert warning is not None
+    assert "8.0 MiB" in warning and "1.0 GiB" in warning
+    assert "LimitMEMLOCK=infinity" in warning and "ulimit -l" in warning
+
+
+@contextlib.contextmanager
+def memlock_soft_limit(limit: int) -> Iterator[None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
+def test_environment_warnings_read_the_real_limit(shm_dir: Path) -> None:
+    with memlock_soft_limit(4 * MiB):
+        assert "4.0 MiB" in checks.environment_warnings(shm_dir, 64 * MiB)["memlock"]
+        assert "memlock" not in checks.environment_warnings(shm_dir, 4 * MiB)
+    assert "tmpfs" not in checks.environment_warnings(shm_dir, 4 * MiB)
+
+
+def test_daemon_logs_the_memlock_warning_and_serves() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    budget = 512 * MiB
+    expect_warning = soft != resource.RLIM_INFINITY and soft < budget
+    with running_daemon("--max-bytes", "512MiB") as daemon:
+        assert ("check=memlock" in daemon.log()) == expect_warning, daemon.log()
+
+
+# ---- huge pages ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["huge=always", "huge=within_size"])
+def test_hugepages_accepts_a_huge_tmpfs(tmp_path: Path, option: str) -> None:
+    checks.check_hugepages(tmp_path, mounts(f"tmpfs {tmp_path} tmpfs rw,{option} 0 0"), "never")
+
+
+def test_hugepages_accepts_any_tmpfs_when_the_kernel_forces_them(tmp_path: Path) -> None:
+    checks.check_hugepages(tmp_path, mounts(f"tmpfs {tmp_path} tmpfs rw 0 0"), "force")
+
+
+@pytest.mark.parametrize(
+    ("line", "policy", "message"),
+    [
+        ("tmpfs {d} tmpfs rw,huge=never 0 0", "never", "without huge=always"),
+        ("tmpfs {d} tmpfs rw,huge=advise 0 0", "always", "without huge=always"),
+        ("tmpfs {d} tmpfs rw,huge=always 0 0", "deny", "denied to every tmpfs"),
+        ("hugetlbfs {d} hugetlbfs rw,pagesize=2M 0 0", "never", "hugetlbfs"),
+        ("/dev/vda {d} ext4 rw 0 0", "never", "on ext4, not tmpfs"),
+    ],
+)
+def test_hugepages_refuses_what_gives_small_pages(
+    tmp_path: Path, line: str, policy: str, message: str
+) -> None:
+    with pytest.raises(StartupError, match=message) as refused:
+        checks.check_hugepages(tmp_path, mounts(line.format(d=tmp_path)), policy)
+    assert "--hugepages" in str(refused.value)
+
+
+def test_shmem_huge_policy_reads_the_selected_word(tmp_path: Path) -> None:
+    sysfs = tmp_path / "shmem_enabled"
+    sysfs.write_text("always within_size advise [never] deny force\n")
+    assert checks.shmem_huge_policy(sysfs) == "never"
+    assert checks.shmem_huge_policy(tmp_path / "absent") == ""
+    real = checks.shmem_huge_policy()
+    assert real == "" or real in checks.SHMEM_HUGE_POLICY.read_text()
+
+
+def test_daemon_refuses_hugepages_on_a_plain_tmpfs(tmp_path: Path, shm_dir: Path) -> None:
+    mount = checks.mount_of(shm_dir, checks.parse_mounts(checks.MOUNTS.read_text()))
+    assert mount is not None
+    if mount.options & {"huge=always", "huge=within_size"}:
+        pytest.skip("/dev/shm is mounted with huge pages here")
+    args = ["--socket", str(tmp_path / "s.sock"), "--shm-dir", str(shm_dir), "--hugepages", "true"]
+    result = subprocess.run(
+        [sys.executable, "-m", "ec_daemon", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "cannot start: --hugepages" in result.stderr and "huge=always" in result.stderr
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real tmpfs mounted huge=always, where this machine lets us mount one."""
+    point = tmp_path / "huge"
+    point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,huge=always", "tmpfs", str(point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the table tests cover it"
+        )
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_daemon_serves_hugepages_from_a_huge_tmpfs(tmp_path: Path, huge_tmpfs: Path) -> None:
+    daemon = Daemon(tmp_path, huge_tmpfs, ("--max-bytes", "32MiB", "--hugepages", "true"))
+    try:
+        daemon.start()
+        with daemon.client(keepalive=False) as client:
+            info = client.open_pool("huge", block_size_bytes=4096, capacity_bytes=16 * MiB)
+        assert Path(info.path).parent == huge_tmpfs
+    finally:
+        assert daemon.stop() == 0

@@ -1,0 +1,134 @@
+"""Configuration: flags over ECD_* environment over the TOML file over defaults, as
+`ecd serve --print-config` reports it (value and source per setting), sizes with units, and errors
+that name the setting and where it came from."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ecd_testing import REPO
+
+from ec_daemon import config
+
+GiB = 1 << 30
+
+
+def print_config(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None, toml: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m ec_daemon serve --print-config` as an operator would."""
+    argv = [sys.executable, "-m", "ec_daemon", "serve", "--print-config", *flags]
+    if toml is not None:
+        path = tmp_path / "ecd.toml"
+        path.write_text(toml)
+        argv += ["--config", str(path)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
+    return subprocess.run(
+        argv,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        check=False,
+    )
+
+
+def table(result: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]]:
+    """setting -> (value, source)"""
+    assert result.returncode == 0, result.stderr
+    rows = {}
+    for line in result.stdout.splitlines():
+        name, value, source = line.split(maxsplit=2)
+        rows[name] = (value, source)
+    return rows
+
+
+LAYERS = {
+    "flag": ("--max-bytes", "3GiB"),
+    "env": ("ECD_MAX_BYTES", "2GiB"),
+    "file": ("max_bytes", '"1GiB"'),
+}
+
+
+@pytest.mark.parametrize(
+    ("given", "value", "source"),
+    [
+        (("flag", "env", "file"), str(3 * GiB), "flag --max-bytes"),
+        (("env", "file"), str(2 * GiB), "env ECD_MAX_BYTES"),
+        (("file",), str(1 * GiB), "file {toml}"),
+        ((), "auto", "default"),
+    ],
+)
+def test_precedence(tmp_path: Path, given: tuple[str, ...], value: str, source: str) -> None:
+    """The same setting in every layer: the highest layer given wins and is named as the source."""
+    flags = LAYERS["flag"] if "flag" in given else ()
+    env = dict([LAYERS["env"]]) if "env" in given else None
+    toml = f"{LAYERS['file'][0]} = {LAYERS['file'][1]}\n" if "file" in given else None
+    rows = table(print_config(tmp_path, *flags, env=env, toml=toml))
+    assert rows["max_bytes"] == (value, source.format(toml=tmp_path / "ecd.toml"))
+    # Settings nobody gave keep their defaults, and say so.
+    assert rows["lease_ttl"] == ("10.0", "default")
+
+
+def test_each_layer_sets_a_different_setting(tmp_path: Path) -> None:
+    rows = table(
+        print_config(
+            tmp_path,
+            "--eviction",
+            "fifo",
+            env={"ECD_LEASE_TTL": "3.5", "ECD_HUGEPAGES": "no"},
+            toml='pool_mode = 0o640\nmax_message_bytes = "1.5MiB"\nsocket_group = "ecd"\n',
+        )
+    )
+    assert rows["eviction"] == ("fifo", "flag --eviction")
+    assert rows["lease_ttl"] == ("3.5", "env ECD_LEASE_TTL")
+    assert rows["hugepages"] == ("false", "env ECD_HUGEPAGES")
+    assert rows["pool_mode"][0] == "0o640" and rows["pool_mode"][1].startswith("file ")
+    assert rows["max_message_bytes"][0] == str(3 << 19)
+    assert rows["socket_group"][0] == "ecd"
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "toml", "message"),
+    [
+        (("--max-bytes", "8 parsecs"), None, None, "max_bytes from flag --max-bytes"),
+        ((), {"ECD_LEASE_TTL": "soon"}, None, "lease_ttl from env ECD_LEASE_TTL"),
+        ((), None, "max_batch = 10\ncolour = 'blue'\n", "unknown settings in"),
+        ((), None, 'eviction = "random"\n', "eviction from file"),
+        ((), {"ECD_HUGEPAGES": "maybe"}, None, "hugepages from env ECD_HUGEPAGES"),
+    ],
+)
+def test_bad_values_name_the_setting_and_its_source(
+    tmp_path: Path,
+    flags: tuple[str, ...],
+    env: dict[str, str] | None,
+    toml: str | None,
+    message: str,
+) -> None:
+    result = print_config(tmp_path, *flags, env=env, toml=toml)
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+
+
+def test_reference_table_lists_every_setting_as_help_does() -> None:
+    """The README's settings table comes from config.reference(): one row per setting, with the
+    flag, the environment variable and the default that `ecd serve --help` shows."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "ec_daemon", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    rows = config.reference().splitlines()[2:]
+    assert len(rows) == len(config.SETTINGS)
+    for row, setting in zip(rows, config.SETTINGS, strict=True):
+        cells = [c.strip().strip("`") for c in row.strip("|").split("|")]
+        assert cells[:3] == [setting.name, setting.flag, setting.env]
+        assert setting.flag in help_text and setting.env in help_text
+        assert cells[3] == setting.show(setting.default)

@@ -1,0 +1,163 @@
+"""deploy/k8s: every manifest validates against the Kubernetes schemas (offline, strict: unknown
+fields are errors), and the pods are wired the way the daemon and its clients need."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from ecd_testing import REPO
+
+from ec_client.units import parse_size
+from ec_daemon.config import Config
+
+K8S = REPO / "deploy" / "k8s"
+MANIFESTS = sorted(K8S.glob("*.yaml"))
+# Native sidecars are on by default from 1.29; check against that and the newest schemas bundled.
+VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+Doc = dict[str, Any]
+
+
+def load(name: str) -> list[Doc]:
+    return [doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+
+
+def pod_spec(doc: Doc) -> Doc:
+    spec: Doc = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: Doc, name: str) -> Doc:
+    found: list[Doc] = [
+        c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name
+    ]
+    assert len(found) == 1, f"one container named {name}"
+    return found[0]
+
+
+def mounts(c: Doc) -> dict[str, str]:
+    """volume name -> mount path"""
+    return {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+
+
+def volumes(spec: Doc) -> dict[str, Doc]:
+    return {v["name"]: v for v in spec["volumes"]}
+
+
+def volume_at(c: Doc, spec: Doc, path: Path) -> Doc:
+    """The volume a container has mounted at `path` or above it."""
+    name = next(n for n, m in mounts(c).items() if Path(m) == path or Path(m) in path.parents)
+    return volumes(spec)[name]
+
+
+def daemon_config(c: Doc, serve_config: Callable[..., Config]) -> Config:
+    assert "command" not in c, "the image's entrypoint is `ecd serve`; give only args"
+    env = {e["name"]: e["value"] for e in c.get("env", [])}
+    return serve_config(c["args"], env)
+
+
+def check_probes(c: Doc, config: Config) -> None:
+    """Startup, readiness and liveness all run the gRPC health check on the daemon's socket."""
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe]["exec"]["command"]
+        assert command[:2] == ["ecd", "health"], probe
+        assert command[command.index("--address") + 1] == f"unix://{config.socket}", probe
+
+
+def ec_transfer_config(c: Doc) -> Doc:
+    args = c["args"]
+    parsed: Doc = json.loads(args[args.index("--ec-transfer-config") + 1])
+    return parsed
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates(path: Path, version: str) -> None:
+    docs = load(path.name)
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_validation_rejects_a_misspelled_field() -> None:
+    """The check above can fail: strict validation rejects a field the API does not have."""
+    [doc] = load("sidecar.yaml")
+    spec = pod_spec(doc)
+    spec["initContainers"][0]["volumeMount"] = spec["initContainers"][0].pop("volumeMounts")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+
+
+def test_sidecar_pod(serve_config: Callable[..., Config]) -> None:
+    [doc] = load("sidecar.yaml")
+    spec = pod_spec(doc)
+    ecd, vllm = container(spec, "ecd"), container(spec, "vllm")
+    # A native sidecar: an init container that keeps running beside vLLM.
+    assert ecd in spec["initContainers"] and ecd["restartPolicy"] == "Always"
+    config = daemon_config(ecd, serve_config)
+    check_probes(ecd, config)
+
+    # The pool directory: a memory-backed emptyDir of a fixed size, at the same path in both
+    # containers (clients open pool files at the path the daemon reports).
+    shm = volume_at(ecd, spec, config.shm_dir)
+    assert shm["emptyDir"]["medium"] == "Memory"
+    size_limit = parse_size(shm["emptyDir"]["sizeLimit"])
+    assert mounts(vllm)[shm["name"]] == mounts(ecd)[shm["name"]] == str(config.shm_dir)
+    assert config.max_bytes is not None and config.max_bytes <= size_limit
+    # tmpfs pages count against the daemon's memory limit, which must cover the pool.
+    assert parse_size(ecd["resources"]["limits"]["memory"]) > size_limit
+
+    # The socket: a volume both containers mount, and vLLM's connector points at it.
+    socket_volume = volume_at(ecd, spec, config.socket.parent)
+    assert mounts(vllm)[socket_volume["name"]] == str(config.socket.parent)
+    assert {"name": "ECD_ADDRESS", "value": f"unix://{config.socket}"} in vllm["env"]
+    transfer = ec_transfer_config(vllm)
+    assert transfer["ec_connector_module_path"] == "ec_client.vllm"
+    assert transfer["ec_connector_extra_config"]["ecd_address"] == f"unix://{config.socket}"
+    assert transfer["ec_connector_extra_config"]["ec_cpu_bytes"] <= config.max_bytes
+
+    # Files the daemon creates are usable by vLLM through the pod's fsGroup.
+    group = str(spec["securityContext"]["fsGroup"])
+    assert config.socket_group == config.pool_group == group
+    assert config.pool_mode == 0o660
+    assert ecd["securityContext"]["runAsNonRoot"] is True
+
+
+def test_daemonset_and_its_client(serve_config: Callable[..., Config]) -> None:
+    [daemonset] = load("daemonset.yaml")
+    assert daemonset["kind"] == "DaemonSet"
+    spec = pod_spec(daemonset)
+    ecd = container(spec, "ecd")
+    config = daemon_config(ecd, serve_config)
+    check_probes(ecd, config)
+    shm = volume_at(ecd, spec, config.shm_dir)
+    socket_volume = volume_at(ecd, spec, config.socket.parent)
+    assert config.max_bytes is not None
+    assert parse_size(ecd["resources"]["limits"]["memory"]) > config.max_bytes
+    # The init container hands the host directories to the daemon's user.
+    prepare = container(spec, "prepare-host-dirs")
+    assert mounts(prepare) == mounts(ecd)
+    assert str(ecd["securityContext"]["runAsUser"]) in " ".join(prepare["command"])
+
+    [client] = load("daemonset-client.yaml")
+    client_spec = pod_spec(client)
+    vllm = container(client_spec, "vllm")
+    # The client mounts the same host directories at the same paths as the daemon.
+    for daemon_volume in (shm, socket_volume):
+        host_path = daemon_volume["hostPath"]["path"]
+        [same] = [
+            v for v in client_spec["volumes"] if v.get("hostPath", {}).get("path") == host_path
+        ]
+        assert mounts(vllm)[same["name"]] == mounts(ecd)[daemon_volume["name"]]
+    assert config.pool_group in [
+        str(g) for g in client_spec["securityContext"]["supplementalGroups"]
+    ]
+    transfer = ec_transfer_config(vllm)["ec_connector_extra_config"]
+    assert transfer["ecd_address"] == f"unix://{config.socket}"
+    assert transfer["ecd_pool"], "engines on a node share one cache through a named pool"

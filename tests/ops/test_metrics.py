@@ -1,0 +1,166 @@
+"""The Prometheus endpoint of a real daemon: values move with traffic and equal what the Stats RPC
+reports, RPC latency is counted per method, and a port in use stops the daemon at startup."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ecd_testing import Daemon, running_daemon
+from prometheus_client.parser import text_string_to_metric_families
+
+from ec_client import AllocateItem, Client
+from ec_client.types import PoolStats, Stats, Status
+
+POOL = "metrics-pool"
+BLOCK = 4096
+CAPACITY = 16 * BLOCK
+FULL = AllocateItem("a", (16, 1024), "float32")  # 64 KiB: the whole pool
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def pool_value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset({"engine_id": POOL, **labels}.items()))]
+
+
+def rpc_count(samples: Samples, method: str) -> float:
+    return samples.get(("ecd_rpc_duration_seconds_count", frozenset({("method", method)})), 0.0)
+
+
+def assert_equals_stats(samples: Samples, stats: Stats) -> None:
+    """Every figure the endpoint shows is the one Stats reports (no traffic between the two)."""
+    assert samples[("ecd_sessions", frozenset())] == stats.sessions
+    assert samples[("ecd_lease_expiries_total", frozenset())] == stats.lease_expiries
+    assert samples[("ecd_budget_bytes", frozenset())] == stats.max_bytes
+    assert samples[("ecd_reserved_bytes", frozenset())] == stats.reserved_bytes
+    info = {"boot_epoch": stats.boot_epoch, "version": stats.version}
+    assert samples[("ecd_boot_info", frozenset(info.items()))] == 1
+    [pool] = stats.pools
+    assert_pool_equals(samples, pool)
+
+
+def assert_pool_equals(samples: Samples, pool: PoolStats) -> None:
+    block = pool.block_size_bytes
+    assert pool_value(samples, "ecd_pool_capacity_bytes") == pool.capacity_bytes
+    assert pool_value(samples, "ecd_pool_free_bytes") == pool.free_blocks * block
+    used = (pool.num_blocks - pool.free_blocks) * block
+    assert pool_value(samples, "ecd_pool_used_bytes") == used
+    largest = pool.largest_free_extent * block
+    assert pool_value(samples, "ecd_pool_largest_free_extent_bytes") == largest
+    assert pool_value(samples, "ecd_pool_ready_bytes") == pool.bytes_ready
+    assert pool_value(samples, "ecd_pool_entries", state="pending") == pool.entries_pending
+    assert pool_value(samples, "ecd_pool_entries", state="ready") == pool.entries_ready
+    assert pool_value(samples, "ecd_pool_pinned_entries") == pool.entries_pinned
+    assert pool_value(samples, "ecd_pool_pins") == pool.pins
+    for counter in ("hits", "misses", "evictions", "no_space", "commits", "aborts"):
+        assert pool_value(samples, f"ecd_pool_{counter}_total") == getattr(pool, counter), counter
+
+
+@pytest.fixture
+def metrics_daemon() -> Iterator[tuple[Daemon, int]]:
+    port = free_port()
+    args = ("--max-bytes", "64MiB", "--lease-ttl", "1", "--metrics-host", "127.0.0.1")
+    with running_daemon(*args, "--metrics-port", str(port)) as daemon:
+        yield daemon, port
+
+
+def test_metrics_move_with_traffic_and_equal_stats(metrics_daemon: tuple[Daemon, int]) -> None:
+    daemon, port = metrics_daemon
+    before = scrape(port)
+    assert not any(name.startswith("ecd_pool_") for name, _ in before), "no pools yet"
+    assert before[("ecd_sessions", frozenset())] == 0
+
+    with daemon.client(name="metrics", keepalive=False) as client:
+        client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=CAPACITY)
+        [allocated] = client.allocate(POOL, [FULL])
+        assert allocated.status is Status.ALLOCATED
+        client.commit(POOL, ["a"])
+        [hit, miss] = client.acquire(POOL, ["a", "never-stored"])
+        assert (hit.status, miss.status) == (Status.HIT, Status.MISS)
+
+        pinned = scrape(port)
+        assert pool_value(pinned, "ecd_pool_pins") == 1
+        assert pool_value(pinned, "ecd_pool_pinned_entries") == 1
+        assert pool_value(pinned, "ecd_pool_used_bytes") == CAPACITY
+        assert pool_value(pinned, "ecd_pool_free_bytes") == 0
+        assert_equals_stats(pinned, client.stats())
+
+        # The only entry is pinned: a second one cannot be had.
+        [refused] = client.allocate(POOL, [AllocateItem("b", (16, 1024), "float32")])
+        assert refused.status is Status.NO_SPACE
+        client.release([hit.lease_id])
+        # Unpinned now: the next allocation evicts it.
+        [second] = client.allocate(POOL, [AllocateItem("b", (16, 1024), "float32")])
+        assert second.status is Status.ALLOCATED
+
+        after = scrape(port)
+        assert_equals_stats(after, client.stats())
+        expected = {"hits": 1, "misses": 1, "no_space": 1, "evictions": 1, "commits": 1}
+        for counter, value in expected.items():
+            assert pool_value(after, f"ecd_pool_{counter}_total") == value, counter
+        assert pool_value(after, "ecd_pool_entries", state="pending") == 1
+        assert pool_value(after, "ecd_pool_entries", state="ready") == 0
+        assert pool_value(after, "ecd_pool_pins") == 0
+        assert after[("ecd_sessions", frozenset())] == 1
+        # One latency observation per call, by method.
+        assert rpc_count(after, "Allocate") == 3
+        assert rpc_count(after, "Acquire") == 1
+        assert rpc_count(after, "Release") == 1
+        assert rpc_count(after, "Stats") == 1  # the assert_equals_stats above the pin
+        bucket = frozenset({("method", "Allocate"), ("le", "+Inf")})
+        assert after[("ecd_rpc_duration_seconds_bucket", bucket)] == 3
+
+
+def test_lease_expiry_is_counted(metrics_daemon: tuple[Daemon, int]) -> None:
+    daemon, port = metrics_daemon
+    # A client that goes silent: no keep-alive, never closed. Its lease (1 s) runs out.
+    Client(daemon.address, name="silent", keepalive=False)
+    assert scrape(port)[("ecd_sessions", frozenset())] == 1
+    deadline = time.monotonic() + 10
+    while scrape(port)[("ecd_lease_expiries_total", frozenset())] < 1:
+        assert time.monotonic() < deadline, "lease never expired"
+        time.sleep(0.1)
+    samples = scrape(port)
+    assert samples[("ecd_sessions", frozenset())] == 0
+    assert samples[("ecd_lease_expiries_total", frozenset())] == 1
+
+
+def test_metrics_port_in_use_stops_the_daemon_at_startup(tmp_path: Path, shm_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--socket", str(tmp_path / "s.sock"), "--shm-dir", str(shm_dir)]
+        args += ["--max-bytes", "16MiB", "--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
+        result = subprocess.run(
+            [sys.executable, "-m", "ec_daemon", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert result.returncode == 2
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
