@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -78,13 +79,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ecd: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(config_module.describe(config, sources))
+        print(
+            config_module.reference() if args.markdown else config_module.describe(config, sources)
+        )
         return 0
     logs.configure(config.log_format, config.log_level)
     try:
         server.run(config)
     except StartupError as exc:
-        print(f"ecd: cannot start: {exc}", file=sys.stderr)
+        # Through the logger, so that with --log-format json this line is JSON like the rest.
+        logging.getLogger("ecd.server").error("cannot start", extra={"reason": str(exc)})
         return 2
     return 0
 

@@ -231,6 +231,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the effective settings and exit"
     )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --print-config: print the table of every setting as Markdown (for the docs)",
+    )
     for setting in SETTINGS:
         parser.add_argument(
             setting.flag,
@@ -288,7 +293,7 @@ def describe(config: Config, sources: Mapping[str, str]) -> str:
 def reference() -> str:
     """Every setting as a Markdown table (flag, environment variable, default, meaning), for the
     README; the TOML key is the setting's name. Regenerate it with
-    `python -c "from ec_daemon.config import reference; print(reference())"`."""
+    `ecd serve --print-config --markdown`."""
     lines = [
         "| setting (TOML key) | flag | environment | default | meaning |",
         "|---|---|---|---|---|",

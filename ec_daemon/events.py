@@ -8,31 +8,42 @@ that found a key PENDING cannot miss the commit that follows.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ec_daemon.index import Event, EventType
 
 
+class StreamEnd(enum.Enum):
+    """Why a Watch stream's queue ends."""
+
+    OVERFLOW = "overflow"  # the subscriber fell too far behind: it must resubscribe
+    SHUTDOWN = "shutdown"  # the daemon is stopping: end the stream now, not at the grace deadline
+
+
 @dataclass(eq=False)
 class Subscription:
-    """A Watch stream's queue. A subscriber that falls `limit` events behind is cut off (it must
-    resubscribe with a snapshot) rather than let the daemon's memory grow without bound; the
-    queue then ends with None."""
+    """A Watch stream's queue. A subscriber that falls `limit` events behind is cut off rather
+    than let the daemon's memory grow without bound."""
 
     engine_id: str
     limit: int
-    queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
-    overflowed: bool = False
+    queue: asyncio.Queue[Event | StreamEnd] = field(default_factory=asyncio.Queue)
+    ended: bool = False
 
     def offer(self, event: Event) -> None:
-        if self.overflowed or (self.engine_id and event.engine_id != self.engine_id):
+        if self.ended or (self.engine_id and event.engine_id != self.engine_id):
             return
         if self.queue.qsize() >= self.limit:
-            self.overflowed = True
-            self.queue.put_nowait(None)
+            self.end(StreamEnd.OVERFLOW)
         else:
             self.queue.put_nowait(event)
+
+    def end(self, why: StreamEnd) -> None:
+        if not self.ended:
+            self.ended = True
+            self.queue.put_nowait(why)
 
 
 class EventHub:
@@ -78,6 +89,11 @@ class EventHub:
 
     def unsubscribe(self, subscription: Subscription) -> None:
         self._subscriptions.discard(subscription)
+
+    def shut_down(self) -> None:
+        """End every Watch stream (clients resubscribe to the next daemon)."""
+        for subscription in self._subscriptions:
+            subscription.end(StreamEnd.SHUTDOWN)
 
     @property
     def waiting(self) -> int:

@@ -3,9 +3,9 @@
 Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
 -> adopt pool files left by a previous daemon -> warn about what will run badly (not tmpfs,
 memlock) -> metrics endpoint -> bind and start the gRPC server -> health SERVING and READY=1.
-Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, let
-in-flight RPCs finish for shutdown_grace -> stop the metrics endpoint -> close pool files (they
-stay: they are the cache).
+Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, end
+Watch streams, let in-flight RPCs finish for shutdown_grace -> stop the metrics endpoint -> close
+pool files (they stay: they are the cache).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Daemon:
 
     config: Config
     store: Store
+    hub: EventHub
     server: grpc.aio.Server
     health: health_aio.HealthServicer
     locks: list[checks.DirectoryLock]
@@ -122,7 +123,7 @@ async def start(config: Config) -> Daemon:
     await server.start()
     secure_socket(config)
 
-    daemon = Daemon(config, store, server, health_servicer, locks, metrics_server)
+    daemon = Daemon(config, store, hub, server, health_servicer, locks, metrics_server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
@@ -188,7 +189,11 @@ async def stop(daemon: Daemon) -> None:
     log.info("stopping", extra={"grace_s": daemon.config.shutdown_grace})
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
-    await daemon.server.stop(daemon.config.shutdown_grace)
+    # server.stop refuses new calls at once and waits for in-flight ones; Watch streams never end
+    # by themselves, so they are ended now rather than cut at the grace deadline.
+    stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
+    daemon.hub.shut_down()
+    await stopped
     if daemon.metrics_server is not None:
         # shutdown() waits for the serving thread's next poll: off the loop, so it cannot stall it.
         await asyncio.to_thread(daemon.metrics_server.shutdown)

@@ -20,7 +20,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate
 from ec_daemon.errors import Code, CoreError, ItemStatus
-from ec_daemon.events import EventHub
+from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.index import Entry, EntryState, Event, EventType, Outcome, TensorSpec
 from ec_daemon.sessions import Role
 from ec_daemon.store import AcquireOutcome, Store
@@ -488,7 +488,9 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 )
             while True:
                 event = await subscription.queue.get()
-                if event is None:
+                if event is StreamEnd.SHUTDOWN:
+                    return
+                if event is StreamEnd.OVERFLOW:
                     await abort(
                         self.store,
                         context,

@@ -116,8 +116,9 @@ def test_bad_values_name_the_setting_and_its_source(
 
 
 def test_reference_table_lists_every_setting_as_help_does() -> None:
-    """The README's settings table comes from config.reference(): one row per setting, with the
-    flag, the environment variable and the default that `ecd serve --help` shows."""
+    """The README's settings table comes from `ecd serve --print-config --markdown`: one row per
+    setting, with the flag, the environment variable and the default that `ecd serve --help`
+    shows."""
     help_text = subprocess.run(
         [sys.executable, "-m", "ec_daemon", "serve", "--help"],
         capture_output=True,
@@ -125,7 +126,14 @@ def test_reference_table_lists_every_setting_as_help_does() -> None:
         timeout=30,
         check=True,
     ).stdout
-    rows = config.reference().splitlines()[2:]
+    markdown = subprocess.run(
+        [sys.executable, "-m", "ec_daemon", "serve", "--print-config", "--markdown"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    rows = markdown.splitlines()[2:]
     assert len(rows) == len(config.SETTINGS)
     for row, setting in zip(rows, config.SETTINGS, strict=True):
         cells = [c.strip().strip("`") for c in row.strip("|").split("|")]

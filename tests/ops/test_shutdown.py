@@ -68,3 +68,17 @@ def test_sigterm_drains_in_flight_rpcs_and_keeps_pool_files() -> None:
         assert (daemon.shm_dir / pool_file_name(POOL)).is_file()
         log = daemon.log()
         assert 0 < log.index("msg=stopping") < log.index("msg=stopped"), log
+
+
+def test_sigterm_ends_open_watch_streams_instead_of_waiting_out_the_grace() -> None:
+    with (
+        running_daemon("--max-bytes", "64MiB", "--shutdown-grace", "10") as daemon,
+        daemon.client(name="router", keepalive=False) as c,
+    ):
+        c.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
+        events = c.watch(POOL, snapshot=True)
+        next(events)  # SYNCED: the stream is open
+        started = time.monotonic()
+        assert daemon.stop(signal.SIGTERM) == 0
+        assert time.monotonic() - started < 5, "an open Watch held the daemon for its grace"
+        assert list(events) == []  # the stream ended cleanly, not with an error
