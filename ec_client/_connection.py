@@ -36,6 +36,31 @@ MAX_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
+class TLSFiles:
+    """PEM files for a TLS connection over TCP: the CA that signed the daemon's certificate and,
+    for mutual TLS, this client's certificate and key. Defaults: ECD_TLS_CA, ECD_TLS_CERT,
+    ECD_TLS_KEY."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    @classmethod
+    def from_env(cls) -> TLSFiles | None:
+        paths = [os.environ.get(f"ECD_TLS_{name}") for name in ("CA", "CERT", "KEY")]
+        if not any(paths):
+            return None
+        ca, cert, key = (Path(p) if p else None for p in paths)
+        return cls(ca, cert, key)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: Path | None) -> bytes | None:
+            return path.read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+@dataclass(frozen=True)
 class Options:
     target: str
     name: str
@@ -43,6 +68,7 @@ class Options:
     connect_timeout_s: float
     call_timeout_s: float
     metadata: tuple[tuple[str, str], ...]
+    tls: TLSFiles | None = None
 
     @classmethod
     def make(
@@ -53,6 +79,7 @@ class Options:
         connect_timeout_s: float,
         call_timeout_s: float,
         token: str | None,
+        tls: TLSFiles | None = None,
     ) -> Options:
         token = token or os.environ.get("ECD_TOKEN") or _token_from_file()
         return cls(
@@ -62,6 +89,7 @@ class Options:
             connect_timeout_s=connect_timeout_s,
             call_timeout_s=call_timeout_s,
             metadata=(("authorization", f"Bearer {token}"),) if token else (),
+            tls=tls or TLSFiles.from_env(),
         )
 
     def unreachable(self) -> EcdError:

@@ -17,7 +17,14 @@ from typing import Any, TypeVar
 import grpc
 
 from ec_client import _wire
-from ec_client._connection import CHANNEL_OPTIONS, Backoff, Options, SessionState, session_lost
+from ec_client._connection import (
+    CHANNEL_OPTIONS,
+    Backoff,
+    Options,
+    SessionState,
+    TLSFiles,
+    session_lost,
+)
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client.errors import EcdError
 from ec_client.types import (
@@ -48,9 +55,12 @@ class AsyncClient:
         connect_timeout_s: float = 5.0,
         call_timeout_s: float = 30.0,
         token: str | None = None,
+        tls: TLSFiles | None = None,
         keepalive: bool = True,
     ) -> None:
-        self.options = Options.make(target, name, role, connect_timeout_s, call_timeout_s, token)
+        self.options = Options.make(
+            target, name, role, connect_timeout_s, call_timeout_s, token, tls
+        )
         self._keepalive_enabled = keepalive
         self._state = SessionState()
         self._lock = asyncio.Lock()
@@ -62,7 +72,14 @@ class AsyncClient:
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
         # grpc.aio channels belong to the loop that made them, so each AsyncClient owns one.
-        self._channel = grpc.aio.insecure_channel(self.options.target, options=CHANNEL_OPTIONS)
+        tls = self.options.tls
+        self._channel = (
+            grpc.aio.insecure_channel(self.options.target, options=CHANNEL_OPTIONS)
+            if tls is None
+            else grpc.aio.secure_channel(
+                self.options.target, tls.credentials(), options=CHANNEL_OPTIONS
+            )
+        )
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), self.options.connect_timeout_s)
@@ -88,7 +105,7 @@ class AsyncClient:
             self._keepalive.cancel()
         # If the daemon is gone or already forgot us, the lease ends the session all the same.
         with contextlib.suppress(EcdError):
-            await self._invoke(_wire.close_session(), self._state.session_id)
+            await self._invoke(_wire.close_session(), self._state.session_id, retry=False)
         if self._channel is not None:
             await self._channel.close(None)
 
@@ -178,7 +195,7 @@ class AsyncClient:
 
     # ---- the call machinery (mirrors Client) ---------------------------------------------------
 
-    async def _invoke(self, call: _wire.Call[Any], session_id: str) -> Any:
+    async def _invoke(self, call: _wire.Call[Any], session_id: str, retry: bool = True) -> Any:
         backoff = Backoff(self.options.connect_timeout_s, asyncio.get_running_loop().time)
         while True:
             try:
@@ -189,7 +206,8 @@ class AsyncClient:
                 )
             except grpc.RpcError as exc:
                 error = EcdError.from_rpc(exc)
-                delay = backoff.next_delay() if error.code == grpc.StatusCode.UNAVAILABLE else None
+                unavailable = retry and error.code == grpc.StatusCode.UNAVAILABLE
+                delay = backoff.next_delay() if unavailable else None
                 if delay is None:
                     raise error from None
                 await asyncio.sleep(delay)

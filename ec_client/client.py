@@ -20,7 +20,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import CHANNEL_OPTIONS, Backoff, Options, SessionState, session_lost
+from ec_client._connection import (
+    CHANNEL_OPTIONS,
+    Backoff,
+    Options,
+    SessionState,
+    TLSFiles,
+    session_lost,
+)
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client.errors import EcdError
 from ec_client.types import (
@@ -40,17 +47,22 @@ from ec_client.types import (
 
 T = TypeVar("T")
 
-_channels: dict[tuple[int, str], grpc.Channel] = {}
+_channels: dict[tuple[int, str, TLSFiles | None], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
-def shared_channel(target: str) -> grpc.Channel:
+def shared_channel(options: Options) -> grpc.Channel:
     """One channel per target per process (a forked child gets its own)."""
-    key = (os.getpid(), target)
+    key = (os.getpid(), options.target, options.tls)
     with _channels_lock:
         channel = _channels.get(key)
         if channel is None:
-            channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            if options.tls is None:
+                channel = grpc.insecure_channel(options.target, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.secure_channel(
+                    options.target, options.tls.credentials(), options=CHANNEL_OPTIONS
+                )
             _channels[key] = channel
         return channel
 
@@ -80,10 +92,13 @@ class Client:
         connect_timeout_s: float = 5.0,
         call_timeout_s: float = 30.0,
         token: str | None = None,
+        tls: TLSFiles | None = None,
         keepalive: bool = True,
     ) -> None:
-        self.options = Options.make(target, name, role, connect_timeout_s, call_timeout_s, token)
-        self._channel = shared_channel(self.options.target)
+        self.options = Options.make(
+            target, name, role, connect_timeout_s, call_timeout_s, token, tls
+        )
+        self._channel = shared_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         self._state = SessionState()
         self._lock = threading.Lock()
@@ -134,7 +149,7 @@ class Client:
         self._closed.set()
         # If the daemon is gone or already forgot us, the lease ends the session all the same.
         with contextlib.suppress(EcdError):
-            self._invoke(_wire.close_session(), self._state.session_id)
+            self._invoke(_wire.close_session(), self._state.session_id, retry=False)
 
     def __enter__(self) -> Client:
         return self
@@ -230,7 +245,7 @@ class Client:
 
     # ---- the call machinery --------------------------------------------------------------------
 
-    def _invoke(self, call: _wire.Call[Any], session_id: str) -> Any:
+    def _invoke(self, call: _wire.Call[Any], session_id: str, retry: bool = True) -> Any:
         """One RPC, retried with backoff while the daemon is UNAVAILABLE; the raw reply."""
         backoff = Backoff(self.options.connect_timeout_s, time.monotonic)
         while True:
@@ -242,7 +257,8 @@ class Client:
                 )
             except grpc.RpcError as exc:
                 error = EcdError.from_rpc(exc)
-                delay = backoff.next_delay() if error.code == grpc.StatusCode.UNAVAILABLE else None
+                unavailable = retry and error.code == grpc.StatusCode.UNAVAILABLE
+                delay = backoff.next_delay() if unavailable else None
                 if delay is None:
                     raise error from None
                 time.sleep(delay)

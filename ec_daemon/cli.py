@@ -96,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     options = Options.make(args.address, "ecd-cli", Role.ADMIN, args.timeout, args.timeout, None)
     try:
-        status = check_health(shared_channel(options.target), options)
+        status = check_health(shared_channel(options), options)
     except EcdError as exc:
         status = f"UNREACHABLE ({exc.message})"
     emit(args, {"status": status, "target": options.target}, lambda: status)

@@ -42,8 +42,8 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
-def _max_bytes(text: str | int) -> int | None:
-    """None means auto: half of the shm directory's size, decided at startup."""
+def _size_or_auto(text: str | int) -> int | None:
+    """None means auto: decided at startup (see the setting)."""
     return None if text == "auto" else parse_size(text)
 
 
@@ -100,6 +100,21 @@ SETTINGS: tuple[Setting, ...] = (
         "socket_group", str, "", "group owning the socket (clients in it may connect)", "GROUP"
     ),
     Setting("tcp", _host_port, "", "also listen on TCP HOST:PORT", "HOST:PORT", "off"),
+    Setting(
+        "tls_cert",
+        _optional_path,
+        None,
+        "with --tcp: serve TLS with this certificate chain (PEM); needs --tls-key",
+        "FILE",
+    ),
+    Setting("tls_key", _optional_path, None, "private key of --tls-cert (PEM)", "FILE"),
+    Setting(
+        "tls_client_ca",
+        _optional_path,
+        None,
+        "with TLS: require client certificates signed by this CA (mutual TLS)",
+        "FILE",
+    ),
     Setting("shm_dir", Path, Path("/dev/shm"), "directory of the pool files (a tmpfs)", "DIR"),
     Setting(
         "hugepages",
@@ -111,7 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "max_bytes",
-        _max_bytes,
+        _size_or_auto,
         None,
         "budget of all pool files together, e.g. 8GiB; auto = half of shm-dir",
         "SIZE",
@@ -137,6 +152,14 @@ SETTINGS: tuple[Setting, ...] = (
         65536,
         "entries one pool can hold (1 KiB of pool file each)",
         "N",
+    ),
+    Setting(
+        "max_pool_bytes",
+        _size_or_auto,
+        None,
+        "largest capacity one pool may ask for; auto = the whole budget",
+        "SIZE",
+        "auto",
     ),
     Setting("max_batch", int, 4096, "items one request may carry", "N"),
     Setting("max_message_bytes", parse_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
@@ -167,8 +190,22 @@ SETTINGS: tuple[Setting, ...] = (
         "token_file",
         _optional_path,
         None,
-        "require the bearer token in this file on every RPC",
+        "require a bearer token from this file (lines `NAME TOKEN`) on every RPC",
         "FILE",
+    ),
+    Setting(
+        "acl_file",
+        _optional_path,
+        None,
+        "per-pool access list (TOML: which token names may produce, consume, admin where)",
+        "FILE",
+    ),
+    Setting(
+        "pool_check_interval",
+        float,
+        5.0,
+        "seconds between checks that pool files were not truncated or overwritten",
+        "SECONDS",
     ),
     Setting(
         "log_format", _choice("text", "json"), "text", "log line format: text or json", "FORMAT"
@@ -199,12 +236,16 @@ class Config:
     socket_mode: int
     socket_group: str
     tcp: str
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_client_ca: Path | None
     shm_dir: Path
     hugepages: bool
     max_bytes: int | None
     lease_ttl: float
     eviction: str
     max_entries_per_pool: int
+    max_pool_bytes: int | None
     max_batch: int
     max_message_bytes: int
     pool_mode: int
@@ -212,6 +253,8 @@ class Config:
     metrics_port: int
     metrics_host: str
     token_file: Path | None
+    acl_file: Path | None
+    pool_check_interval: float
     log_format: str
     log_level: str
     shutdown_grace: float

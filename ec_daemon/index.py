@@ -359,10 +359,11 @@ class PoolIndex:
         return Outcome(ItemStatus.OK, entry=entry)
 
     def drop_all(self) -> int:
-        """Remove every entry (the pool is being dropped); returns how many there were."""
+        """Remove every entry, leaving the file alone: the pool is being dropped (its file is
+        deleted) or refused (its file is kept as found, for inspection). Returns how many."""
         entries = list(self._entries.values())
         for entry in entries:
-            self._remove(entry, None)
+            self._remove(entry, None, journal=False)
         return len(entries)
 
     def entries(self) -> list[Entry]:
@@ -415,12 +416,13 @@ class PoolIndex:
         self._evictable_blocks += sign * entry.blocks
         self._evictable_entries += sign
 
-    def _remove(self, entry: Entry, event: EventType | None) -> None:
+    def _remove(self, entry: Entry, event: EventType | None, journal: bool = True) -> None:
         del self._entries[entry.key]
         if entry.state is EntryState.READY:
             # Erase the record before the blocks can be reused: a restart must never adopt an
             # entry whose blocks belong to someone else.
-            self._journal.erase_slot(entry.slot)
+            if journal:
+                self._journal.erase_slot(entry.slot)
             self._policy.on_removed(entry.key)
             if entry.pins == 0:
                 self._set_evictable(entry, False)

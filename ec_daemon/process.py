@@ -89,7 +89,7 @@ class DaemonProcess:
                 raise RuntimeError(f"daemon exited with {code}:\n{self.log()}")
             if self.socket.exists():
                 try:
-                    if check_health(shared_channel(self.address), options) == "SERVING":
+                    if check_health(shared_channel(options), options) == "SERVING":
                         return
                 except EcdError:
                     pass  # bound but not serving yet

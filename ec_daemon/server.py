@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_daemon import checks, systemd
+from ec_daemon import auth, checks, systemd
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
@@ -63,12 +63,18 @@ def build_store(config: Config, hub: EventHub) -> Store:
         lease_ttl_s=config.lease_ttl,
         eviction=config.eviction,
         max_entries_per_pool=config.max_entries_per_pool,
+        max_pool_bytes=config.max_pool_bytes,
         file_access=access,
     )
     return Store(store_config, clock=time.monotonic, on_event=hub.publish)
 
 
 async def start(config: Config) -> Daemon:
+    try:
+        guard = auth.guard_from_files(config.token_file, config.acl_file)
+    except auth.AuthConfigError as exc:
+        raise checks.StartupError(str(exc)) from exc
+    tls = tcp_credentials(config)
     checks.check_shm_dir(config.shm_dir)
     if config.hugepages:
         checks.check_hugepages(
@@ -104,7 +110,7 @@ async def start(config: Config) -> Daemon:
         ]
     )
     service = EncoderCacheService(
-        store, hub, Limits(max_batch=config.max_batch), observe=metrics.observe
+        store, hub, Limits(max_batch=config.max_batch), observe=metrics.observe, guard=guard
     )
     pb_grpc.add_EncoderCacheServicer_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -118,7 +124,13 @@ async def start(config: Config) -> Daemon:
         server,
     )
     bind_unix_socket(server, config)
-    if config.tcp:
+    if config.tcp and tls is not None:
+        server.add_secure_port(config.tcp, tls)
+    elif config.tcp:
+        log.warning(
+            "TCP without TLS: anyone who can reach the port can use the cache; use --tls-cert",
+            extra={"tcp": config.tcp},
+        )
         server.add_insecure_port(config.tcp)
     await server.start()
     secure_socket(config)
@@ -127,6 +139,7 @@ async def start(config: Config) -> Daemon:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
+    daemon.tasks.append(asyncio.create_task(check_pools(store, config.pool_check_interval)))
     interval = systemd.watchdog_interval_s()
     if interval:
         daemon.tasks.append(asyncio.create_task(feed_watchdog(interval)))
@@ -136,6 +149,8 @@ async def start(config: Config) -> Daemon:
         extra={
             "socket": str(config.socket),
             "tcp": config.tcp or "off",
+            "tls": "mutual" if config.tls_client_ca else "on" if tls else "off",
+            "auth": "tokens+acl" if config.acl_file else "tokens" if guard.enabled else "off",
             "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
             "shm_dir": str(config.shm_dir),
             "max_bytes": store.config.max_bytes,
@@ -145,6 +160,27 @@ async def start(config: Config) -> Daemon:
         },
     )
     return daemon
+
+
+def tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """TLS for the TCP port (mutual when a client CA is given), or None for plain TCP."""
+    if config.tls_cert is None and config.tls_key is None:
+        if config.tls_client_ca is not None:
+            raise checks.StartupError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if config.tls_cert is None or config.tls_key is None:
+        raise checks.StartupError("TLS needs both --tls-cert and --tls-key")
+    if not config.tcp:
+        raise checks.StartupError("--tls-cert is for the TCP port: add --tcp HOST:PORT")
+    try:
+        chain = config.tls_cert.read_bytes()
+        key = config.tls_key.read_bytes()
+        ca = config.tls_client_ca.read_bytes() if config.tls_client_ca else None
+    except OSError as exc:
+        raise checks.StartupError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def bind_unix_socket(server: grpc.aio.Server, config: Config) -> None:
@@ -176,6 +212,16 @@ async def reap_sessions(store: Store) -> None:
                     "aborted": end.aborted,
                     "released": end.released,
                 },
+            )
+
+
+async def check_pools(store: Store, interval_s: float) -> None:
+    """Notice pool files truncated or overwritten behind the daemon's back (see verify_pools)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for engine_id in store.verify_pools():
+            log.error(
+                "pool refused: its file changed under the daemon", extra={"engine_id": engine_id}
             )
 
 

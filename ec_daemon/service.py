@@ -19,6 +19,7 @@ from ec_client import __version__
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate
+from ec_daemon.auth import Guard
 from ec_daemon.errors import Code, CoreError, ItemStatus
 from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.index import Entry, EntryState, Event, EventType, Outcome, TensorSpec
@@ -39,7 +40,7 @@ MAX_LIST_LIMIT = 100_000
 
 
 def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
-    """Turn CoreError into a gRPC error, time the call for metrics, and never let a bug escape."""
+    """Check the caller's token and grants, turn CoreError into a gRPC error, time the call."""
 
     @functools.wraps(method)
     async def handle(
@@ -47,6 +48,7 @@ def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
     ) -> Reply:
         started = time.perf_counter()
         try:
+            self.authorize(method.__name__, request, context)
             return await method(self, request, context)
         except CoreError as exc:
             await abort(self.store, context, exc)
@@ -134,11 +136,19 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         hub: EventHub,
         limits: validate.Limits,
         observe: Callable[[str, float], None] = lambda method, seconds: None,
+        guard: Guard | None = None,
     ) -> None:
         self.store = store
         self.hub = hub
         self.limits = limits
         self.observe = observe
+        self.guard = guard or Guard(None, None)
+
+    def authorize(
+        self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        engine_id = getattr(request, "engine_id", "")
+        self.guard.check(rpc, engine_id, tuple(context.invocation_metadata() or ()))
 
     @property
     def epoch(self) -> str:
@@ -460,6 +470,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.WatchEvent]:
         try:
+            self.authorize("Watch", request, context)
             engine_id = validate.engine_id(request.engine_id) if request.engine_id else ""
             pools = [self.store.pool(engine_id)] if engine_id else self.store.pools()
         except CoreError as exc:

@@ -43,6 +43,7 @@ class StoreConfig:
     lease_ttl_s: float = 10.0
     eviction: str = "lru"
     max_entries_per_pool: int = 65536  # slot table size: 1 KiB of pool file per entry
+    max_pool_bytes: int | None = None  # capacity one pool may ask for; None: the whole budget
     file_access: FileAccess = field(default_factory=FileAccess)
 
 
@@ -173,6 +174,14 @@ class Store:
     ) -> tuple[Pool, bool]:
         """Attach to the pool of this engine_id or create it; returns (pool, created)."""
         num_blocks = capacity_bytes // block_size_bytes
+        limit = self.config.max_pool_bytes
+        if limit is not None and capacity_bytes > limit:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"capacity_bytes {capacity_bytes} is over the per-pool limit of {limit} bytes "
+                "(--max-pool-bytes)",
+                Reason.BUDGET,
+            )
         pool = self._pools.get(engine_id)
         if pool is not None:
             have = pool.file.header
@@ -260,15 +269,39 @@ class Store:
                 f"pool {engine_id!r} has {snapshot.entries_pending} PENDING entries and "
                 f"{snapshot.pins} pins outstanding; wait, or drop with force",
             )
+        dropped = self._forget(pool)
+        pool.file.unlink()
+        log.info("pool dropped", extra={"engine_id": engine_id, "entries": dropped})
+        return dropped
+
+    def verify_pools(self) -> list[str]:
+        """Refuse every pool whose file was truncated or overwritten behind the daemon's back.
+
+        Its entries can no longer be trusted, and clients mapping a truncated file would fault:
+        the pool is forgotten (as if dropped) but its file is left in place for inspection, and
+        OpenPool of its engine_id fails until an operator removes it. Returns the refused ids.
+        """
+        refused = []
+        for pool in list(self._pools.values()):
+            try:
+                pool.file.verify()
+            except (LayoutError, OSError) as exc:
+                self._forget(pool)
+                pool.file.close()
+                self._refuse(pool.engine_id, pool.file.path, f"changed under the daemon: {exc}")
+                refused.append(pool.engine_id)
+        return refused
+
+    def _forget(self, pool: Pool) -> int:
+        """Remove a pool with every entry, pin and pending allocation in it; tell watchers."""
+        engine_id = pool.engine_id
         for session, lease in self.sessions.leases_on(engine_id):
             del session.leases[lease.id]
         for session in self.sessions.all():
             session.pending = {(e, k) for e, k in session.pending if e != engine_id}
         dropped = pool.index.drop_all()
         del self._pools[engine_id]
-        pool.file.unlink()
         self._on_event(Event(EventType.POOL_DROPPED, engine_id))
-        log.info("pool dropped", extra={"engine_id": engine_id, "entries": dropped})
         return dropped
 
     # ---- entries -------------------------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""Who may call what: bearer tokens and per-pool access lists.
+
+- With a token file, every EncoderCache RPC must carry `authorization: Bearer <token>` naming a
+  known token (UNAUTHENTICATED otherwise). The health service and reflection stay open, so
+  probes and grpcurl need no secret; neither reveals cache contents.
+- With an access list as well, each RPC needs a grant for its action on its pool
+  (PERMISSION_DENIED otherwise): produce (Allocate, Commit, Abort), consume (Acquire, Lookup,
+  ListEntries, Watch and Stats of one pool), admin (Evict, Delete, DropPool, and Stats or Watch of
+  every pool at once). OpenPool needs produce or consume. Session RPCs need only a valid token:
+  a session ID is an unguessable capability, so Release and KeepAlive need no pool grant.
+
+Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); `#` comments.
+Access list (TOML):
+
+    [[rule]]
+    pools = ["qwen-vl-*"]          # shell-style patterns of engine_id
+    produce = ["encoder"]          # names from the token file; "*" is every name
+    consume = ["encoder", "decoder"]
+    admin = ["ops"]                # admin implies produce and consume
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import hmac
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ec_daemon.errors import Code, CoreError
+
+
+class Action(enum.Enum):
+    SESSION = "session"
+    PRODUCE = "produce"
+    CONSUME = "consume"
+    ADMIN = "admin"
+
+
+# The action each RPC performs. OpenPool is special-cased: produce or consume will do.
+RPC_ACTIONS: dict[str, Action] = {
+    "OpenSession": Action.SESSION,
+    "KeepAlive": Action.SESSION,
+    "CloseSession": Action.SESSION,
+    "Release": Action.SESSION,
+    "OpenPool": Action.CONSUME,
+    "Allocate": Action.PRODUCE,
+    "Commit": Action.PRODUCE,
+    "Abort": Action.PRODUCE,
+    "Acquire": Action.CONSUME,
+    "Lookup": Action.CONSUME,
+    "ListEntries": Action.CONSUME,
+    "Watch": Action.CONSUME,
+    "Stats": Action.CONSUME,
+    "Evict": Action.ADMIN,
+    "Delete": Action.ADMIN,
+    "DropPool": Action.ADMIN,
+}
+
+
+class AuthConfigError(ValueError):
+    """A token file or access list that cannot be used; the message names the file and line."""
+
+
+def load_tokens(path: Path) -> dict[str, str]:
+    """token -> name."""
+    tokens: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise AuthConfigError(f"{path}:{number}: expected `NAME TOKEN` or `TOKEN`")
+        name, token = parts if len(parts) == 2 else ("default", parts[0])
+        if len(token) < 16:
+            raise AuthConfigError(f"{path}:{number}: token of {name!r} is shorter than 16 chars")
+        tokens[token] = name
+    if not tokens:
+        raise AuthConfigError(f"{path}: no tokens")
+    return tokens
+
+
+@dataclass(frozen=True)
+class Rule:
+    pools: tuple[str, ...]
+    grants: Mapping[Action, frozenset[str]]
+
+    def allows(self, name: str, action: Action, engine_id: str) -> bool:
+        if not any(fnmatch.fnmatchcase(engine_id, p) for p in self.pools):
+            return False
+        for granted in (action, Action.ADMIN):
+            names = self.grants.get(granted, frozenset())
+            if name in names or "*" in names:
+                return True
+        return False
+
+
+def load_rules(path: Path) -> list[Rule]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise AuthConfigError(f"cannot read access list {path}: {exc}") from exc
+    rules = []
+    for i, raw in enumerate(data.get("rule", [])):
+        unknown = set(raw) - {"pools", "produce", "consume", "admin"}
+        if unknown or not raw.get("pools"):
+            raise AuthConfigError(
+                f"{path}: rule {i + 1} needs `pools` and may have produce/consume/admin; "
+                f"unknown keys: {sorted(unknown)}"
+            )
+        grants = {
+            action: frozenset(raw.get(action.value, []))
+            for action in (Action.PRODUCE, Action.CONSUME, Action.ADMIN)
+        }
+        rules.append(Rule(tuple(raw["pools"]), grants))
+    return rules
+
+
+def guard_from_files(token_file: Path | None, acl_file: Path | None) -> Guard:
+    try:
+        tokens = load_tokens(token_file) if token_file else None
+    except OSError as exc:
+        raise AuthConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+    return Guard(tokens, load_rules(acl_file) if acl_file else None)
+
+
+class Guard:
+    """Checks each call; with no token file it lets everything through."""
+
+    def __init__(self, tokens: Mapping[str, str] | None, rules: Sequence[Rule] | None) -> None:
+        if rules is not None and tokens is None:
+            raise AuthConfigError("an access list needs a token file to name the callers")
+        self._tokens = dict(tokens or {})
+        self._rules = list(rules) if rules is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens)
+
+    def check(self, rpc: str, engine_id: str, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+        """The caller's name; raises CoreError UNAUTHENTICATED or PERMISSION_DENIED."""
+        if not self._tokens:
+            return ""
+        name = self._identify(metadata)
+        action = RPC_ACTIONS[rpc]
+        if self._rules is None or action is Action.SESSION:
+            return name
+        if not engine_id:
+            action = Action.ADMIN  # every pool at once
+        wanted = (Action.PRODUCE, Action.CONSUME) if rpc == "OpenPool" else (action,)
+        if not any(r.allows(name, a, engine_id or "*") for r in self._rules for a in wanted):
+            what = " or ".join(a.value for a in wanted)
+            where = f"pool {engine_id!r}" if engine_id else "every pool"
+            raise CoreError(
+                Code.PERMISSION_DENIED,
+                f"{name!r} may not {what} in {where} ({rpc}): no rule grants it",
+            )
+        return name
+
+    def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+        header = next((str(v) for k, v in metadata if k == "authorization"), "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise CoreError(
+                Code.UNAUTHENTICATED,
+                "missing bearer token: send `authorization: Bearer <token>` "
+                "(ec_client: token= or ECD_TOKEN / ECD_TOKEN_FILE)",
+            )
+        for known, name in self._tokens.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                return name
+        raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")

@@ -1,0 +1,228 @@
+"""Access control on a real daemon: bearer tokens, per-pool access lists, TLS and mutual TLS,
+file and socket permissions, size limits."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from ecd_testing import Daemon, running_daemon
+from pki_testing import make_pki
+
+from ec_client import AllocateItem, Client, EcdError, Status
+from ec_client._connection import TLSFiles
+from ec_daemon.process import DaemonProcess, new_shm_dir
+
+TOKENS = {
+    "encoder": "enc-0123456789abcdef",
+    "decoder": "dec-0123456789abcdef",
+    "ops": "ops-0123456789abcdef",
+}
+ACL = """
+[[rule]]
+pools = ["vl-*"]
+produce = ["encoder"]
+consume = ["encoder", "decoder"]
+
+[[rule]]
+pools = ["*"]
+admin = ["ops"]
+"""
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    directory = tmp_path_factory.mktemp("auth")
+    tokens = directory / "tokens"
+    tokens.write_text("".join(f"{name} {token}\n" for name, token in TOKENS.items()))
+    acl = directory / "acl.toml"
+    acl.write_text(ACL)
+    with running_daemon(
+        "--max-bytes", "64MiB", "--token-file", str(tokens), "--acl-file", str(acl)
+    ) as daemon:
+        yield daemon
+
+
+def as_(daemon: Daemon, name: str) -> Client:
+    return Client(daemon.address, name=name, token=TOKENS[name], keepalive=False)
+
+
+def code_of(call: object) -> grpc.StatusCode:
+    with pytest.raises(EcdError) as info:
+        call()  # type: ignore[operator]
+    return info.value.code
+
+
+def test_a_call_without_a_token_is_unauthenticated(secured: Daemon) -> None:
+    with pytest.raises(EcdError) as info:
+        Client(secured.address, name="anonymous", keepalive=False)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "bearer token" in info.value.message
+
+
+def test_a_call_with_an_unknown_token_is_unauthenticated(secured: Daemon) -> None:
+    with pytest.raises(EcdError) as info:
+        Client(secured.address, token="not-a-real-token-at-all", keepalive=False)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "unknown bearer token" in info.value.message
+
+
+def test_health_needs_no_token_so_probes_work(secured: Daemon) -> None:
+    assert secured.running
+    from ec_client._connection import Options
+    from ec_client.client import check_health, shared_channel
+
+    options = Options.make(secured.address, "probe", "admin", 2, 2, None)
+    assert check_health(shared_channel(options), options) == "SERVING"
+
+
+def test_granted_producers_and_consumers_share_a_pool(secured: Daemon) -> None:
+    with as_(secured, "encoder") as encoder, as_(secured, "decoder") as decoder:
+        encoder.open_pool("vl-node1", BLOCK, 64 * BLOCK)
+        decoder.open_pool("vl-node1", BLOCK, 64 * BLOCK)
+        encoder.allocate("vl-node1", [AllocateItem("img", (16,), "uint8")])
+        encoder.commit("vl-node1", ["img"])
+        [hit] = decoder.acquire("vl-node1", ["img"])
+        assert hit.status is Status.HIT
+        decoder.release([hit.lease_id])
+
+
+def test_a_consumer_may_not_produce(secured: Daemon) -> None:
+    with as_(secured, "decoder") as decoder:
+        decoder.open_pool("vl-node1", BLOCK, 64 * BLOCK)
+        items = [AllocateItem("forged", (16,), "uint8")]
+        assert code_of(lambda: decoder.allocate("vl-node1", items)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+
+
+def test_nobody_but_an_admin_may_evict(secured: Daemon) -> None:
+    with as_(secured, "encoder") as encoder, as_(secured, "ops") as ops:
+        encoder.open_pool("vl-node1", BLOCK, 64 * BLOCK)
+        encoder.allocate("vl-node1", [AllocateItem("victim", (16,), "uint8")])
+        encoder.commit("vl-node1", ["victim"])
+        denied = code_of(lambda: encoder.evict("vl-node1", ["victim"]))
+        assert denied == grpc.StatusCode.PERMISSION_DENIED
+        assert [r.status for r in ops.evict("vl-node1", ["victim"])] == [Status.OK]
+
+
+def test_pools_outside_every_grant_are_closed(secured: Daemon) -> None:
+    with as_(secured, "decoder") as decoder:
+        with pytest.raises(EcdError) as info:
+            decoder.open_pool("other-model", BLOCK, 64 * BLOCK)
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "'decoder' may not produce or consume in pool 'other-model'" in info.value.message
+
+
+def test_stats_of_every_pool_is_for_admins(secured: Daemon) -> None:
+    with as_(secured, "decoder") as decoder, as_(secured, "ops") as ops:
+        assert code_of(decoder.stats) == grpc.StatusCode.PERMISSION_DENIED
+        assert ops.stats().max_bytes == 64 << 20
+
+
+def test_a_bad_token_file_stops_the_daemon_at_startup(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("encoder short\n")
+    daemon = DaemonProcess(tmp_path, new_shm_dir(), ("--token-file", str(tokens)))
+    with pytest.raises(RuntimeError, match="shorter than 16"):
+        daemon.start()
+    assert daemon.proc is not None and daemon.proc.returncode == 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_tls_on_tcp_serves_clients_that_trust_the_ca_and_not_plaintext(tmp_path: Path) -> None:
+    ca, server, _ = make_pki(tmp_path)
+    port = free_port()
+    args = (
+        "--max-bytes",
+        "64MiB",
+        "--tcp",
+        f"127.0.0.1:{port}",
+        "--tls-cert",
+        str(server.cert),
+        "--tls-key",
+        str(server.key),
+    )
+    with running_daemon(*args):
+        with Client(f"127.0.0.1:{port}", tls=TLSFiles(ca=ca), keepalive=False) as c:
+            assert c.health() == "SERVING"
+        with pytest.raises(EcdError) as info:
+            Client(f"127.0.0.1:{port}", keepalive=False, connect_timeout_s=1)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path: Path) -> None:
+    ca, server, client = make_pki(tmp_path)
+    port = free_port()
+    args = (
+        "--max-bytes",
+        "64MiB",
+        "--tcp",
+        f"127.0.0.1:{port}",
+        "--tls-cert",
+        str(server.cert),
+        "--tls-key",
+        str(server.key),
+        "--tls-client-ca",
+        str(ca),
+    )
+    with running_daemon(*args):
+        mutual = TLSFiles(ca=ca, cert=client.cert, key=client.key)
+        with Client(f"127.0.0.1:{port}", tls=mutual, keepalive=False) as c:
+            assert c.stats().sessions == 1
+        with pytest.raises(EcdError):
+            Client(f"127.0.0.1:{port}", tls=TLSFiles(ca=ca), keepalive=False, connect_timeout_s=1)
+
+
+def test_pool_files_and_socket_take_the_configured_group_and_modes() -> None:
+    gid = os.getgid()
+    args = (
+        "--max-bytes",
+        "64MiB",
+        "--socket-group",
+        str(gid),
+        "--socket-mode",
+        "0600",
+        "--pool-group",
+        str(gid),
+        "--pool-mode",
+        "0660",
+    )
+    with running_daemon(*args) as daemon, daemon.client() as c:
+        info = c.open_pool("grouped", BLOCK, 64 * BLOCK)
+        pool_stat, socket_stat = os.stat(info.path), os.stat(daemon.socket)
+        assert (stat.S_IMODE(pool_stat.st_mode), pool_stat.st_gid) == (0o660, gid)
+        assert (stat.S_IMODE(socket_stat.st_mode), socket_stat.st_gid) == (0o600, gid)
+
+
+def test_a_pool_larger_than_the_per_pool_limit_is_refused() -> None:
+    with running_daemon("--max-bytes", "64MiB", "--max-pool-bytes", "1MiB") as d, d.client() as c:
+        with pytest.raises(EcdError) as info:
+            c.open_pool("big", BLOCK, 2 << 20)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "per-pool limit" in info.value.message
+        assert c.open_pool("small", BLOCK, 1 << 20).num_blocks == 256
+
+
+def test_a_message_over_the_size_limit_is_resource_exhausted() -> None:
+    with (
+        running_daemon("--max-bytes", "64MiB", "--max-message-bytes", "64KiB") as d,
+        d.client() as c,
+    ):
+        c.open_pool("p", BLOCK, 64 * BLOCK)
+        keys = [b"k" * 200] * 1000  # ~200 KB of keys, under the batch limit
+        with pytest.raises(EcdError) as info:
+            c.lookup("p", keys)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert c.health() == "SERVING"
