@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from ecd_testing import Daemon, running_daemon
-from pki_testing import make_pki
+from pki_testing import Pair, make_pki
 
 from ec_client import AllocateItem, Client, EcdError, Status
 from ec_client._connection import TLSFiles
@@ -141,20 +141,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tls_args(port: int, server: Pair, client_ca: Path | None = None) -> tuple[str, ...]:
+    mutual = ("--tls-client-ca", str(client_ca)) if client_ca else ()
+    return ("--max-bytes", "64MiB", "--tcp", f"127.0.0.1:{port}", "--tls-cert",
+            str(server.cert), "--tls-key", str(server.key), *mutual)  # fmt: skip
+
+
 def test_tls_on_tcp_serves_clients_that_trust_the_ca_and_not_plaintext(tmp_path: Path) -> None:
     ca, server, _ = make_pki(tmp_path)
     port = free_port()
-    args = (
-        "--max-bytes",
-        "64MiB",
-        "--tcp",
-        f"127.0.0.1:{port}",
-        "--tls-cert",
-        str(server.cert),
-        "--tls-key",
-        str(server.key),
-    )
-    with running_daemon(*args):
+    with running_daemon(*tls_args(port, server)):
         with Client(f"127.0.0.1:{port}", tls=TLSFiles(ca=ca), keepalive=False) as c:
             assert c.health() == "SERVING"
         with pytest.raises(EcdError) as info:
@@ -165,19 +161,7 @@ def test_tls_on_tcp_serves_clients_that_trust_the_ca_and_not_plaintext(tmp_path:
 def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path: Path) -> None:
     ca, server, client = make_pki(tmp_path)
     port = free_port()
-    args = (
-        "--max-bytes",
-        "64MiB",
-        "--tcp",
-        f"127.0.0.1:{port}",
-        "--tls-cert",
-        str(server.cert),
-        "--tls-key",
-        str(server.key),
-        "--tls-client-ca",
-        str(ca),
-    )
-    with running_daemon(*args):
+    with running_daemon(*tls_args(port, server, client_ca=ca)):
         mutual = TLSFiles(ca=ca, cert=client.cert, key=client.key)
         with Client(f"127.0.0.1:{port}", tls=mutual, keepalive=False) as c:
             assert c.stats().sessions == 1
