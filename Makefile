@@ -5,16 +5,18 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install proto run test test-gpu bench lint format clean
+.PHONY: install proto run test test-gpu test-faults test-fuzz test-load bench lint format clean
 
 install: $(STAMP)
 
 # torch first, pinned: a bare torch requirement with no torch installed would pull a CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements-vllm.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps vllm==0.33.0
+	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
 	touch $@
 
 proto: $(STAMP)
@@ -32,6 +34,22 @@ bench: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests/gpu -v -s $(PYTEST_ARGS)
+
+# make test runs a sample of these three suites (pyproject.toml deselects slow and load tests);
+# their own targets run them in full. -m "slow or not slow" lifts the deselection.
+# Fault injection: 50 trials of each randomized fault kind, the slow ones too (4 GiB warm
+# restart); ECD_FAULT_SEED=N replays, ECD_FAULT_JSON=FILE keeps the tally and figures.
+test-faults: $(STAMP)
+	ECD_FAULT_TRIALS=$${ECD_FAULT_TRIALS:-50} $(PY) -m pytest tests/faults -m "slow or not slow" $(PYTEST_ARGS)
+
+# Hostile input: the long hypothesis profile, over 10,000 cases; ECD_FUZZ_JSON=FILE keeps counts.
+test-fuzz: $(STAMP)
+	ECD_FUZZ_PROFILE=$${ECD_FUZZ_PROFILE:-long} $(PY) -m pytest tests/fuzz -m "slow or not slow" $(PYTEST_ARGS)
+
+# Load: 32 client processes for 60 s (ECD_LOAD_CLIENTS, ECD_LOAD_DURATION), figures printed and
+# written to ECD_LOAD_JSON=FILE if set.
+test-load: $(STAMP)
+	$(PY) -m pytest tests/load -m load -s $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -82,6 +82,27 @@ def check_health(channel: grpc.Channel, options: Options, service: str = "") -> 
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
+class WatchStream:
+    """An open Watch call. Iterating it yields the events; `cancel()`, from any thread, ends the
+    iteration quietly (as the end of the stream); any other failure raises EcdError."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        try:
+            for event in self._call:
+                yield _wire.watch_event(event)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise EcdError.from_rpc(exc) from None
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class Client:
     def __init__(
         self,
@@ -231,17 +252,15 @@ class Client:
     def watch(self, engine_id: str = "", snapshot: bool = False) -> Iterator[WatchEvent]:
         """Events of one pool (or all) as they happen; with snapshot, first every READY key and
         then a SYNCED event. Stop early by closing the returned generator."""
-        stream = self._stub.Watch(
-            _wire.watch_request(engine_id, snapshot), metadata=self.options.metadata
+        return iter(self.open_watch(engine_id, snapshot))
+
+    def open_watch(self, engine_id: str = "", snapshot: bool = False) -> WatchStream:
+        """Like watch, as a stream that another thread can end with `cancel()`."""
+        return WatchStream(
+            self._stub.Watch(
+                _wire.watch_request(engine_id, snapshot), metadata=self.options.metadata
+            )
         )
-        try:
-            for event in stream:
-                yield _wire.watch_event(event)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise EcdError.from_rpc(exc) from None
-        finally:
-            stream.cancel()
 
     # ---- the call machinery --------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 
 from ecd_testing import Daemon, assert_blocks_accounted
 
@@ -82,6 +84,19 @@ def test_watch_streams_a_snapshot_then_live_events(daemon: Daemon) -> None:
             (EventType.EVICTED, b"before"),
         ]
         events.close()
+
+
+def test_a_watch_cancelled_from_another_thread_ends_its_iteration_quietly(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        stream = c.open_watch(POOL, snapshot=True)
+        seen: list[EventType] = []
+        reader = threading.Thread(target=lambda: seen.extend(e.type for e in stream))
+        reader.start()
+        time.sleep(0.2)  # the reader is blocked waiting for events after SYNCED
+        stream.cancel()
+        reader.join(timeout=2)
+        assert not reader.is_alive() and seen == [EventType.SYNCED]
 
 
 def test_the_socket_and_pool_files_are_private_by_default(daemon: Daemon) -> None:

@@ -1,0 +1,145 @@
+"""ConnectorConfig: what the connector takes from vLLM's config, parsed and checked once.
+
+Both sides of an engine (the scheduler process and every worker) build it from the same
+VllmConfig, so they agree on the pool without talking to each other. vLLM passes
+`ec_connector_extra_config` through untouched: a value given on the command line as a JSON string
+stays a string, so every number here is parsed from an int or a string alike.
+
+Keys of `ec_connector_extra_config`:
+
+- `ec_cpu_bytes` (required): pool capacity in bytes (`8589934592` or `"8GiB"`). Every engine on
+  a shared pool must give the same value: the daemon refuses a second geometry.
+- `ecd_address`: the daemon's gRPC target; default `ECD_ADDRESS`, else the default socket.
+- `ecd_pool`: the pool's name. Default `<instance_id>_dp<rank>`, as ECCPUConnector names its
+  region: private to this engine and this run, dropped at shutdown. Name a pool to share it
+  between engines (a producer and a consumer engine) or to keep it across engine restarts.
+- `ecd_wait_ms`: how long a consumer holds a request back while an item it needs is not in the
+  pool yet (another engine may be encoding it), before encoding it itself. Default 0.
+- `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
+  retries while the daemon is unreachable. Default 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ec_client.layout import ENGINE_ID_PATTERN
+from ec_client.mover import dtype_name
+from ec_client.units import parse_size
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings and the pool's identity and geometry.
+
+    Invariant: two engines compute the same (pool, block_size_bytes, capacity_bytes, compat_key)
+    exactly when they may share cache entries; the daemon refuses any other combination.
+    """
+
+    address: str | None  # None: the client's default (ECD_ADDRESS, else the default socket)
+    pool: str
+    pool_is_private: bool  # the default, per-run name: nobody else can find it, so drop it at end
+    capacity_bytes: int
+    block_size_bytes: int  # one row of the LM's input embeddings: width x dtype size
+    dtype: str  # the model dtype, the dtype of every stored encoder output
+    compat_key: str
+    is_producer: bool
+    is_consumer: bool
+    wait_s: float
+    connect_timeout_s: float
+    load_reports: int  # distinct worker ranks that must report a load before its pin goes
+    client_name: str
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
+        import vllm
+
+        ec = vllm_config.ec_transfer_config
+        if ec is None:
+            raise ValueError("ECDaemonConnector needs an ec_transfer_config")
+        extra: dict[str, Any] = dict(ec.ec_connector_extra_config or {})
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+
+        dtype = model.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"model dtype {dtype!r} is not a torch dtype")
+        width = int(model.get_inputs_embeds_size())
+        name = dtype_name(dtype)
+        capacity = _size(extra, "ec_cpu_bytes")
+        block = width * dtype.itemsize
+        if capacity < block:
+            raise ValueError(
+                f"ec_cpu_bytes={capacity} is smaller than one block ({block} bytes: embedding "
+                f"width {width} x {dtype.itemsize}-byte {name})"
+            )
+
+        pool = extra.get("ecd_pool")
+        private = pool is None
+        if private:
+            pool = f"{vllm_config.instance_id}_dp{parallel.data_parallel_index}"
+        if not isinstance(pool, str) or not ENGINE_ID_PATTERN.match(pool):
+            raise ValueError(
+                f"ecd_pool {pool!r} is not a pool name: use 1-128 of A-Z a-z 0-9 . _ -, "
+                "starting with a letter or digit"
+            )
+        address = extra.get("ecd_address")
+        # Only the mp executor gathers every rank's output (ECOutputAggregator); the others hand
+        # the scheduler one rank's, so waiting for more reports would hold a pin forever. This
+        # mirrors ECCPUConnector.
+        load_reports = (
+            parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
+            if parallel.distributed_executor_backend == "mp"
+            else 1
+        )
+        return cls(
+            address=str(address) if address else None,
+            pool=pool,
+            pool_is_private=private,
+            capacity_bytes=capacity,
+            block_size_bytes=block,
+            dtype=name,
+            compat_key=f"{model.model}|{name}|{width}|vllm {vllm.__version__}",
+            is_producer=bool(ec.is_ec_producer),
+            is_consumer=bool(ec.is_ec_consumer),
+            wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
+            connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),
+            load_reports=load_reports,
+            client_name=f"vllm-{pool}-pid{os.getpid()}",
+        )
+
+
+def _size(extra: dict[str, Any], key: str) -> int:
+    value = extra.get(key)
+    if value is None or isinstance(value, bool):
+        raise ValueError(
+            f"{key} must be given in ec_connector_extra_config (pool capacity in bytes, "
+            'e.g. 8589934592 or "8GiB")'
+        )
+    try:
+        size = parse_size(value if isinstance(value, int) else str(value))
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    if size <= 0:
+        raise ValueError(f"{key} must be positive, got {value!r}")
+    return size
+
+
+def _number(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{key} must not be negative, got {value!r}")
+    return number

@@ -1,0 +1,220 @@
+"""LoadBook: the scheduler side's pins and the loads dispatched out of them (no RPCs here).
+
+Why pins come first. When `has_cache_item(key)` answers True, vLLM's scheduler does not schedule
+the encoder for that input: the worker must then find the tensor in its encoder cache, or the
+forward pass raises "Encoder cache miss" (vllm/v1/worker/gpu/mm/encoder_runner.py) and takes the
+whole engine down; a stand-in tensor would instead compute, and prefix-cache, the request's KV
+from wrong embeddings. The decision cannot be taken back when the step's metadata is built, and
+`take_unavailable_requests` is read only after the step ran. So the connector answers True only
+for entries it already holds a pin on, taken in an earlier step:
+
+    admit (ensure_cache_available): a key the pool has READY but we hold no pin on is *wanted*;
+        the request waits one step.
+    flush (build_connector_meta): one Acquire for every wanted key -> Pin, or *missed*.
+    next step: admit passes, has_cache_item is True, dispatch mints a transfer ID.
+    workers report the transfer ID from every rank -> the pin is released (one Release a step).
+
+A missed key (evicted between the view's READY and the Acquire) is encoded by its request
+instead, and that request is not held back for that key again, so nothing waits forever. Nor is
+a request held back for a key already scheduled for it (loaded or encoded): a request whose
+prefill spans several steps is asked about again every step, and its encoder output is on the
+GPU by then.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ec_client.types import AcquireResult, Extent, Status, TensorSpec
+from ec_client.vllm.metadata import LoadOrder
+
+
+@dataclass
+class Pin:
+    """A lease this engine holds on one READY entry, so it cannot be evicted.
+
+    Released once no waiting request counts on it (`holders` empty) and every copy dispatched
+    out of it was reported by every rank (`transfers` empty).
+    """
+
+    lease_id: int
+    extents: tuple[Extent, ...]
+    spec: TensorSpec
+    holders: set[str] = field(default_factory=set)
+    transfers: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Dispatch:
+    """One copy of a pinned entry ordered to the workers, under a transfer ID never reused.
+    Done when as many distinct ranks as the LoadBook needs reported it; `requests` are the
+    requests that read it (they fail if the pin is lost before that)."""
+
+    key: str
+    requests: set[str]
+    ranks: set[int] = field(default_factory=set)
+
+
+class LoadBook:
+    def __init__(self, reports_needed: int) -> None:
+        self._reports_needed = reports_needed
+        self._pins: dict[str, Pin] = {}
+        self._transfers: dict[int, Dispatch] = {}
+        self._next_transfer_id = 0
+        self._step: dict[str, LoadOrder] = {}  # this step's dispatches, one per key
+        self._wanted: dict[str, set[str]] = {}  # key -> requests waiting for its pin
+        self._no_wait: set[tuple[str, str]] = set()  # (request, key): missed, or scheduled
+        self._absent_since: dict[tuple[str, str], float] = {}  # (request, key) -> first seen
+        self._by_request: defaultdict[str, set[str]] = defaultdict(set)  # for forget()
+        self._releases: list[int] = []
+
+    # ---- the scheduler's questions -------------------------------------------------------------
+
+    def admit(
+        self,
+        request_id: str,
+        keys: Iterable[str],
+        ready: Callable[[str], bool],
+        now: float,
+        wait_s: float,
+    ) -> bool:
+        """Whether the request may be scheduled now: every key it still needs is pinned, or is
+        to be encoded. A key the pool has READY is wanted (pinned at the next flush); with
+        wait_s, a key the pool lacks is waited for that long (another engine may be encoding
+        it). Either holds the request back this step."""
+        admitted = True
+        for key in keys:
+            self._by_request[request_id].add(key)
+            if (request_id, key) in self._no_wait:
+                continue
+            pin = self._pins.get(key)
+            if pin is not None:
+                pin.holders.add(request_id)
+            elif key in self._wanted or ready(key):
+                self._wanted.setdefault(key, set()).add(request_id)
+                admitted = False
+            elif wait_s > 0:
+                since = self._absent_since.setdefault((request_id, key), now)
+                admitted = admitted and now - since >= wait_s
+        return admitted
+
+    def pinned(self, key: str) -> bool:
+        return key in self._pins
+
+    def scheduled(self, request_id: str, key: str) -> None:
+        """The scheduler allocated this input of the request (to encode or to load)."""
+        self._by_request[request_id].add(key)
+        self._no_wait.add((request_id, key))
+
+    def dispatch(self, request_id: str, key: str) -> bool:
+        """Order a copy of the pinned `key` for this request (one per key per step, shared by
+        the step's requests); False if there is no pin (the request cannot have it)."""
+        pin = self._pins.get(key)
+        if pin is None:
+            return False
+        self.scheduled(request_id, key)
+        pin.holders.discard(request_id)
+        order = self._step.get(key)
+        if order is None:
+            order = LoadOrder(self._next_transfer_id, pin.extents, pin.spec)
+            self._next_transfer_id += 1
+            self._step[key] = order
+            self._transfers[order.transfer_id] = Dispatch(key, set())
+            pin.transfers.add(order.transfer_id)
+        self._transfers[order.transfer_id].requests.add(request_id)
+        return True
+
+    def take_step(self) -> dict[str, LoadOrder]:
+        step, self._step = self._step, {}
+        return step
+
+    # ---- what the daemon and the workers answered ----------------------------------------------
+
+    def wanted(self) -> list[str]:
+        return list(self._wanted)
+
+    def acquired(
+        self,
+        keys: Sequence[str],
+        results: Sequence[AcquireResult],
+        usable: Callable[[TensorSpec], bool],
+    ) -> list[str]:
+        """Record one Acquire of `keys`; returns the keys that were not pinned (gone meanwhile,
+        or of a shape this engine cannot use). A pin that is not usable is released."""
+        missing = []
+        for key, result in zip(keys, results, strict=True):
+            requests = self._wanted.pop(key, set())
+            if result.status is Status.HIT and result.spec is not None and usable(result.spec):
+                self._pins[key] = Pin(result.lease_id, result.extents, result.spec, requests)
+                continue
+            if result.status is Status.HIT:
+                self._releases.append(result.lease_id)
+            self._no_wait.update((request_id, key) for request_id in requests)
+            missing.append(key)
+        return missing
+
+    def give_up_wanted(self) -> None:
+        """No Acquire can be made (the daemon is away): the waiting requests encode instead."""
+        for key, requests in self._wanted.items():
+            self._no_wait.update((request_id, key) for request_id in requests)
+        self._wanted.clear()
+
+    def report(self, transfer_id: int, rank: int) -> None:
+        """A rank finished a copy. Unknown IDs (late, repeated after completion, or from before
+        a restart) change nothing; a rank counts once per transfer."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            return
+        transfer.ranks.add(rank)
+        if len(transfer.ranks) < self._reports_needed:
+            return
+        del self._transfers[transfer_id]
+        pin = self._pins[transfer.key]
+        pin.transfers.discard(transfer_id)
+        self._release_if_unused(transfer.key)
+
+    def drop_holder(self, request_id: str, key: str) -> None:
+        """The request no longer needs `key` (consumed it, or finished)."""
+        pin = self._pins.get(key)
+        if pin is not None:
+            pin.holders.discard(request_id)
+            self._release_if_unused(key)
+        waiting = self._wanted.get(key)
+        if waiting is not None:
+            waiting.discard(request_id)
+            if not waiting:
+                del self._wanted[key]
+
+    def forget(self, request_id: str) -> None:
+        for key in self._by_request.pop(request_id, ()):
+            self.drop_holder(request_id, key)
+            self._no_wait.discard((request_id, key))
+            self._absent_since.pop((request_id, key), None)
+
+    def take_releases(self) -> list[int]:
+        releases, self._releases = self._releases, []
+        return releases
+
+    def requeue_releases(self, lease_ids: Iterable[int]) -> None:
+        self._releases.extend(lease_ids)
+
+    def void(self) -> set[str]:
+        """The daemon lost our pins (it restarted, or the pool was dropped). Forget them and the
+        releases owed; return the requests whose copies may have raced an eviction: they fail."""
+        failed = {r for transfer in self._transfers.values() for r in transfer.requests}
+        self._pins.clear()
+        self._transfers.clear()
+        self._releases.clear()
+        return failed
+
+    def busy(self) -> bool:
+        """Copies not yet reported, pins to take or releases owed."""
+        return bool(self._transfers or self._wanted or self._releases)
+
+    def _release_if_unused(self, key: str) -> None:
+        pin = self._pins[key]
+        if not pin.holders and not pin.transfers:
+            del self._pins[key]
+            self._releases.append(pin.lease_id)

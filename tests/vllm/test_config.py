@@ -1,0 +1,89 @@
+"""How the connector reads vLLM's config, and how vLLM finds the connector.
+
+Proves: extra-config values given as strings (vLLM does not coerce them) are parsed; a missing
+capacity or a bad pool name is refused naming the key; the pool geometry and compatibility key
+come from the model; vLLM's factory loads the class by name and module path; importing
+ec_client alone does not import vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from ecd_testing import run_python
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm_testing import WIDTH, EngineSpec
+
+from ec_client.vllm import ECDaemonConnector
+from ec_client.vllm.config import ConnectorConfig
+
+ADDRESS = "unix:///nonexistent/ecd.sock"
+
+
+def config(**spec: Any) -> ConnectorConfig:
+    return ConnectorConfig.from_vllm(EngineSpec(ADDRESS, **spec).vllm_config())
+
+
+def test_numbers_given_as_strings_are_parsed() -> None:
+    c = config(capacity="8GiB", extra={"ecd_wait_ms": "250", "ecd_connect_timeout_s": "1.5"})
+    assert (c.capacity_bytes, c.wait_s, c.connect_timeout_s) == (8 << 30, 0.25, 1.5)
+    assert config(capacity="1048576").capacity_bytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("spec", "key"),
+    [
+        ({"capacity": None}, "ec_cpu_bytes"),
+        ({"capacity": "lots"}, "ec_cpu_bytes"),
+        ({"capacity": 64}, "ec_cpu_bytes"),  # smaller than one block
+        ({"pool": "../escape"}, "ecd_pool"),
+        ({"extra": {"ecd_wait_ms": "soon"}}, "ecd_wait_ms"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_its_key(spec: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        config(**spec)
+
+
+def test_the_geometry_and_compat_key_come_from_the_model() -> None:
+    c = config(model="org/vlm-7b")
+    assert c.block_size_bytes == WIDTH * torch.float16.itemsize
+    assert c.compat_key == f"org/vlm-7b|float16|{WIDTH}|vllm 0.33.0"
+    assert c.address == ADDRESS and c.dtype == "float16"
+
+
+def test_the_default_pool_is_named_like_vllms_region_and_is_private() -> None:
+    spec = EngineSpec(ADDRESS)
+    c = ConnectorConfig.from_vllm(spec.vllm_config())
+    assert c.pool == f"{spec.instance_id}_dp0" and c.pool_is_private
+    assert not config(pool="node-pool").pool_is_private
+
+
+def test_loads_wait_for_every_tp_rank_with_the_multiprocess_executor() -> None:
+    assert config(tp=2).load_reports == 2
+
+
+def test_roles_map_to_producer_and_consumer() -> None:
+    roles = {
+        r: (config(role=r).is_producer, config(role=r).is_consumer)
+        for r in ("ec_producer", "ec_consumer", "ec_both")
+    }
+    assert roles == {
+        "ec_producer": (True, False),
+        "ec_consumer": (False, True),
+        "ec_both": (True, True),
+    }
+
+
+def test_vllm_finds_the_connector_by_name_and_module_path() -> None:
+    ec_config = EngineSpec(ADDRESS).vllm_config().ec_transfer_config
+    assert ECConnectorFactory.get_connector_class(ec_config) is ECDaemonConnector
+
+
+def test_importing_ec_client_does_not_import_vllm() -> None:
+    done = run_python(
+        "import sys, ec_client, ec_client.mover; assert 'vllm' not in sys.modules, 'imported'"
+    )
+    assert done.returncode == 0, done.stderr

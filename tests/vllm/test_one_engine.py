@@ -1,0 +1,112 @@
+"""One ec_both engine (scheduler here, one worker process) driven in vLLM's per-step call order.
+
+Proves: an encoded item is saved and committed only after the worker reported its copy; a later
+request loads it bit-identical instead of encoding it; the pin is taken before the scheduler is
+told "load" and released once the load is reported; a step costs at most one RPC of each kind
+and a miss costs none.
+"""
+
+from __future__ import annotations
+
+from ecd_testing import Daemon
+from vllm_testing import EngineFactory, digest, encoder_output, request
+
+from ec_client import EntryState
+
+
+def test_an_encoded_item_is_committed_only_after_the_worker_reported_its_copy(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine()
+    step = e.schedule([request("r1", "img-a")])
+    assert step.encode == {"img-a": 16} and "img-a" in step.metadata.saves
+    with daemon.client() as c:
+        assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.PENDING
+        e.finish(e.run(step))  # the worker copied and reported it
+        assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.PENDING
+        e.step()  # the next step's flush commits
+        assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.READY
+    assert not e.connector.has_pending_push_work()
+
+
+def test_an_item_saved_in_one_step_is_loaded_bit_identical_in_a_later_step(
+    engine: EngineFactory,
+) -> None:
+    e = engine()
+    e.step(request("r1", "img-a"))
+    e.settle()
+    held, result = e.admit(request("r2", "img-a"))
+    assert result.step.load == {"img-a"} and not result.step.encode
+    assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
+    assert held == 1  # one step to take the pin
+
+
+def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_after_the_load(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine()
+    e.step(request("r1", "img-a"))
+    e.settle()
+    r2 = request("r2", "img-a")
+    with daemon.client() as c:
+        first = e.step(r2)
+        assert first.step.held == {"r2"}
+        assert c.stats(e.pool).pools[0].pins == 1  # pinned, and only now may it be promised
+        second = e.step(r2)
+        assert second.step.load == {"img-a"}
+        assert c.stats(e.pool).pools[0].pins == 1  # held while the load is unreported
+        e.settle()
+        assert c.stats(e.pool).pools[0].pins == 0
+
+
+def test_a_miss_costs_no_round_trip(engine: EngineFactory) -> None:
+    e = engine(workers=False)
+    before = sum(e.scheduler.rpcs.values())
+    req = request("r1", *[f"new-{i}" for i in range(32)])
+    assert e.connector.ensure_cache_available(req, 0)
+    assert not any(e.connector.has_cache_item(f.identifier) for f in req.mm_features)
+    assert sum(e.scheduler.rpcs.values()) == before
+
+
+def test_a_step_makes_at_most_one_rpc_of_each_kind_however_many_images(
+    engine: EngineFactory,
+) -> None:
+    e = engine()
+    e.step(*[request(f"seed-{i}", f"old-{i}") for i in range(32)])
+    e.settle()
+    waiting, per_step = [], []
+    for s in range(4):  # 8 new requests a step, each with a cached image and a new one
+        waiting += [request(f"s{s}-{i}", f"old-{s * 8 + i}", f"new-{s * 8 + i}") for i in range(8)]
+        before = e.scheduler.rpcs.copy()
+        result = e.step(*waiting)
+        waiting = [r for r in waiting if r.request_id in result.step.held]
+        per_step.append(e.scheduler.rpcs - before)
+    assert all(count == 1 for step in per_step for count in step.values()), per_step
+    assert {"commit", "release", "acquire", "allocate"} <= per_step[2].keys(), per_step
+
+
+def test_a_request_finished_before_its_load_gives_its_pin_back(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine()
+    e.step(request("r1", "img-a"))
+    e.settle()
+    r2 = request("r2", "img-a")
+    e.step(r2)  # held back: the pin is taken for it
+    e.connector.request_finished(r2)  # aborted by the user before it ran
+    e.settle()
+    with daemon.client() as c:
+        assert c.stats(e.pool).pools[0].pins == 0
+
+
+def test_a_request_mid_prefill_is_not_held_back_for_an_image_it_already_has(
+    engine: EngineFactory,
+) -> None:
+    e = engine()
+    r1 = request("r1", "img-a")
+    e.step(r1)  # encoded, and saved: the pool has img-a from now on
+    e.settle()
+    before = e.scheduler.rpcs.copy()
+    assert e.connector.ensure_cache_available(r1, 1)  # its next chunk starts inside the image
+    e.step()
+    assert e.scheduler.rpcs == before  # no pin taken for it

@@ -1,0 +1,96 @@
+"""Two engines on one node sharing one pool by name (`ecd_pool`): an encoder engine
+(ec_producer) and a prefill/decode engine (ec_consumer), with no network transfer at all.
+
+Proves: the consumer loads what the producer saved, bit-identical, without encoding it; with
+ecd_wait_ms it waits for an item still being encoded elsewhere instead of encoding it twice; a
+producer does not save what the pool has; an engine that could misread the pool (other model,
+width or capacity) is refused at start with a message that says why; unnamed pools are private
+to their engine and dropped when it stops.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ecd_testing import Daemon
+from vllm_testing import EngineFactory, digest, encoder_output, request, wait_until
+
+from ec_client.vllm.scheduler import PoolRefused
+
+SHARED = "node-pool"
+
+
+def test_a_consumer_engine_loads_what_a_producer_engine_saved_through_the_shared_pool(
+    engine: EngineFactory,
+) -> None:
+    producer = engine(role="ec_producer", pool=SHARED)
+    consumer = engine(role="ec_consumer", pool=SHARED)
+    produced = producer.step(request("p1", "img-a"))
+    assert produced.step.encode == {"img-a": 16}
+    producer.settle()
+    wait_until(lambda: consumer.scheduler.view.has("img-a"))
+    _, result = consumer.admit(request("c1", "img-a"))
+    assert not result.step.encode
+    assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
+
+
+def test_a_consumer_with_ecd_wait_ms_waits_for_an_item_the_producer_is_still_encoding(
+    engine: EngineFactory,
+) -> None:
+    producer = engine(role="ec_producer", pool=SHARED)
+    consumer = engine(role="ec_consumer", pool=SHARED, extra={"ecd_wait_ms": "10000"})
+    waiting = request("c1", "img-a")
+    assert consumer.step(waiting).step.held == {"c1"}  # not in the pool: wait for it
+    producer.step(request("p1", "img-a"))
+    producer.settle()
+    wait_until(lambda: consumer.scheduler.view.has("img-a"))
+    _, result = consumer.admit(waiting)
+    assert result.step.load == {"img-a"} and not result.step.encode
+
+
+def test_a_consumer_without_ecd_wait_ms_encodes_a_missing_item_at_once(
+    engine: EngineFactory,
+) -> None:
+    consumer = engine(role="ec_consumer", pool=SHARED)
+    result = consumer.step(request("c1", "img-a"))
+    assert result.step.encode == {"img-a": 16} and not result.step.metadata.saves
+
+
+def test_a_producer_does_not_save_an_item_the_pool_already_has(engine: EngineFactory) -> None:
+    first = engine(role="ec_producer", pool=SHARED)
+    second = engine(role="ec_producer", pool=SHARED)
+    first.step(request("p1", "img-a"))
+    first.settle()
+    wait_until(lambda: second.scheduler.view.has("img-a"))
+    before = second.scheduler.rpcs.copy()
+    result = second.step(request("p2", "img-a"))  # a producer encodes whatever it is sent
+    assert result.step.encode and not result.step.metadata.saves
+    assert second.scheduler.rpcs == before
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("model", "other-org/other-vlm", "compat_key"),
+        ("width", 128, "block_size_bytes"),
+        ("capacity", 2 << 20, "num_blocks"),
+    ],
+)
+def test_an_engine_that_would_misread_a_shared_pool_is_refused_with_a_clear_error(
+    engine: EngineFactory, field: str, value: object, reason: str
+) -> None:
+    engine(workers=False, pool=SHARED)
+    with pytest.raises(PoolRefused) as refused:
+        engine(workers=False, pool=SHARED, **{field: value})
+    message = str(refused.value)
+    assert reason in message and SHARED in message and "ecd_pool" in message
+
+
+def test_an_unnamed_pool_is_private_to_its_engine_and_dropped_when_it_stops(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    first, second = engine(workers=False), engine(workers=False)
+    assert first.pool != second.pool
+    assert first.pool == f"{first.spec.instance_id}_dp0"  # vLLM's naming
+    first.close()
+    with daemon.client() as c:
+        assert {p.engine_id for p in c.stats().pools} == {second.pool}
