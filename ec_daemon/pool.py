@@ -122,9 +122,19 @@ class PoolFile:
         on_disk = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
         if on_disk != self.header:
             raise LayoutError("header changed under the daemon")
-        size = os.fstat(self._fd).st_size
-        if size < self.header.geometry.file_size:
-            raise LayoutError(f"file is {size} bytes, expected {self.header.geometry.file_size}")
+        held = os.fstat(self._fd)
+        if held.st_size < self.header.geometry.file_size:
+            raise LayoutError(
+                f"file is {held.st_size} bytes, expected {self.header.geometry.file_size}"
+            )
+        # Clients map the file by its path: one removed or replaced there is lost to them, however
+        # intact the file the daemon still holds open.
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            raise LayoutError(f"{self.path} was removed") from None
+        if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+            raise LayoutError(f"{self.path} was replaced by another file")
 
     def write_slot(self, slot: int, record: SlotRecord) -> None:
         # The mark is written after the rest: a crash in between leaves a record that is ignored.

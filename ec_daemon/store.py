@@ -7,6 +7,7 @@ it and translates; nothing here knows about gRPC or asyncio, and time comes from
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,13 +205,16 @@ class Store:
                     Reason.POOL_MISMATCH,
                 )
             return pool, False
-        if engine_id in self._refused:
+        if engine_id in self._refused and os.path.lexists(
+            self.config.shm_dir / pool_file_name(engine_id)
+        ):
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"pool file {self.config.shm_dir / pool_file_name(engine_id)} exists but was not "
                 f"adopted ({self._refused[engine_id]}); inspect it, remove it, then retry",
                 Reason.POOL_UNVERIFIED,
             )
+        self._refused.pop(engine_id, None)  # its file is gone (as the refusal asked): start anew
         geometry = Geometry(
             block_size_bytes, num_blocks, min(num_blocks, self.config.max_entries_per_pool)
         )

@@ -1,0 +1,306 @@
+"""Client processes SIGKILLed while they hold something: a producer mid-copy or between Allocate
+and Commit, a consumer holding pins. Whatever the dead client held is given back within one lease
+(plus the reaper's period), nothing it half-wrote is ever served, and everything READY still
+reads back bit-identical."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from ecd_testing import Daemon, running_daemon
+from workload_testing import (
+    FAULT_TRIALS,
+    Interpreters,
+    assert_intact,
+    make_tensor,
+    read_back,
+    ready_keys,
+    record_figure,
+    record_tally,
+    settled,
+    trial_rng,
+    wait_until,
+)
+
+from ec_client import AllocateItem, Client, EntryState, Producer, PutStatus, Status
+
+POOL = "faults"
+BLOCK = 4096
+CAPACITY = 128 << 20
+LEASE_TTL = 1.0
+REAPER_PERIOD = min(LEASE_TTL / 4, 1.0)  # ec_daemon.server.reap_sessions
+# The longest a dead client's holdings may outlive it: its last renewal was at most one TTL
+# before its death, the reaper looks every REAPER_PERIOD, and the test polls with some slack.
+GIVE_BACK_DEADLINE = LEASE_TTL + REAPER_PERIOD + 0.75
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Daemon]:
+    """One daemon for every trial of this module: state (and any leak) accumulates across them."""
+    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL)) as daemon:
+        yield daemon
+
+
+def survivor(daemon: Daemon) -> Client:
+    client = daemon.client(name="survivor")
+    client.open_pool(POOL, BLOCK, CAPACITY)
+    return client
+
+
+def keys_said(lines: list[str], word: str) -> list[bytes]:
+    return [k.encode() for line in lines if line.split(" ", 1)[0] == word for k in line.split()[1:]]
+
+
+# ---- a producer killed with entries PENDING ---------------------------------------------------
+
+HALF_WRITER = """
+c = Client(ADDRESS, name="victim")
+c.open_pool(POOL, BLOCK, CAPACITY)
+items = [AllocateItem(k, (n,), "uint8") for k, n in zip(KEYS, SIZES)]
+results = c.allocate(POOL, items)
+assert [r.status for r in results] == [Status.ALLOCATED] * len(KEYS), results
+mapping = PoolMapping.open(c.pool_info(POOL))
+for i, (key, n, r) in enumerate(zip(KEYS, SIZES, results)):
+    data = torch.frombuffer(bytearray(b"\\xee" * n), dtype=torch.uint8)
+    if STAGE == "mid-copy" and i == len(KEYS) // 2:
+        data = data[: n // 2]  # stop half-way through this entry's copy
+    offset = 0
+    for extent in r.extents:
+        region = mapping.region(extent)[: len(data) - offset]
+        region.copy_(data[offset : offset + region.numel()])
+        offset += region.numel()
+    if STAGE == "mid-copy" and i == len(KEYS) // 2:
+        break
+say(STAGE)
+time.sleep(600)
+"""
+
+
+@pytest.mark.fault_kind("producer killed (deterministic stage)")
+@pytest.mark.parametrize("stage", ["mid-copy", "between allocate and commit"])
+def test_a_producer_killed_with_entries_pending_never_exposes_them_and_frees_them_in_one_lease(
+    shared: Daemon, interpreters: Interpreters, stage: str
+) -> None:
+    keys = [f"torn-{stage[:3]}-{i}" for i in range(4)]
+    sizes = [300_000, 5_000, 1_000_000, 4096]
+    with survivor(shared) as c:
+        free_before = c.stats(POOL).pools[0].free_blocks
+        victim = interpreters.take().run(
+            HALF_WRITER,
+            ADDRESS=shared.address,
+            POOL=POOL,
+            BLOCK=BLOCK,
+            CAPACITY=CAPACITY,
+            KEYS=keys,
+            SIZES=sizes,
+            STAGE=stage,
+        )
+        victim.expect(stage)
+        # While the producer lives, its entries are PENDING: never served, and single-flight.
+        assert [r.state for r in c.lookup(POOL, keys)] == [EntryState.PENDING] * 4
+        assert {r.status for r in c.acquire(POOL, keys)} == {Status.PENDING}
+        others = c.allocate(
+            POOL, [AllocateItem(k, (n,), "uint8") for k, n in zip(keys, sizes, strict=True)]
+        )
+        assert {r.status for r in others} == {Status.PENDING}
+
+        killed_at = victim.kill()
+        wait_until(lambda: settled(c, POOL), GIVE_BACK_DEADLINE, "the dead producer's entries")
+        record_figure(
+            f"producer death -> blocks free, lease {LEASE_TTL:g} s", time.monotonic() - killed_at
+        )
+
+        assert [r.state for r in c.lookup(POOL, keys)] == [EntryState.ABSENT] * 4
+        assert c.stats(POOL).pools[0].free_blocks == free_before
+        # The keys can be produced again, and what is served is the new bytes, not the dead
+        # producer's 0xee.
+        tensors = {k: make_tensor(k, n) for k, n in zip(keys, sizes, strict=True)}
+        assert set(Producer(c, POOL, checksum=True).put_many(tensors).values()) == {
+            PutStatus.STORED
+        }
+        assert read_back(c, POOL, [k.encode() for k in keys]) == 4
+        assert_intact(c, POOL)
+        c.delete(POOL, keys)
+
+
+STREAMING_PRODUCER = """
+c = Client(ADDRESS, name="victim")
+c.open_pool(POOL, BLOCK, CAPACITY)
+producer = Producer(c, POOL, checksum=True)
+rng = random.Random(SEED)
+n = 0
+
+def next_batch():
+    global n
+    batch = {}
+    for _ in range(rng.randint(1, 8)):
+        key = f"{PREFIX}-{n}"
+        n += 1
+        dtype = rng.choice(["uint8", "float16", "bfloat16", "float32"])
+        batch[key] = make_tensor(key, 4 * rng.randrange(1, 65536), dtype)
+    return batch
+
+written = 0
+batch = next_batch()
+while written < BUDGET:
+    # As an engine would: launch the copies, prepare the next batch, then commit.
+    handle = producer.put_many_async(batch)
+    written += sum(t.nbytes for t in batch.values())
+    batch = next_batch()
+    statuses = handle.wait()
+    say("stored", *[k for k, s in statuses.items() if s is PutStatus.STORED])
+say("done")
+time.sleep(600)
+"""
+
+
+@pytest.mark.fault_kind("producer killed at a random point")
+@pytest.mark.parametrize("trial", range(FAULT_TRIALS))
+def test_a_producer_killed_at_a_random_point_loses_only_what_it_had_not_committed(
+    shared: Daemon, interpreters: Interpreters, trial: int
+) -> None:
+    rng, replay = trial_rng("producer", trial)
+    prefix = f"p{trial}"
+    with survivor(shared) as c:
+        evictions = c.stats(POOL).pools[0].evictions
+        victim = interpreters.take().run(
+            STREAMING_PRODUCER,
+            ADDRESS=shared.address,
+            POOL=POOL,
+            BLOCK=BLOCK,
+            CAPACITY=CAPACITY,
+            PREFIX=prefix,
+            SEED=rng.random(),
+            BUDGET=48 << 20,
+        )
+        victim.expect("stored")
+        time.sleep(rng.uniform(0, 0.3))
+        assert victim.proc.poll() is None, victim.describe()
+        killed_at = victim.kill()
+        pending_at_kill = c.stats(POOL).pools[0].entries_pending
+        wait_until(lambda: settled(c, POOL), GIVE_BACK_DEADLINE, f"the lease to end ({replay})")
+        if pending_at_kill:  # killed between an Allocate and its Commit
+            record_figure(
+                f"producer death -> blocks free, lease {LEASE_TTL:g} s",
+                time.monotonic() - killed_at,
+            )
+        record_tally("producer kills landing between allocate and commit", bool(pending_at_kill))
+
+        ready = assert_intact(c, POOL)
+        stored = set(keys_said(victim.said, "stored"))
+        mine = {k for k in ready if k.startswith(f"{prefix}-".encode())}
+        assert c.stats(POOL).pools[0].evictions == evictions, f"the pool overflowed ({replay})"
+        assert stored <= mine, f"committed entries lost: {sorted(stored - mine)[:5]} ({replay})"
+        # Anything more was committed just before the kill, before the victim could say so
+        # (one batch at most), and assert_intact has read it back bit-identical.
+        assert len(mine - stored) <= 8, replay
+        c.delete(POOL, sorted(mine))
+        assert_intact(c, POOL)
+
+
+# ---- a consumer killed holding pins ------------------------------------------------------------
+
+READER = """
+c = Client(ADDRESS, name="reader")
+c.open_pool(POOL, BLOCK, CAPACITY)
+consumer = Consumer(c, POOL, verify=True)
+rng = random.Random(SEED)
+keys = [k.encode() for k in KEYS]
+while True:
+    handle = consumer.get_many_async(rng.sample(keys, rng.randint(1, len(keys))))
+    say("pinned")
+    if rng.random() < 0.5:
+        time.sleep(rng.uniform(0, 0.05))
+    for key, tensor in handle.wait().items():
+        if tensor is not None and (problem := check_entry_bytes(key, tensor_bytes(tensor))):
+            say("corrupt", problem)
+"""
+
+
+@pytest.mark.fault_kind("consumer killed holding pins")
+@pytest.mark.parametrize("trial", range(FAULT_TRIALS))
+def test_a_consumer_killed_holding_pins_releases_them_within_one_lease(
+    shared: Daemon, interpreters: Interpreters, trial: int
+) -> None:
+    rng, replay = trial_rng("consumer", trial)
+    keys = [f"c{trial}-{i}" for i in range(12)]
+    with survivor(shared) as c:
+        free_before = c.stats(POOL).pools[0].free_blocks
+        tensors = {k: make_tensor(k, 4 * rng.randrange(1, 65536)) for k in keys}
+        assert set(Producer(c, POOL, checksum=True).put_many(tensors).values()) == {
+            PutStatus.STORED
+        }
+        victim = interpreters.take().run(
+            READER,
+            ADDRESS=shared.address,
+            POOL=POOL,
+            BLOCK=BLOCK,
+            CAPACITY=CAPACITY,
+            KEYS=keys,
+            SEED=rng.random(),
+        )
+        victim.expect("pinned")
+        # An operator acts on the entries being read: a pinned one deleted keeps its blocks until
+        # its last pin goes; a pinned one cannot be evicted.
+        action = rng.choice(["none", "delete", "evict"])
+        target = rng.choice(keys)
+        if action == "delete":
+            assert [r.status for r in c.delete(POOL, [target])] == [Status.OK]
+        elif action == "evict":
+            [evicted] = c.evict(POOL, [target])
+            assert evicted.status in (Status.OK, Status.FAILED_PRECONDITION), replay
+        time.sleep(rng.uniform(0, 0.3))
+        assert victim.proc.poll() is None, victim.describe()
+        killed_at = victim.kill()
+        pins_at_kill = c.stats(POOL).pools[0].pins
+        wait_until(lambda: settled(c, POOL), GIVE_BACK_DEADLINE, f"the pins to go ({replay})")
+        if pins_at_kill:
+            record_figure(
+                f"consumer death -> pins released, lease {LEASE_TTL:g} s",
+                time.monotonic() - killed_at,
+            )
+        record_tally("consumer kills landing while pins were held", bool(pins_at_kill))
+
+        assert not [line for line in victim.said if line.startswith("corrupt")], victim.said
+        ready = assert_intact(c, POOL)
+        mine = sorted(k for k in ready if k.startswith(f"c{trial}-".encode()))
+        # Nothing is pinned any more: every entry can be evicted, and then every block is free.
+        assert {r.status for r in c.evict(POOL, mine)} <= {Status.OK}
+        assert c.stats(POOL).pools[0].free_blocks == free_before, replay
+        assert not ready_keys(c, POOL).keys() & set(mine)
+
+
+@pytest.mark.slow
+@pytest.mark.fault_kind("producer killed (deterministic stage)")
+@pytest.mark.parametrize("lease_ttl", [3.0, 10.0])
+def test_a_dead_producers_blocks_are_free_one_lease_after_its_death_whatever_the_lease(
+    interpreters: Interpreters, lease_ttl: float
+) -> None:
+    """The figure for operators: blocks come back within the lease TTL plus the reaper's period
+    (at most 1 s) after the last sign of life, for the default lease (10 s) as for short ones."""
+    args = ("--max-bytes", "256MiB", "--lease-ttl", str(lease_ttl))
+    with running_daemon(*args) as daemon, survivor(daemon) as c:
+        free_before = c.stats(POOL).pools[0].free_blocks
+        victim = interpreters.take().run(
+            HALF_WRITER,
+            ADDRESS=daemon.address,
+            POOL=POOL,
+            BLOCK=BLOCK,
+            CAPACITY=CAPACITY,
+            KEYS=["a", "b"],
+            SIZES=[1 << 20, 3 << 20],
+            STAGE="mid-copy",
+        )
+        victim.expect("mid-copy")
+        assert c.stats(POOL).pools[0].free_blocks < free_before
+        killed_at = victim.kill()
+        deadline = lease_ttl + min(lease_ttl / 4, 1.0) + 0.75
+        wait_until(lambda: settled(c, POOL), deadline, "the dead producer's entries")
+        seconds = time.monotonic() - killed_at
+        record_figure(f"producer death -> blocks free, lease {lease_ttl:g} s", seconds)
+        assert c.stats(POOL).pools[0].free_blocks == free_before
+        # Not before the lease: the client renews every TTL/3, so its lease had at least 2/3 of
+        # a TTL left when it died.
+        assert seconds >= lease_ttl * 2 / 3 - 0.1

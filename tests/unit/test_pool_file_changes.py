@@ -1,0 +1,60 @@
+"""The core's view of a pool file changed by someone else: what verify_pools refuses, and how a
+refused pool is created again once its file is gone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from core_testing import FakeClock, make_store
+
+from ec_client.layout import pool_file_name
+from ec_daemon.errors import CoreError, Reason
+from ec_daemon.store import Store
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def store(shm_dir: Path) -> Store:
+    s = make_store(shm_dir, FakeClock())
+    s.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+    return s
+
+
+def test_a_pool_file_removed_by_someone_else_is_refused(store: Store, shm_dir: Path) -> None:
+    (shm_dir / pool_file_name("p")).unlink()
+    assert store.verify_pools() == ["p"]
+
+
+def test_a_pool_file_replaced_by_a_copy_is_refused_and_kept(store: Store, shm_dir: Path) -> None:
+    path = shm_dir / pool_file_name("p")
+    shutil.copyfile(path, shm_dir / "copy")
+    os.replace(shm_dir / "copy", path)
+    assert store.verify_pools() == ["p"]
+    with pytest.raises(CoreError) as refused:
+        store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+    assert refused.value.reason is Reason.POOL_UNVERIFIED
+    assert path.exists()
+
+
+def test_an_untouched_pool_file_verifies(store: Store) -> None:
+    assert store.verify_pools() == []
+
+
+def test_a_refused_pool_is_created_again_once_its_file_is_removed(
+    store: Store, shm_dir: Path
+) -> None:
+    path = shm_dir / pool_file_name("p")
+    with path.open("r+b") as f:
+        f.write(b"garbage!")
+    assert store.verify_pools() == ["p"]
+    with pytest.raises(CoreError):
+        store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+    path.unlink()  # what the refusal asks the operator to do
+    pool, created = store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+    assert created and path.exists()
+    pool.file.verify()
+    store.check()
