@@ -171,7 +171,12 @@ def resolve_budget(shm_dir: Path, max_bytes: int | None) -> int:
     total = stat.f_blocks * stat.f_frsize
     available = stat.f_bavail * stat.f_frsize + pool_files_bytes(shm_dir)
     if max_bytes is None:
-        return min(total // 2, available)
+        budget = min(total // 2, available)
+        if budget <= 0:
+            raise StartupError(
+                f"{shm_dir} is full: no room for any pool; free space there or enlarge it"
+            )
+        return budget
     if max_bytes <= 0:
         raise StartupError(f"--max-bytes must be positive, got {max_bytes}")
     if max_bytes > available:
@@ -213,8 +218,12 @@ class DirectoryLock:
                 f"another ecd daemon already uses {self.what} (lock {self.path} is held); stop "
                 "it first, or give this one its own --socket and --shm-dir"
             ) from exc
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
+        try:  # the pid is for operators asking who holds the lock
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            self.release()
+            raise StartupError(f"cannot write {self.path}: {exc.strerror}") from exc
 
     def release(self) -> None:
         if self._fd >= 0:

@@ -90,6 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Through the logger, so that with --log-format json this line is JSON like the rest.
         logging.getLogger("ecd.server").error("cannot start", extra={"reason": str(exc)})
         return 2
+    except server.ServerDied:
+        return 1  # logged already; non-zero so that systemd or Kubernetes restarts the daemon
     return 0
 
 

@@ -25,13 +25,12 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import auth, checks, systemd
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
 from ec_daemon.pool import FileAccess
-from ec_daemon.service import EncoderCacheService
+from ec_daemon.service import EncoderCacheService, add_to_server
 from ec_daemon.store import Store, StoreConfig
 from ec_daemon.validate import Limits
 
@@ -55,11 +54,11 @@ class Daemon:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def build_store(config: Config, hub: EventHub) -> Store:
+def build_store(config: Config, budget: int, hub: EventHub) -> Store:
     access = FileAccess(config.pool_mode, checks.group_id(config.pool_group))
     store_config = StoreConfig(
         shm_dir=config.shm_dir,
-        max_bytes=checks.resolve_budget(config.shm_dir, config.max_bytes),
+        max_bytes=budget,
         lease_ttl_s=config.lease_ttl,
         eviction=config.eviction,
         max_entries_per_pool=config.max_entries_per_pool,
@@ -88,10 +87,11 @@ async def start(config: Config) -> Daemon:
             config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
         ),
     ]
+    budget = checks.resolve_budget(config.shm_dir, config.max_bytes)
     for lock in locks:
         lock.acquire()
     hub = EventHub()
-    store = build_store(config, hub)
+    store = build_store(config, budget, hub)
     store.adopt_pools()
     for check, problem in checks.environment_warnings(
         config.shm_dir, store.config.max_bytes
@@ -112,7 +112,7 @@ async def start(config: Config) -> Daemon:
     service = EncoderCacheService(
         store, hub, Limits(max_batch=config.max_batch), observe=metrics.observe, guard=guard
     )
-    pb_grpc.add_EncoderCacheServicer_to_server(service, server)
+    add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -253,13 +253,29 @@ async def stop(daemon: Daemon) -> None:
     log.info("stopped")
 
 
+class ServerDied(RuntimeError):
+    """The gRPC server ended without being asked to; the daemon exits so that its supervisor
+    restarts it (warm: pools are re-adopted)."""
+
+
 async def serve(config: Config) -> None:
     daemon = await start(config)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.stopping.set)
-    await daemon.stopping.wait()
+    # grpc.aio's server can end by itself (one call whose :path is not UTF-8 makes its loop raise
+    # and shut down): a daemon alive but deaf would be the worst outcome, so that ends it too.
+    terminated = asyncio.ensure_future(daemon.server.wait_for_termination())
+    stopping = asyncio.ensure_future(daemon.stopping.wait())
+    await asyncio.wait({terminated, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not daemon.stopping.is_set():
+        log.error("gRPC server ended by itself; exiting so that the supervisor restarts the daemon")
+        daemon.stopping.set()
+        await stop(daemon)
+        raise ServerDied("the gRPC server ended by itself")
     await stop(daemon)
+    terminated.cancel()
 
 
 def run(config: Config) -> None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ec_client import __version__
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
@@ -536,3 +537,62 @@ def acquire_result_pb(key: bytes, outcome: Outcome, lease_id: int) -> pb.Acquire
         result.tensor.CopyFrom(spec_pb(entry.spec))
         result.checksum = entry.checksum
     return result
+
+
+def add_to_server(service: EncoderCacheService, server: grpc.aio.Server) -> None:
+    """Register the service, parsing request bodies here rather than in grpc: a body that is not
+    a valid message is the client's mistake (INVALID_ARGUMENT), where grpc would answer UNKNOWN."""
+    descriptor = pb.DESCRIPTOR.services_by_name["EncoderCache"]
+    handlers = {}
+    for method in descriptor.methods:
+        request_type = getattr(pb, method.input_type.name)
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        implementation = getattr(service, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _parsed_stream(service.store, request_type, implementation),
+                response_serializer=serialize,
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsed_unary(service.store, request_type, implementation),
+                response_serializer=serialize,
+            )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
+    )
+
+
+async def _parse(
+    store: Store, request_type: Any, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> Any:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        await abort(
+            store,
+            context,
+            CoreError(
+                Code.INVALID_ARGUMENT,
+                f"request body is not a valid {request_type.DESCRIPTOR.full_name}: {exc}",
+            ),
+        )
+
+
+def _parsed_unary(
+    store: Store, request_type: Any, implementation: Callable[..., Awaitable[Any]]
+) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        return await implementation(await _parse(store, request_type, raw, context), context)
+
+    return handle
+
+
+def _parsed_stream(
+    store: Store, request_type: Any, implementation: Callable[..., AsyncIterator[Any]]
+) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        async for reply in implementation(await _parse(store, request_type, raw, context), context):
+            yield reply
+
+    return handle

@@ -76,12 +76,6 @@ def daemon_on(shm_dir: Path, workdir: Path, *args: str) -> Daemon:
     return Daemon(workdir, shm_dir, (*args, "--lease-ttl", "2"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: on a full shm dir the daemon dies at startup with an OSError traceback "
-    "(ENOSPC writing its pid into <shm_dir>/.ecd.lock, ec_daemon/checks.py DirectoryLock) "
-    "instead of a one-line 'cannot start' message",
-)
 def test_a_daemon_started_on_a_full_shm_dir_exits_with_a_message_naming_it(
     small_tmpfs: Path, workdir: Path
 ) -> None:

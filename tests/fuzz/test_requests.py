@@ -547,12 +547,6 @@ def test_a_body_that_is_not_a_request_never_harms_the_daemon(
     assert world.daemon.running, world.daemon.log()[-3000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: grpc.aio answers a request body that does not parse as its protobuf "
-    "message with UNKNOWN ('Unexpected DecodeError'); a client's mistake should be "
-    "INVALID_ARGUMENT (needs a deserializer wrapper in ec_daemon/server.py or service.py)",
-)
 @pytest.mark.parametrize(
     "body",
     [b"\xff\xff\xff", b"\x0a\x03\xff\xfe\xfd", b"\x0a\x80"],
