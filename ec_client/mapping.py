@@ -93,8 +93,8 @@ class PoolMapping:
             )
         finally:
             os.close(fd)  # the mapping keeps the file alive
-        array = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.flat = torch.from_numpy(array)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # the blocks, for host copies
+        self.flat = torch.from_numpy(self.array)
         self.blocks = self.flat.view(info.num_blocks, info.block_size_bytes)
         self._registered: list[int] = []
         if torch.cuda.is_available():
@@ -185,7 +185,7 @@ class PoolMapping:
             for pointer in self._registered:
                 cudart.cudaHostUnregister(pointer)
             self._registered.clear()
-        del self.flat, self.blocks
+        del self.array, self.flat, self.blocks
         # With tensor views still alive the mapping refuses to close; it then closes when the last
         # view is collected.
         with contextlib.suppress(BufferError):
