@@ -26,7 +26,6 @@ class Reason(enum.Enum):
     BUDGET = "budget"
     SHM_FULL = "shm_full"
     BAD_REQUEST = "bad_request"
-    BUSY = "busy"
 
 
 class CoreError(Exception):

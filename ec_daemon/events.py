@@ -94,11 +94,3 @@ class EventHub:
         """End every Watch stream (clients resubscribe to the next daemon)."""
         for subscription in self._subscriptions:
             subscription.end(StreamEnd.SHUTDOWN)
-
-    @property
-    def waiting(self) -> int:
-        return sum(len(v) for v in self._waiters.values())
-
-    @property
-    def watchers(self) -> int:
-        return len(self._subscriptions)

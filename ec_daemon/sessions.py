@@ -44,7 +44,6 @@ class Session:
     name: str
     pid: int
     role: Role
-    opened_at: float
     expires_at: float
     pending: set[tuple[str, bytes]] = field(default_factory=set)  # (engine_id, key) it allocated
     leases: dict[int, Lease] = field(default_factory=dict)
@@ -66,8 +65,7 @@ class SessionTable:
         return list(self._sessions.values())
 
     def open(self, name: str, pid: int, role: Role) -> Session:
-        now = self._clock()
-        session = Session(uuid.uuid4().hex, name, pid, role, now, now + self.ttl_s)
+        session = Session(uuid.uuid4().hex, name, pid, role, self._clock() + self.ttl_s)
         self._sessions[session.id] = session
         return session
 
