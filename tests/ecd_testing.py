@@ -24,6 +24,7 @@ __all__ = [
     "Daemon",
     "assert_blocks_accounted",
     "new_shm_dir",
+    "run_ecd",
     "run_python",
     "running_daemon",
 ]
@@ -45,6 +46,21 @@ def assert_blocks_accounted(client: Client, engine_id: str) -> None:
     assert pool.free_blocks + sum(e.count for e in held) == pool.num_blocks
     for a, b in itertools.pairwise(held):
         assert a.start + a.count <= b.start, f"extents {a} and {b} overlap"
+
+
+def run_ecd(
+    *args: str, env: dict[str, str] | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run the `ecd` command (`python -m ec_daemon ARGS`) as an operator would, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "ec_daemon", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        check=check,
+    )
 
 
 def run_python(code: str, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:

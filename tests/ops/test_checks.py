@@ -7,12 +7,11 @@ import contextlib
 import os
 import resource
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, run_ecd, running_daemon
 
 from ec_daemon import checks
 from ec_daemon.checks import Mount, StartupError
@@ -182,13 +181,7 @@ def test_daemon_refuses_hugepages_on_a_plain_tmpfs(tmp_path: Path, shm_dir: Path
     if mount.options & {"huge=always", "huge=within_size"}:
         pytest.skip("/dev/shm is mounted with huge pages here")
     args = ["--socket", str(tmp_path / "s.sock"), "--shm-dir", str(shm_dir), "--hugepages", "true"]
-    result = subprocess.run(
-        [sys.executable, "-m", "ec_daemon", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = run_ecd("serve", *args)
     assert result.returncode == 2
     assert "cannot start" in result.stderr and "--hugepages" in result.stderr
     assert "huge=always" in result.stderr

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from ecd_testing import REPO
+from ecd_testing import run_ecd
 
 from ec_daemon import config
 
@@ -21,21 +20,13 @@ def print_config(
     tmp_path: Path, *flags: str, env: dict[str, str] | None = None, toml: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run `python -m ec_daemon serve --print-config` as an operator would."""
-    argv = [sys.executable, "-m", "ec_daemon", "serve", "--print-config", *flags]
+    argv = ["serve", "--print-config", *flags]
     if toml is not None:
         path = tmp_path / "ecd.toml"
         path.write_text(toml)
         argv += ["--config", str(path)]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
-    return subprocess.run(
-        argv,
-        env={**clean, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-        check=False,
-    )
+    return run_ecd(*argv, env={**clean, **(env or {})})
 
 
 def table(result: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]]:
@@ -119,20 +110,8 @@ def test_reference_table_lists_every_setting_as_help_does() -> None:
     """The README's settings table comes from `ecd serve --print-config --markdown`: one row per
     setting, with the flag, the environment variable and the default that `ecd serve --help`
     shows."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "ec_daemon", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    markdown = subprocess.run(
-        [sys.executable, "-m", "ec_daemon", "serve", "--print-config", "--markdown"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
+    help_text = run_ecd("serve", "--help", check=True).stdout
+    markdown = run_ecd("serve", "--print-config", "--markdown", check=True).stdout
     rows = markdown.splitlines()[2:]
     assert len(rows) == len(config.SETTINGS)
     for row, setting in zip(rows, config.SETTINGS, strict=True):

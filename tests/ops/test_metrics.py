@@ -4,15 +4,13 @@ reports, RPC latency is counted per method, and a port in use stops the daemon a
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, run_ecd, running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import AllocateItem, Client
@@ -155,12 +153,6 @@ def test_metrics_port_in_use_stops_the_daemon_at_startup(tmp_path: Path, shm_dir
         port = taken.getsockname()[1]
         args = ["--socket", str(tmp_path / "s.sock"), "--shm-dir", str(shm_dir)]
         args += ["--max-bytes", "16MiB", "--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
-        result = subprocess.run(
-            [sys.executable, "-m", "ec_daemon", "serve", *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        result = run_ecd("serve", *args)
     assert result.returncode == 2
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
