@@ -296,6 +296,12 @@ class Engine:
                 return held, result
         raise AssertionError(f"{req.request_id} was held back {max_steps} steps")
 
+    def save(self, request_id: str, key: str) -> StepResult:
+        """A request that encodes `key`, then empty steps until its save is committed."""
+        result = self.step(request(request_id, key))
+        self.settle()
+        return result
+
     def settle(self, max_steps: int = 5) -> None:
         """Empty steps until nothing is owed to the daemon (as vLLM keeps stepping while
         has_pending_push_work)."""

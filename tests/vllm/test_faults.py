@@ -20,8 +20,7 @@ def test_an_item_evicted_before_its_pin_was_taken_is_encoded_instead(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine()
-    e.step(request("r0", "img-a"))
-    e.settle()
+    e.save("r0", "img-a")
     r1 = request("r1", "img-a")
     assert not e.connector.ensure_cache_available(r1, 0)  # the pool has it: wait for a pin
     with daemon.client(name="operator") as c:

@@ -33,8 +33,7 @@ def test_an_item_saved_in_one_step_is_loaded_bit_identical_in_a_later_step(
     engine: EngineFactory,
 ) -> None:
     e = engine()
-    e.step(request("r1", "img-a"))
-    e.settle()
+    e.save("r1", "img-a")
     held, result = e.admit(request("r2", "img-a"))
     assert result.step.load == {"img-a"} and not result.step.encode
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
@@ -45,8 +44,7 @@ def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_afte
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine()
-    e.step(request("r1", "img-a"))
-    e.settle()
+    e.save("r1", "img-a")
     r2 = request("r2", "img-a")
     with daemon.client() as c:
         first = e.step(r2)
@@ -89,8 +87,7 @@ def test_a_request_finished_before_its_load_gives_its_pin_back(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine()
-    e.step(request("r1", "img-a"))
-    e.settle()
+    e.save("r1", "img-a")
     r2 = request("r2", "img-a")
     e.step(r2)  # held back: the pin is taken for it
     e.connector.request_finished(r2)  # aborted by the user before it ran
