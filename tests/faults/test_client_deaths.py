@@ -43,6 +43,11 @@ def shared() -> Iterator[Daemon]:
         yield daemon
 
 
+def pool_of(daemon: Daemon) -> dict[str, object]:
+    """What every client script needs to reach the shared pool."""
+    return {"ADDRESS": daemon.address, "POOL": POOL, "BLOCK": BLOCK, "CAPACITY": CAPACITY}
+
+
 def survivor(daemon: Daemon) -> Client:
     client = daemon.client(name="survivor")
     client.open_pool(POOL, BLOCK, CAPACITY)
@@ -89,10 +94,7 @@ def test_a_producer_killed_with_entries_pending_never_exposes_them_and_frees_the
         free_before = c.stats(POOL).pools[0].free_blocks
         victim = interpreters.take().run(
             HALF_WRITER,
-            ADDRESS=shared.address,
-            POOL=POOL,
-            BLOCK=BLOCK,
-            CAPACITY=CAPACITY,
+            **pool_of(shared),
             KEYS=keys,
             SIZES=sizes,
             STAGE=stage,
@@ -167,10 +169,7 @@ def test_a_producer_killed_at_a_random_point_loses_only_what_it_had_not_committe
         evictions = c.stats(POOL).pools[0].evictions
         victim = interpreters.take().run(
             STREAMING_PRODUCER,
-            ADDRESS=shared.address,
-            POOL=POOL,
-            BLOCK=BLOCK,
-            CAPACITY=CAPACITY,
+            **pool_of(shared),
             PREFIX=prefix,
             SEED=rng.random(),
             BUDGET=48 << 20,
@@ -234,10 +233,7 @@ def test_a_consumer_killed_holding_pins_releases_them_within_one_lease(
         }
         victim = interpreters.take().run(
             READER,
-            ADDRESS=shared.address,
-            POOL=POOL,
-            BLOCK=BLOCK,
-            CAPACITY=CAPACITY,
+            **pool_of(shared),
             KEYS=keys,
             SEED=rng.random(),
         )
@@ -285,10 +281,7 @@ def test_a_dead_producers_blocks_are_free_one_lease_after_its_death_whatever_the
         free_before = c.stats(POOL).pools[0].free_blocks
         victim = interpreters.take().run(
             HALF_WRITER,
-            ADDRESS=daemon.address,
-            POOL=POOL,
-            BLOCK=BLOCK,
-            CAPACITY=CAPACITY,
+            **pool_of(daemon),
             KEYS=["a", "b"],
             SIZES=[1 << 20, 3 << 20],
             STAGE="mid-copy",
