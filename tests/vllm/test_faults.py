@@ -34,8 +34,7 @@ def test_this_steps_allocations_never_evict_an_item_pinned_for_loading(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine(capacity=ITEM_BYTES)  # room for exactly one item
-    e.step(request("r0", "img-a"))
-    e.settle()
+    e.save("r0", "img-a")
     _, result = e.admit(request("r1", "img-a", "img-new"))  # load one, encode the other
     assert result.step.load == {"img-a"} and result.step.encode == {"img-new": ROWS}
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
@@ -48,8 +47,7 @@ def test_a_daemon_restart_fails_only_the_requests_whose_loads_were_in_flight(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine(pool="durable")
-    e.step(request("r0", "img-a"))
-    e.settle()
+    e.save("r0", "img-a")
     r1 = request("r1", "img-a")
     e.step(r1)
     replies = e.run(e.schedule([r1, request("r2", "img-b")]))
@@ -66,8 +64,7 @@ def test_while_the_daemon_is_down_requests_are_encoded_without_stalling_the_step
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine(pool="durable")
-    e.step(request("r0", "img-a"))
-    e.settle()
+    e.save("r0", "img-a")
     daemon.kill()
     wait_until(lambda: not e.scheduler.view.synced)
     started = time.monotonic()
@@ -107,8 +104,7 @@ def test_a_worker_killed_mid_load_leaves_no_pin_once_its_engine_stops(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine(pool="shared")
-    e.step(request("r0", "img-a"))
-    e.settle()
+    e.save("r0", "img-a")
     r1 = request("r1", "img-a")
     e.step(r1)  # pinned for r1
     step = e.schedule([r1])  # the load is ordered...

@@ -19,8 +19,7 @@ def pins(daemon: Daemon, e: Engine) -> int:
 def cached_engine(engine: EngineFactory) -> Engine:
     """A TP=2 ec_both engine whose pool holds img-a."""
     e = engine(tp=2)
-    e.step(request("r0", "img-a"))
-    e.settle()
+    e.save("r0", "img-a")
     return e
 
 

@@ -40,8 +40,7 @@ def test_a_consumer_with_ecd_wait_ms_waits_for_an_item_the_producer_is_still_enc
     consumer = engine(role="ec_consumer", pool=SHARED, extra={"ecd_wait_ms": "10000"})
     waiting = request("c1", "img-a")
     assert consumer.step(waiting).step.held == {"c1"}  # not in the pool: wait for it
-    producer.step(request("p1", "img-a"))
-    producer.settle()
+    producer.save("p1", "img-a")
     wait_until(lambda: consumer.scheduler.view.has("img-a"))
     _, result = consumer.admit(waiting)
     assert result.step.load == {"img-a"} and not result.step.encode
@@ -58,8 +57,7 @@ def test_a_consumer_without_ecd_wait_ms_encodes_a_missing_item_at_once(
 def test_a_producer_does_not_save_an_item_the_pool_already_has(engine: EngineFactory) -> None:
     first = engine(role="ec_producer", pool=SHARED)
     second = engine(role="ec_producer", pool=SHARED)
-    first.step(request("p1", "img-a"))
-    first.settle()
+    first.save("p1", "img-a")
     wait_until(lambda: second.scheduler.view.has("img-a"))
     before = second.scheduler.rpcs.copy()
     result = second.step(request("p2", "img-a"))  # a producer encodes whatever it is sent
