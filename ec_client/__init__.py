@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+from ec_client._connection import TLSFiles
 from ec_client.aio import AsyncClient
-from ec_client.client import Client
+from ec_client.client import Client, check_health
 from ec_client.errors import EcdError
 from ec_client.types import (
     AcquireResult,
@@ -75,7 +76,9 @@ __all__ = [
     "Role",
     "Stats",
     "Status",
+    "TLSFiles",
     "TensorMover",
     "TensorSpec",
     "WatchEvent",
+    "check_health",
 ]

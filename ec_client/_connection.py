@@ -1,27 +1,18 @@
-"""What Client and AsyncClient share: options, channels, the retry policy, the session state.
-
-Recovery rules, applied the same way by both clients:
-- UNAVAILABLE (daemon down or restarting): retry with exponential backoff until the connect
-  deadline has passed since the first failure, then raise.
-- NOT_FOUND with reason unknown_session (lease ran out, or the daemon restarted): open a new
-  session, reopen the pools this client had opened, tell on_restart callbacks, retry once.
-- A reply whose boot epoch differs from the session's: the daemon restarted; do the same.
-"""
+"""How clients reach the daemon: options (target, name, role, timeouts, token, TLS) and the
+channel options. The rules for each call live in `_session`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from ec_client import _wire
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.address import default_target
 from ec_client.errors import EcdError
-from ec_client.types import PoolInfo, Role
+from ec_client.types import Role
 
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -31,8 +22,6 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-FIRST_BACKOFF_S = 0.05
-MAX_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,66 +94,32 @@ def _token_from_file() -> str | None:
     return Path(path).read_text().strip() if path else None
 
 
-class Backoff:
-    """Delays between retries of an UNAVAILABLE call, bounded by the connect deadline."""
-
-    def __init__(self, budget_s: float, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._deadline = clock() + budget_s
-        self._delay = FIRST_BACKOFF_S
-
-    def next_delay(self) -> float | None:
-        """Seconds to wait before the next try, or None when the deadline has passed."""
-        left = self._deadline - self._clock()
-        if left <= 0:
-            return None
-        delay = min(self._delay, left)
-        self._delay = min(self._delay * 2, MAX_BACKOFF_S)
-        return delay
+_channels: dict[tuple[int, str, TLSFiles | None], grpc.Channel] = {}
+_channels_lock = threading.Lock()
 
 
-def session_lost(error: EcdError) -> bool:
-    return error.code == grpc.StatusCode.NOT_FOUND and error.reason == "unknown_session"
-
-
-@dataclass
-class SessionState:
-    """The client's view of its session, and what it must redo on a restarted daemon."""
-
-    session_id: str = ""
-    boot_epoch: str = ""
-    lease_ttl_s: float = 0.0
-    generation: int = 0  # bumped at every (re)open, so concurrent callers reopen only once
-    pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)  # replayed on reopen
-    pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
-    on_restart: list[Callable[[str], None]] = field(default_factory=list)
-
-    def opened(self, reply: pb.OpenSessionReply) -> None:
-        self.session_id = reply.session_id
-        self.boot_epoch = reply.boot_epoch
-        self.lease_ttl_s = reply.lease_ttl_ms / 1000
-        self.generation += 1
-
-    def pool_opened(self, call: _wire.Call[PoolInfo], info: PoolInfo) -> None:
-        self.pools[info.engine_id] = call
-        self.pool_infos[info.engine_id] = info
-
-    def pool_dropped(self, engine_id: str) -> None:
-        self.pools.pop(engine_id, None)
-        self.pool_infos.pop(engine_id, None)
-
-    def pool_info(self, engine_id: str) -> PoolInfo:
-        info = self.pool_infos.get(engine_id)
-        if info is None:
-            raise EcdError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pool {engine_id!r} was not opened by this client; call open_pool first",
+def shared_channel(options: Options) -> grpc.Channel:
+    """The process's channel to this target: one per target per process (a forked child gets
+    its own), so every Client in a process shares its connection."""
+    key = (os.getpid(), options.target, options.tls)
+    with _channels_lock:
+        channel = _channels.get(key)
+        if channel is None:
+            channel = _channels[key] = (
+                grpc.insecure_channel(options.target, options=CHANNEL_OPTIONS)
+                if options.tls is None
+                else grpc.secure_channel(
+                    options.target, options.tls.credentials(), options=CHANNEL_OPTIONS
+                )
             )
-        return info
+        return channel
 
-    def restarted(self, epoch: str) -> bool:
-        return bool(self.boot_epoch) and bool(epoch) and epoch != self.boot_epoch
 
-    def tell_restart(self) -> None:
-        for callback in list(self.on_restart):
-            callback(self.boot_epoch)
+def aio_channel(options: Options) -> grpc.aio.Channel:
+    """A new grpc.aio channel: these belong to the event loop that made them, so each
+    AsyncClient owns one."""
+    if options.tls is None:
+        return grpc.aio.insecure_channel(options.target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(
+        options.target, options.tls.credentials(), options=CHANNEL_OPTIONS
+    )

@@ -11,30 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.types import (
-    AcquireResult,
-    AllocateItem,
-    AllocateResult,
-    EntryInfo,
-    EntryState,
-    EventType,
-    Extent,
-    ItemResult,
-    Key,
-    LeaseResult,
-    LookupResult,
-    PoolInfo,
-    PoolStats,
-    Role,
-    Stats,
-    Status,
-    TensorSpec,
-    WatchEvent,
-    key_bytes,
-)
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -48,39 +29,45 @@ class Call(Generic[T]):
     extra_timeout_s: float = 0.0  # on top of the client's call timeout (Acquire's wait)
 
 
-def status(value: int) -> Status:
-    return Status[pb.ItemStatus.Name(value).removeprefix("ITEM_")]
+# Enum values by wire number, looked up once (a per-item Name() lookup costs microseconds).
+STATUS: dict[int, api.Status] = {getattr(pb, "ITEM_" + s.name): s for s in api.Status}
+STATE: dict[int, api.EntryState] = {getattr(pb, "ENTRY_" + s.name): s for s in api.EntryState}
+EVENT: dict[int, api.EventType] = {getattr(pb, "EVENT_" + t.name): t for t in api.EventType}
+ROLES: dict[api.Role, pb.Role] = {r: getattr(pb, "ROLE_" + r.name) for r in api.Role}
 
 
-def state(value: int) -> EntryState:
-    return EntryState[pb.EntryState.Name(value).removeprefix("ENTRY_")]
+def mirror(value_type: type[V], message: Any, **given: Any) -> V:
+    """The value whose fields are the message's fields of the same names (they are declared to
+    match: tests/unit/test_types.py), with `given` for the fields the message lacks or nests."""
+    names = [f.name for f in dataclasses.fields(value_type) if f.name not in given]  # type: ignore[arg-type]
+    return value_type(**{name: getattr(message, name) for name in names}, **given)
 
 
-def extents(values: Sequence[pb.Extent]) -> tuple[Extent, ...]:
-    return tuple(Extent(e.start, e.count) for e in values)
+def status(value: int) -> api.Status:
+    return STATUS[value]
 
 
-def spec(value: pb.TensorSpec) -> TensorSpec:
-    return TensorSpec(tuple(value.shape), value.dtype, value.nbytes)
+def state(value: int) -> api.EntryState:
+    return STATE[value]
 
 
-def keys(values: Sequence[Key]) -> list[bytes]:
-    return [key_bytes(k) for k in values]
+def extents(values: Sequence[pb.Extent]) -> tuple[api.Extent, ...]:
+    return tuple(api.Extent(e.start, e.count) for e in values)
 
 
-def item_results(reply: Any) -> list[ItemResult]:
-    return [ItemResult(r.key, status(r.status), r.message) for r in reply.results]
+def spec(value: pb.TensorSpec) -> api.TensorSpec:
+    return api.TensorSpec(tuple(value.shape), value.dtype, value.nbytes)
 
 
-ROLES = {
-    Role.PRODUCER: pb.ROLE_PRODUCER,
-    Role.CONSUMER: pb.ROLE_CONSUMER,
-    Role.BOTH: pb.ROLE_BOTH,
-    Role.ADMIN: pb.ROLE_ADMIN,
-}
+def keys(values: Sequence[api.Key]) -> list[bytes]:
+    return [api.key_bytes(k) for k in values]
 
 
-def open_session(name: str, pid: int, role: Role) -> Call[pb.OpenSessionReply]:
+def item_results(reply: Any) -> list[api.ItemResult]:
+    return [api.ItemResult(r.key, status(r.status), r.message) for r in reply.results]
+
+
+def open_session(name: str, pid: int, role: api.Role) -> Call[pb.OpenSessionReply]:
     return Call(
         "OpenSession",
         lambda _: pb.OpenSessionRequest(client_name=name, pid=pid, role=ROLES[role]),
@@ -106,21 +93,9 @@ def close_session() -> Call[tuple[int, int]]:
 
 def open_pool(
     engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
-) -> Call[PoolInfo]:
-    def parse(reply: pb.OpenPoolReply) -> PoolInfo:
-        p = reply.pool
-        return PoolInfo(
-            engine_id=p.engine_id,
-            path=p.path,
-            block_size_bytes=p.block_size_bytes,
-            num_blocks=p.num_blocks,
-            data_offset=p.data_offset,
-            file_size=p.file_size,
-            pool_uuid=p.pool_uuid,
-            compat_key=p.compat_key,
-            max_entries=p.max_entries,
-            created=reply.created,
-        )
+) -> Call[api.PoolInfo]:
+    def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
+        return mirror(api.PoolInfo, reply.pool, created=reply.created)
 
     return Call(
         "OpenPool",
@@ -143,13 +118,13 @@ def drop_pool(engine_id: str, force: bool) -> Call[int]:
     )
 
 
-def allocate(engine_id: str, items: Sequence[AllocateItem]) -> Call[list[AllocateResult]]:
+def allocate(engine_id: str, items: Sequence[api.AllocateItem]) -> Call[list[api.AllocateResult]]:
     request_items = []
     for item in items:
         s = item.spec
         request_items.append(
             pb.AllocateItem(
-                key=key_bytes(item.key),
+                key=api.key_bytes(item.key),
                 tensor=pb.TensorSpec(shape=list(s.shape), dtype=s.dtype, nbytes=s.nbytes),
             )
         )
@@ -157,15 +132,15 @@ def allocate(engine_id: str, items: Sequence[AllocateItem]) -> Call[list[Allocat
         "Allocate",
         lambda sid: pb.AllocateRequest(session_id=sid, engine_id=engine_id, items=request_items),
         lambda reply: [
-            AllocateResult(r.key, status(r.status), r.message, extents(r.extents))
+            api.AllocateResult(r.key, status(r.status), r.message, extents(r.extents))
             for r in reply.results
         ],
     )
 
 
 def commit(
-    engine_id: str, keys_: Sequence[Key], checksums: Sequence[int] | None
-) -> Call[list[ItemResult]]:
+    engine_id: str, keys_: Sequence[api.Key], checksums: Sequence[int] | None
+) -> Call[list[api.ItemResult]]:
     sums = list(checksums) if checksums is not None else [0] * len(keys_)
     if len(sums) != len(keys_):
         raise ValueError(f"{len(keys_)} keys but {len(sums)} checksums")
@@ -177,7 +152,7 @@ def commit(
     )
 
 
-def abort(engine_id: str, keys_: Sequence[Key]) -> Call[list[ItemResult]]:
+def abort(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
     raw = keys(keys_)
     return Call(
         "Abort",
@@ -186,12 +161,14 @@ def abort(engine_id: str, keys_: Sequence[Key]) -> Call[list[ItemResult]]:
     )
 
 
-def acquire(engine_id: str, keys_: Sequence[Key], wait_ms: int) -> Call[list[AcquireResult]]:
+def acquire(
+    engine_id: str, keys_: Sequence[api.Key], wait_ms: int
+) -> Call[list[api.AcquireResult]]:
     raw = keys(keys_)
 
-    def parse(reply: pb.AcquireReply) -> list[AcquireResult]:
+    def parse(reply: pb.AcquireReply) -> list[api.AcquireResult]:
         return [
-            AcquireResult(
+            api.AcquireResult(
                 key=r.key,
                 status=status(r.status),
                 message=r.message,
@@ -213,50 +190,49 @@ def acquire(engine_id: str, keys_: Sequence[Key], wait_ms: int) -> Call[list[Acq
     )
 
 
-def release(lease_ids: Sequence[int]) -> Call[list[LeaseResult]]:
+def release(lease_ids: Sequence[int]) -> Call[list[api.LeaseResult]]:
     ids = list(lease_ids)
     return Call(
         "Release",
         lambda sid: pb.ReleaseRequest(session_id=sid, lease_ids=ids),
-        lambda reply: [LeaseResult(r.lease_id, status(r.status), r.message) for r in reply.results],
+        lambda reply: [
+            api.LeaseResult(r.lease_id, status(r.status), r.message) for r in reply.results
+        ],
     )
 
 
-def lookup(engine_id: str, keys_: Sequence[Key]) -> Call[list[LookupResult]]:
+def lookup(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.LookupResult]]:
     raw = keys(keys_)
     return Call(
         "Lookup",
         lambda _: pb.LookupRequest(engine_id=engine_id, keys=raw),
         lambda reply: [
-            LookupResult(r.key, state(r.state), r.nbytes, r.pins) for r in reply.results
+            api.LookupResult(r.key, state(r.state), r.nbytes, r.pins) for r in reply.results
         ],
     )
 
 
-def evict(engine_id: str, keys_: Sequence[Key]) -> Call[list[ItemResult]]:
+def evict(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
     raw = keys(keys_)
     return Call("Evict", lambda _: pb.EvictRequest(engine_id=engine_id, keys=raw), item_results)
 
 
-def delete(engine_id: str, keys_: Sequence[Key]) -> Call[list[ItemResult]]:
+def delete(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
     raw = keys(keys_)
     return Call("Delete", lambda _: pb.DeleteRequest(engine_id=engine_id, keys=raw), item_results)
 
 
 def list_entries(
-    engine_id: str, limit: int, start_after: Key
-) -> Call[tuple[list[EntryInfo], bool]]:
-    def parse(reply: pb.ListEntriesReply) -> tuple[list[EntryInfo], bool]:
+    engine_id: str, limit: int, start_after: api.Key
+) -> Call[tuple[list[api.EntryInfo], bool]]:
+    def parse(reply: pb.ListEntriesReply) -> tuple[list[api.EntryInfo], bool]:
         entries = [
-            EntryInfo(
-                key=e.key,
+            mirror(
+                api.EntryInfo,
+                e,
                 state=state(e.state),
                 spec=spec(e.tensor),
                 extents=extents(e.extents),
-                pins=e.pins,
-                producer=e.producer,
-                checksum=e.checksum,
-                age_s=e.age_s,
             )
             for e in reply.entries
         ]
@@ -265,28 +241,15 @@ def list_entries(
     return Call(
         "ListEntries",
         lambda _: pb.ListEntriesRequest(
-            engine_id=engine_id, limit=limit, start_after=key_bytes(start_after)
+            engine_id=engine_id, limit=limit, start_after=api.key_bytes(start_after)
         ),
         parse,
     )
 
 
-def stats(engine_id: str) -> Call[Stats]:
-    pool_fields = [f.name for f in dataclasses.fields(PoolStats)]
-
-    def parse(reply: pb.StatsReply) -> Stats:
-        return Stats(
-            boot_epoch=reply.boot_epoch,
-            uptime_s=reply.uptime_s,
-            max_bytes=reply.max_bytes,
-            reserved_bytes=reply.reserved_bytes,
-            sessions=reply.sessions,
-            lease_expiries=reply.lease_expiries,
-            version=reply.version,
-            pools=tuple(
-                PoolStats(**{name: getattr(p, name) for name in pool_fields}) for p in reply.pools
-            ),
-        )
+def stats(engine_id: str) -> Call[api.Stats]:
+    def parse(reply: pb.StatsReply) -> api.Stats:
+        return mirror(api.Stats, reply, pools=tuple(mirror(api.PoolStats, p) for p in reply.pools))
 
     return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse)
 
@@ -295,9 +258,9 @@ def watch_request(engine_id: str, snapshot: bool) -> pb.WatchRequest:
     return pb.WatchRequest(engine_id=engine_id, snapshot=snapshot)
 
 
-def watch_event(event: pb.WatchEvent) -> WatchEvent:
-    return WatchEvent(
-        type=EventType[pb.EventType.Name(event.type).removeprefix("EVENT_")],
+def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
+    return api.WatchEvent(
+        type=EVENT[event.type],
         engine_id=event.engine_id,
         key=event.key,
         nbytes=event.nbytes,

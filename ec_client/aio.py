@@ -3,29 +3,24 @@
     async with AsyncClient(name="router") as c:
         async for event in c.watch("qwen-vl-node1", snapshot=True): ...
 
-Same calls, results and recovery rules as Client (see `_connection`); the keep-alive is a task.
+The same calls, results and recovery rules as Client (every method does what Client's of the
+same name does; see its docstrings for what each can answer): both run the plans of `_session`,
+this one with grpc.aio. The keep-alive is a task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from ec_client import _wire
-from ec_client._connection import (
-    CHANNEL_OPTIONS,
-    Backoff,
-    Options,
-    SessionState,
-    TLSFiles,
-    session_lost,
-)
+from ec_client._connection import Options, TLSFiles, aio_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.types import (
     AcquireResult,
@@ -62,31 +57,22 @@ class AsyncClient:
             target, name, role, connect_timeout_s, call_timeout_s, token, tls
         )
         self._keepalive_enabled = keepalive
-        self._state = SessionState()
+        self._state = SessionState(self.options)
         self._lock = asyncio.Lock()
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._keepalive: asyncio.Task[None] | None = None
-        self._closed = False
 
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
-        # grpc.aio channels belong to the loop that made them, so each AsyncClient owns one.
-        tls = self.options.tls
-        self._channel = (
-            grpc.aio.insecure_channel(self.options.target, options=CHANNEL_OPTIONS)
-            if tls is None
-            else grpc.aio.secure_channel(
-                self.options.target, tls.credentials(), options=CHANNEL_OPTIONS
-            )
-        )
+        self._channel = aio_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), self.options.connect_timeout_s)
         except TimeoutError:
             await self._channel.close(None)
             raise self.options.unreachable() from None
-        await self._open_session()
+        await self._drive(self._state.open())
         if self._keepalive_enabled:
             self._keepalive = asyncio.create_task(self._keep_alive_loop())
         return self
@@ -98,14 +84,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._closed:
+        if self._state.closed:
             return
-        self._closed = True
         if self._keepalive is not None:
             self._keepalive.cancel()
-        # If the daemon is gone or already forgot us, the lease ends the session all the same.
         with contextlib.suppress(EcdError):
-            await self._invoke(_wire.close_session(), self._state.session_id, retry=False)
+            await self._drive(self._state.close())
         if self._channel is not None:
             await self._channel.close(None)
 
@@ -127,23 +111,19 @@ class AsyncClient:
     async def keep_alive(self) -> float:
         return await self._run(_wire.keep_alive())
 
-    # ---- calls (see Client for what each does) -------------------------------------------------
+    # ---- calls ---------------------------------------------------------------------------------
 
     async def open_pool(
         self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str = ""
     ) -> PoolInfo:
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
-        info = await self._run(call)
-        self._state.pool_opened(call, info)
-        return info
+        return await self._drive(self._state.open_pool(call))
 
     def pool_info(self, engine_id: str) -> PoolInfo:
         return self._state.pool_info(engine_id)
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:
-        dropped = await self._run(_wire.drop_pool(engine_id, force))
-        self._state.pool_dropped(engine_id)
-        return dropped
+        return await self._drive(self._state.drop_pool(engine_id, force))
 
     async def allocate(self, engine_id: str, items: Sequence[AllocateItem]) -> list[AllocateResult]:
         return await self._run(_wire.allocate(engine_id, items))
@@ -193,54 +173,47 @@ class AsyncClient:
         finally:
             stream.cancel()
 
-    # ---- the call machinery (mirrors Client) ---------------------------------------------------
+    # ---- the I/O of plans ------------------------------------------------------------------------
 
-    async def _invoke(self, call: _wire.Call[Any], session_id: str, retry: bool = True) -> Any:
-        backoff = Backoff(self.options.connect_timeout_s, asyncio.get_running_loop().time)
-        while True:
+    async def _run(self, call: _wire.Call[T]) -> T:
+        return await self._drive(self._state.call(call))
+
+    async def _drive(self, plan: Plan[T]) -> T:
+        """Carry out a plan's steps with awaited calls until it returns."""
+        reply: Any = None
+        error: EcdError | None = None
+        while not isinstance(step := advance(plan, reply, error), Done):
+            reply, error = None, None
+            try:
+                reply = await self._do(step)
+            except EcdError as exc:
+                error = exc
+        result: T = step.value
+        return result
+
+    async def _do(self, step: Send | Pause | Reopen) -> Any:
+        if isinstance(step, Send):
+            call = step.call
             try:
                 return await getattr(self._stub, call.method)(
-                    call.build(session_id),
+                    call.build(step.session_id),
                     timeout=self.options.call_timeout_s + call.extra_timeout_s,
                     metadata=self.options.metadata,
                 )
             except grpc.RpcError as exc:
-                error = EcdError.from_rpc(exc)
-                unavailable = retry and error.code == grpc.StatusCode.UNAVAILABLE
-                delay = backoff.next_delay() if unavailable else None
-                if delay is None:
-                    raise error from None
-                await asyncio.sleep(delay)
-
-    async def _run(self, call: _wire.Call[T]) -> T:
-        generation = self._state.generation
-        try:
-            reply = await self._invoke(call, self._state.session_id)
-        except EcdError as error:
-            if not session_lost(error) or self._closed:
-                raise
-            await self._reopen(generation)
-            reply = await self._invoke(call, self._state.session_id)
-        if self._state.restarted(reply.boot_epoch):
-            await self._reopen(generation)
-        return call.parse(reply)
-
-    async def _open_session(self) -> None:
-        o = self.options
-        self._state.opened(await self._invoke(_wire.open_session(o.name, os.getpid(), o.role), ""))
-
-    async def _reopen(self, seen_generation: int) -> None:
+                raise EcdError.from_rpc(exc) from None
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
         async with self._lock:
-            if self._state.generation != seen_generation:
-                return
-            await self._open_session()
-            for call in list(self._state.pools.values()):
-                info = call.parse(await self._invoke(call, self._state.session_id))
-                self._state.pool_opened(call, info)
+            if self._state.generation != step.generation:
+                return None  # another task reopened the session meanwhile
+            await self._drive(self._state.reopen())
         self._state.tell_restart()
+        return None
 
     async def _keep_alive_loop(self) -> None:
-        while not self._closed:
+        while not self._state.closed:
             await asyncio.sleep(max(self._state.lease_ttl_s / 3, 0.05))
             try:
                 await self.keep_alive()

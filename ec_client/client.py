@@ -3,14 +3,22 @@
     with Client("unix:///run/ecd/ecd.sock", name="encoder-0") as c:   # opens a session
         info = c.open_pool("qwen-vl-node1", block_size_bytes=7168, capacity_bytes=8 << 30)
 
-A background thread keeps the session alive (every lease TTL / 3). Recovery from daemon restarts
-and lost sessions follows the rules in `_connection`.
+A background thread keeps the session alive (every lease TTL / 3). Every call follows the
+recovery rules of `_session` (backoff while the daemon is unreachable, a new session and the
+pools reopened after a restart or a lost lease); this module only performs their I/O.
+
+What a call can answer: batched calls return one result per item, in order, whose `status` is
+one of those the method lists; a call fails as a whole with `EcdError`, whose `.code` is
+INVALID_ARGUMENT (a malformed engine_id, a batch over the limit), NOT_FOUND (unknown pool; an
+unknown session is recovered from, not raised), PERMISSION_DENIED (the session's role or the
+token's grants do not allow the call), UNAUTHENTICATED (no or a wrong token), RESOURCE_EXHAUSTED
+(batch or message over the limit) or UNAVAILABLE (the daemon unreachable past the connect
+timeout).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,15 +28,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import (
-    CHANNEL_OPTIONS,
-    Backoff,
-    Options,
-    SessionState,
-    TLSFiles,
-    session_lost,
-)
+from ec_client._connection import Options, TLSFiles, shared_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.types import (
     AcquireResult,
@@ -47,38 +49,32 @@ from ec_client.types import (
 
 T = TypeVar("T")
 
-_channels: dict[tuple[int, str, TLSFiles | None], grpc.Channel] = {}
-_channels_lock = threading.Lock()
 
-
-def shared_channel(options: Options) -> grpc.Channel:
-    """One channel per target per process (a forked child gets its own)."""
-    key = (os.getpid(), options.target, options.tls)
-    with _channels_lock:
-        channel = _channels.get(key)
-        if channel is None:
-            if options.tls is None:
-                channel = grpc.insecure_channel(options.target, options=CHANNEL_OPTIONS)
-            else:
-                channel = grpc.secure_channel(
-                    options.target, options.tls.credentials(), options=CHANNEL_OPTIONS
-                )
-            _channels[key] = channel
-        return channel
-
-
-def check_health(channel: grpc.Channel, options: Options, service: str = "") -> str:
-    """The standard gRPC health check, without a session (cheap enough for probes)."""
-    stub = health_pb2_grpc.HealthStub(channel)
+def check_health(
+    target: str | None = None,
+    *,
+    timeout_s: float = 5.0,
+    token: str | None = None,
+    tls: TLSFiles | None = None,
+    service: str = "",
+) -> str:
+    """The daemon's standard gRPC health status ("SERVING", "NOT_SERVING", ...), without a
+    session: cheap enough for probes. EcdError (UNAVAILABLE) if it cannot be reached within
+    timeout_s; its message names the address."""
+    options = Options.make(target, "health", Role.ADMIN, timeout_s, timeout_s, token, tls)
+    stub = health_pb2_grpc.HealthStub(shared_channel(options))
     try:
         reply = stub.Check(
             health_pb2.HealthCheckRequest(service=service),
-            timeout=options.connect_timeout_s,
+            timeout=timeout_s,
             metadata=options.metadata,
             wait_for_ready=True,
         )
     except grpc.RpcError as exc:
-        raise EcdError.from_rpc(exc) from None
+        error = EcdError.from_rpc(exc)
+        if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise options.unreachable() from None
+        raise error from None
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
@@ -116,19 +112,22 @@ class Client:
         tls: TLSFiles | None = None,
         keepalive: bool = True,
     ) -> None:
+        """Connect within connect_timeout_s and open a session. `role` limits what the session
+        may do (see Role); `token` defaults to ECD_TOKEN or ECD_TOKEN_FILE, `tls` to
+        ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls
         )
         self._channel = shared_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
-        self._state = SessionState()
+        self._state = SessionState(self.options)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
             raise self.options.unreachable() from None
-        self._open_session()
+        self._drive(self._state.open())
         self._keepalive: threading.Thread | None = None
         if keepalive:
             self._keepalive = threading.Thread(
@@ -168,9 +167,8 @@ class Client:
         if self._closed.is_set():
             return
         self._closed.set()
-        # If the daemon is gone or already forgot us, the lease ends the session all the same.
         with contextlib.suppress(EcdError):
-            self._invoke(_wire.close_session(), self._state.session_id, retry=False)
+            self._drive(self._state.close())
 
     def __enter__(self) -> Client:
         return self
@@ -183,51 +181,74 @@ class Client:
     def open_pool(
         self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str = ""
     ) -> PoolInfo:
+        """Create the pool, or attach to it if it exists with the same geometry and compat_key.
+
+        Raises INVALID_ARGUMENT (bad name or sizes), FAILED_PRECONDITION (it exists with another
+        geometry or compat_key, or its file was refused), RESOURCE_EXHAUSTED (over the budget,
+        the per-pool limit, or the shm directory is full)."""
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
-        info = self._run(call)
-        self._state.pool_opened(call, info)
-        return info
+        return self._drive(self._state.open_pool(call))
 
     def pool_info(self, engine_id: str) -> PoolInfo:
         """What the daemon said about a pool this client opened (refreshed after a restart)."""
         return self._state.pool_info(engine_id)
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
-        dropped = self._run(_wire.drop_pool(engine_id, force))
-        self._state.pool_dropped(engine_id)
-        return dropped
+        """Delete the pool and its file; returns the entries dropped. FAILED_PRECONDITION while
+        entries are PENDING or pinned, unless forced."""
+        return self._drive(self._state.drop_pool(engine_id, force))
 
     # ---- entries -------------------------------------------------------------------------------
 
     def allocate(self, engine_id: str, items: Sequence[AllocateItem]) -> list[AllocateResult]:
+        """Reserve blocks for new entries (PENDING until committed). Per item: ALLOCATED (write
+        the extents, then commit), EXISTS (READY already), PENDING (another producer is writing
+        it), NO_SPACE (full of PENDING or pinned entries), INVALID_ARGUMENT (bad key or spec,
+        or larger than the whole pool), FAILED_PRECONDITION (allocated before with another
+        spec)."""
         return self._run(_wire.allocate(engine_id, items))
 
     def commit(
         self, engine_id: str, keys: Sequence[Key], checksums: Sequence[int] | None = None
     ) -> list[ItemResult]:
+        """Make PENDING entries READY (call only once their bytes landed). Per item: OK,
+        NOT_FOUND (never allocated, aborted, or the lease ran out), FAILED_PRECONDITION (READY
+        already, or another session's), INVALID_ARGUMENT (bad key)."""
         return self._run(_wire.commit(engine_id, keys, checksums))
 
     def abort(self, engine_id: str, keys: Sequence[Key]) -> list[ItemResult]:
+        """Drop this session's PENDING entries. Per item: as commit."""
         return self._run(_wire.abort(engine_id, keys))
 
     def acquire(self, engine_id: str, keys: Sequence[Key], wait_ms: int = 0) -> list[AcquireResult]:
+        """Pin READY entries for reading; wait up to wait_ms for PENDING ones. Per item: HIT
+        (read the extents, then release the lease), MISS, PENDING (still being written after
+        wait_ms), INVALID_ARGUMENT (bad key)."""
         return self._run(_wire.acquire(engine_id, keys, wait_ms))
 
     def release(self, lease_ids: Sequence[int]) -> list[LeaseResult]:
+        """Drop pins (call only once the reads landed). Per item: OK, NOT_FOUND (released
+        already, never issued, or another session's)."""
         return self._run(_wire.release(lease_ids))
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
+        """State (ABSENT, PENDING, READY), size and pins of each key; pins nothing."""
         return self._run(_wire.lookup(engine_id, keys))
 
     def evict(self, engine_id: str, keys: Sequence[Key]) -> list[ItemResult]:
+        """Drop READY unpinned entries. Per item: OK, NOT_FOUND, FAILED_PRECONDITION (PENDING or
+        pinned: use delete), INVALID_ARGUMENT."""
         return self._run(_wire.evict(engine_id, keys))
 
     def delete(self, engine_id: str, keys: Sequence[Key]) -> list[ItemResult]:
+        """Drop entries in any state (a pinned one keeps its blocks until its last release).
+        Per item: OK, NOT_FOUND, INVALID_ARGUMENT."""
         return self._run(_wire.delete(engine_id, keys))
 
     def list_entries(
         self, engine_id: str, limit: int = 0, start_after: Key = b""
     ) -> tuple[list[EntryInfo], bool]:
+        """One page of entries in key order, and whether more follow."""
         return self._run(_wire.list_entries(engine_id, limit, start_after))
 
     def iter_entries(self, engine_id: str, page: int = 1000) -> Iterator[EntryInfo]:
@@ -243,11 +264,15 @@ class Client:
     # ---- observation ---------------------------------------------------------------------------
 
     def stats(self, engine_id: str = "") -> Stats:
+        """Daemon figures and those of one pool (or every pool)."""
         return self._run(_wire.stats(engine_id))
 
     def health(self, service: str = "") -> str:
         """The daemon's health status name, e.g. SERVING or NOT_SERVING."""
-        return check_health(self._channel, self.options, service)
+        o = self.options
+        return check_health(
+            o.target, timeout_s=o.connect_timeout_s, tls=o.tls, token=None, service=service
+        )
 
     def watch(self, engine_id: str = "", snapshot: bool = False) -> Iterator[WatchEvent]:
         """Events of one pool (or all) as they happen; with snapshot, first every READY key and
@@ -262,54 +287,44 @@ class Client:
             )
         )
 
-    # ---- the call machinery --------------------------------------------------------------------
+    # ---- the I/O of plans ------------------------------------------------------------------------
 
-    def _invoke(self, call: _wire.Call[Any], session_id: str, retry: bool = True) -> Any:
-        """One RPC, retried with backoff while the daemon is UNAVAILABLE; the raw reply."""
-        backoff = Backoff(self.options.connect_timeout_s, time.monotonic)
-        while True:
+    def _run(self, call: _wire.Call[T]) -> T:
+        return self._drive(self._state.call(call))
+
+    def _drive(self, plan: Plan[T]) -> T:
+        """Carry out a plan's steps with blocking calls until it returns."""
+        reply: Any = None
+        error: EcdError | None = None
+        while not isinstance(step := advance(plan, reply, error), Done):
+            reply, error = None, None
+            try:
+                reply = self._do(step)
+            except EcdError as exc:
+                error = exc
+        result: T = step.value
+        return result
+
+    def _do(self, step: Send | Pause | Reopen) -> Any:
+        if isinstance(step, Send):
+            call = step.call
             try:
                 return getattr(self._stub, call.method)(
-                    call.build(session_id),
+                    call.build(step.session_id),
                     timeout=self.options.call_timeout_s + call.extra_timeout_s,
                     metadata=self.options.metadata,
                 )
             except grpc.RpcError as exc:
-                error = EcdError.from_rpc(exc)
-                unavailable = retry and error.code == grpc.StatusCode.UNAVAILABLE
-                delay = backoff.next_delay() if unavailable else None
-                if delay is None:
-                    raise error from None
-                time.sleep(delay)
-
-    def _run(self, call: _wire.Call[T]) -> T:
-        generation = self._state.generation
-        try:
-            reply = self._invoke(call, self._state.session_id)
-        except EcdError as error:
-            if not session_lost(error) or self._closed.is_set():
-                raise
-            self._reopen(generation)
-            reply = self._invoke(call, self._state.session_id)
-        if self._state.restarted(reply.boot_epoch):
-            self._reopen(generation)
-        return call.parse(reply)
-
-    def _open_session(self) -> None:
-        o = self.options
-        self._state.opened(self._invoke(_wire.open_session(o.name, os.getpid(), o.role), ""))
-
-    def _reopen(self, seen_generation: int) -> None:
-        """New session and pools after a restart or a lost lease; done once, however many threads
-        noticed."""
+                raise EcdError.from_rpc(exc) from None
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+            return None
         with self._lock:
-            if self._state.generation != seen_generation:
-                return
-            self._open_session()
-            for call in list(self._state.pools.values()):
-                info = call.parse(self._invoke(call, self._state.session_id))
-                self._state.pool_opened(call, info)
+            if self._state.generation != step.generation:
+                return None  # another thread reopened the session meanwhile
+            self._drive(self._state.reopen())
         self._state.tell_restart()
+        return None
 
     def _keep_alive_loop(self) -> None:
         while not self._closed.wait(max(self._state.lease_ttl_s / 3, 0.05)):

@@ -1,4 +1,9 @@
-"""The client library's values: what it sends and what the daemon answers, as plain dataclasses."""
+"""The values of the ecd API, declared once: what clients send and what the daemon answers.
+
+Plain dataclasses and enums, free of torch and gRPC, so that the daemon's core speaks in the same
+values as the clients (it imports this module, as it imports `layout`), and each value is mapped
+to and from its protobuf message in one place on each side (ec_daemon.service, ec_client._wire).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ def key_bytes(key: Key) -> bytes:
 
 
 class Status(enum.Enum):
-    """The outcome of one item of a batched call."""
+    """The outcome of one item of a batched call (the proto's ItemStatus without its prefix)."""
 
     OK = "ok"
     ALLOCATED = "allocated"
@@ -46,12 +51,17 @@ _ERRORS = {
 
 
 class EntryState(enum.Enum):
+    """Where an entry is in its life: PENDING (allocated, being written) -> READY (committed)."""
+
     ABSENT = "absent"
     PENDING = "pending"
     READY = "ready"
 
 
 class EventType(enum.Enum):
+    """What a Watch event says. SNAPSHOT and SYNCED exist only on a stream; the others are what
+    the daemon's core publishes as entries change."""
+
     SNAPSHOT = "snapshot"
     SYNCED = "synced"
     COMMITTED = "committed"
@@ -62,6 +72,10 @@ class EventType(enum.Enum):
 
 
 class Role(enum.Enum):
+    """What a session may do: producers Allocate, Commit and Abort; consumers Acquire and
+    Release; BOTH may do either; ADMIN sessions (operator tools) neither. Operator RPCs (Evict,
+    Delete, DropPool, Stats, ...) take no session and are governed by access lists instead."""
+
     PRODUCER = "producer"
     CONSUMER = "consumer"
     BOTH = "both"
@@ -75,9 +89,15 @@ class Extent:
     start: int
     count: int
 
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """Shape and dtype of a stored tensor, so a consumer can rebuild it without the model."""
+
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
@@ -113,33 +133,34 @@ class PoolInfo:
 
 
 @dataclass(frozen=True)
-class AllocateResult:
-    key: bytes
-    status: Status
-    message: str
-    extents: tuple[Extent, ...]
-
-
-@dataclass(frozen=True)
 class ItemResult:
+    """One item's answer to a batched call: its status and, for errors, what was wrong."""
+
     key: bytes
     status: Status
     message: str
 
 
 @dataclass(frozen=True)
-class AcquireResult:
-    key: bytes
-    status: Status
-    message: str
+class AllocateResult(ItemResult):
+    extents: tuple[Extent, ...]  # ALLOCATED: where to write, in order
+
+
+@dataclass(frozen=True)
+class AcquireResult(ItemResult):
+    """On HIT: the pin's lease (release it once the bytes are read), where the bytes are, and
+    what they hold; zero and empty otherwise."""
+
     lease_id: int
     extents: tuple[Extent, ...]
-    spec: TensorSpec | None  # set on HIT
+    spec: TensorSpec | None
     checksum: int
 
 
 @dataclass(frozen=True)
 class LeaseResult:
+    """Release's answer for one lease (pins are named by lease, not by key)."""
+
     lease_id: int
     status: Status
     message: str

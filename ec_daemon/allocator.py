@@ -11,21 +11,10 @@ merged) and both indexes hold the same set.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 from sortedcontainers import SortedDict, SortedList
 
-
-@dataclass(frozen=True, order=True, slots=True)
-class Extent:
-    """`count` consecutive blocks starting at block `start`."""
-
-    start: int
-    count: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.count
+from ec_client.types import Extent
 
 
 class ExtentAllocator:

@@ -20,10 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ec_client import Client, EcdError, Role
-from ec_client._connection import Options
+from ec_client import Client, EcdError, Role, check_health
 from ec_client.address import default_target
-from ec_client.client import check_health, shared_channel
 from ec_client.units import format_size
 from ec_daemon import config as config_module
 from ec_daemon.checks import StartupError
@@ -96,12 +94,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    options = Options.make(args.address, "ecd-cli", Role.ADMIN, args.timeout, args.timeout, None)
+    target = args.address or default_target()
     try:
-        status = check_health(shared_channel(options), options)
+        status = check_health(target, timeout_s=args.timeout)
     except EcdError as exc:
         status = f"UNREACHABLE ({exc.message})"
-    emit(args, {"status": status, "target": options.target}, lambda: status)
+    emit(args, {"status": status, "target": target}, lambda: status)
     return 0 if status == "SERVING" else 1
 
 
@@ -202,14 +200,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ec_daemon import bench
-    from ec_daemon.process import private_daemon
+    from ec_client import bench
+    from ec_daemon.spawn import spawned_daemon
 
     if not args.spawn:
         bench.run(args.address or default_target(), args)
         return 0
-    with private_daemon("--max-bytes", "4GiB", "--log-level", "warning", prefix="ecd-bench-") as d:
-        bench.run(d.address, args)
+    with spawned_daemon("--max-bytes", "4GiB", "--log-level", "warning", prefix="ecd-bench-") as a:
+        bench.run(a, args)
     return 0
 
 

@@ -26,6 +26,7 @@ class Reason(enum.Enum):
     BUDGET = "budget"
     SHM_FULL = "shm_full"
     BAD_REQUEST = "bad_request"
+    ROLE = "role"  # the session's role does not allow the call
 
 
 class CoreError(Exception):
@@ -37,20 +38,3 @@ class CoreError(Exception):
         self.code = code
         self.message = message
         self.reason = reason
-
-
-class ItemStatus(enum.Enum):
-    """The outcome of one item of a batched request (the proto's ItemStatus without its prefix)."""
-
-    OK = "OK"
-    ALLOCATED = "ALLOCATED"
-    EXISTS = "EXISTS"
-    PENDING = "PENDING"
-    NO_SPACE = "NO_SPACE"
-    HIT = "HIT"
-    MISS = "MISS"
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"

@@ -12,7 +12,7 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ec_daemon.index import Event, EventType
+from ec_client.types import EventType, WatchEvent
 
 
 class StreamEnd(enum.Enum):
@@ -29,10 +29,10 @@ class Subscription:
 
     engine_id: str
     limit: int
-    queue: asyncio.Queue[Event | StreamEnd] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[WatchEvent | StreamEnd] = field(default_factory=asyncio.Queue)
     ended: bool = False
 
-    def offer(self, event: Event) -> None:
+    def offer(self, event: WatchEvent) -> None:
         if self.ended or (self.engine_id and event.engine_id != self.engine_id):
             return
         if self.queue.qsize() >= self.limit:
@@ -52,7 +52,7 @@ class EventHub:
         self._subscriptions: set[Subscription] = set()
         self._watch_queue_limit = watch_queue_limit
 
-    def publish(self, event: Event) -> None:
+    def publish(self, event: WatchEvent) -> None:
         # Any event about a key settles its waiters: it became READY or went away. A dropped pool
         # settles every waiter of that pool.
         if event.type is EventType.POOL_DROPPED:

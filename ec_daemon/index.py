@@ -21,7 +21,6 @@ num_blocks, and no block is in two places.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import math
 from collections.abc import Callable
@@ -29,41 +28,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ec_client.layout import MAX_EXTENTS_PER_ENTRY, Geometry, SlotRecord
-from ec_daemon.allocator import Extent, ExtentAllocator
-from ec_daemon.errors import ItemStatus
+from ec_client.types import EntryState, EventType, Extent, PoolStats, Status, TensorSpec
+from ec_daemon.allocator import ExtentAllocator
 from ec_daemon.eviction import EvictionPolicy
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of the stored tensor, so a consumer can rebuild it without the model."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-class EntryState(enum.Enum):
-    PENDING = "PENDING"
-    READY = "READY"
-
-
-class EventType(enum.Enum):
-    COMMITTED = "COMMITTED"
-    EVICTED = "EVICTED"
-    ABORTED = "ABORTED"
-    DELETED = "DELETED"
-    POOL_DROPPED = "POOL_DROPPED"
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something consumers or watchers may wait on: a key became READY or went away."""
-
-    type: EventType
-    engine_id: str
-    key: bytes = b""
-    nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -91,7 +58,7 @@ class Entry:
 class Outcome:
     """The result of one item: a status, a message for errors, and the entry where one applies."""
 
-    status: ItemStatus
+    status: Status
     message: str = ""
     entry: Entry | None = None
 
@@ -106,23 +73,6 @@ class PoolCounters:
     no_space: int = 0
     commits: int = 0
     aborts: int = 0
-
-
-@dataclass(frozen=True)
-class PoolSnapshot:
-    """A pool's occupancy at one moment, for Stats and metrics."""
-
-    engine_id: str
-    geometry: Geometry
-    free_blocks: int
-    free_extents: int
-    largest_free_extent: int
-    entries_pending: int
-    entries_ready: int
-    entries_pinned: int
-    pins: int
-    bytes_ready: int
-    counters: PoolCounters
 
 
 class SlotJournal(Protocol):
@@ -141,15 +91,17 @@ class PoolIndex:
         journal: SlotJournal,
         policy: EvictionPolicy,
         clock: Callable[[], float],
-        on_event: Callable[[Event], None],
+        emit: Callable[[EventType, bytes, int], None],
     ) -> None:
+        """emit(type, key, nbytes): tells watchers and waiters that a key became READY or went
+        away (the store adds the pool and the boot epoch)."""
         self.engine_id = engine_id
         self.geometry = geometry
         self.counters = PoolCounters()
         self._journal = journal
         self._policy = policy
         self._clock = clock
-        self._on_event = on_event
+        self._emit = emit
         self._allocator = ExtentAllocator(geometry.num_blocks)
         self._entries: dict[bytes, Entry] = {}
         self._orphans: set[Entry] = set()  # removed while pinned
@@ -207,19 +159,19 @@ class PoolIndex:
         entry = self._entries.get(key)
         if entry is not None:
             if entry.state is EntryState.READY:
-                return Outcome(ItemStatus.EXISTS, entry=entry)
+                return Outcome(Status.EXISTS, entry=entry)
             if entry.session_id != session_id:
-                return Outcome(ItemStatus.PENDING, "another producer is writing this key", entry)
+                return Outcome(Status.PENDING, "another producer is writing this key", entry)
             if entry.spec != spec:
                 return Outcome(
-                    ItemStatus.FAILED_PRECONDITION,
+                    Status.FAILED_PRECONDITION,
                     f"this session already allocated the key as {entry.spec}, not {spec}",
                 )
-            return Outcome(ItemStatus.ALLOCATED, entry=entry)  # a retried Allocate
+            return Outcome(Status.ALLOCATED, entry=entry)  # a retried Allocate
         blocks = self.blocks_for(spec.nbytes)
         if blocks > self.geometry.num_blocks:
             return Outcome(
-                ItemStatus.INVALID_ARGUMENT,
+                Status.INVALID_ARGUMENT,
                 f"entry of {spec.nbytes} bytes needs {blocks} blocks of "
                 f"{self.geometry.block_size_bytes} bytes; the pool has {self.geometry.num_blocks}",
             )
@@ -227,7 +179,7 @@ class PoolIndex:
         if extents is None:
             self.counters.no_space += 1
             return Outcome(
-                ItemStatus.NO_SPACE,
+                Status.NO_SPACE,
                 f"needs {blocks} blocks; {self._allocator.free_blocks} free and "
                 f"{self._evictable_blocks} evictable (the rest is PENDING or pinned), "
                 f"{len(self._free_slots)} of {self.geometry.num_slots} entry slots free",
@@ -242,13 +194,13 @@ class PoolIndex:
             created_at=self._clock(),
         )
         self._entries[key] = entry
-        return Outcome(ItemStatus.ALLOCATED, entry=entry)
+        return Outcome(Status.ALLOCATED, entry=entry)
 
     def commit(self, key: bytes, session_id: str, checksum: int) -> Outcome:
         entry = self._entries.get(key)
         problem = self._not_pending_of(entry, session_id, "commit")
         if problem is not None or entry is None:
-            return problem or Outcome(ItemStatus.NOT_FOUND)
+            return problem or Outcome(Status.NOT_FOUND)
         self._commit_seq += 1
         entry.state = EntryState.READY
         entry.checksum = checksum
@@ -271,33 +223,33 @@ class PoolIndex:
         self._policy.on_ready(key)
         self._set_evictable(entry, True)
         self.counters.commits += 1
-        self._on_event(Event(EventType.COMMITTED, self.engine_id, key, entry.spec.nbytes))
-        return Outcome(ItemStatus.OK, entry=entry)
+        self._emit(EventType.COMMITTED, key, entry.spec.nbytes)
+        return Outcome(Status.OK, entry=entry)
 
     def abort(self, key: bytes, session_id: str) -> Outcome:
         entry = self._entries.get(key)
         problem = self._not_pending_of(entry, session_id, "abort")
         if problem is not None or entry is None:
-            return problem or Outcome(ItemStatus.NOT_FOUND)
+            return problem or Outcome(Status.NOT_FOUND)
         self._remove(entry, EventType.ABORTED)
         self.counters.aborts += 1
-        return Outcome(ItemStatus.OK, entry=entry)
+        return Outcome(Status.OK, entry=entry)
 
     def _not_pending_of(self, entry: Entry | None, session_id: str, verb: str) -> Outcome | None:
         if entry is None:
             return Outcome(
-                ItemStatus.NOT_FOUND,
+                Status.NOT_FOUND,
                 f"cannot {verb}: no PENDING entry with this key (never allocated, aborted, "
                 "or its producer's lease ran out)",
             )
         if entry.state is not EntryState.PENDING:
             return Outcome(
-                ItemStatus.FAILED_PRECONDITION,
-                f"cannot {verb}: the entry is {entry.state.value}, expected PENDING",
+                Status.FAILED_PRECONDITION,
+                f"cannot {verb}: the entry is {entry.state.name}, expected PENDING",
             )
         if entry.session_id != session_id:
             return Outcome(
-                ItemStatus.FAILED_PRECONDITION,
+                Status.FAILED_PRECONDITION,
                 f"cannot {verb}: the entry was allocated by another session ({entry.producer})",
             )
         return None
@@ -309,15 +261,15 @@ class PoolIndex:
         entry = self._entries.get(key)
         if entry is None:
             self.counters.misses += 1
-            return Outcome(ItemStatus.MISS)
+            return Outcome(Status.MISS)
         if entry.state is EntryState.PENDING:
-            return Outcome(ItemStatus.PENDING, "the producer has not committed it yet", entry)
+            return Outcome(Status.PENDING, "the producer has not committed it yet", entry)
         if entry.pins == 0:
             self._set_evictable(entry, False)
         entry.pins += 1
         self._policy.on_access(key)
         self.counters.hits += 1
-        return Outcome(ItemStatus.HIT, entry=entry)
+        return Outcome(Status.HIT, entry=entry)
 
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
@@ -332,31 +284,35 @@ class PoolIndex:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
+    def state(self, key: bytes) -> EntryState:
+        entry = self._entries.get(key)
+        return EntryState.ABSENT if entry is None else entry.state
+
     # ---- operator side -------------------------------------------------------------------------
 
     def evict(self, key: bytes) -> Outcome:
         """Drop a READY unpinned entry, as the eviction policy would."""
         entry = self._entries.get(key)
         if entry is None:
-            return Outcome(ItemStatus.NOT_FOUND, "no entry with this key")
+            return Outcome(Status.NOT_FOUND, "no entry with this key")
         if entry.state is EntryState.PENDING:
-            return Outcome(ItemStatus.FAILED_PRECONDITION, "the entry is PENDING; use Delete")
+            return Outcome(Status.FAILED_PRECONDITION, "the entry is PENDING; use Delete")
         if entry.pins:
             return Outcome(
-                ItemStatus.FAILED_PRECONDITION,
+                Status.FAILED_PRECONDITION,
                 f"the entry is pinned {entry.pins} time(s); use Delete",
             )
         self._remove(entry, EventType.EVICTED)
         self.counters.evictions += 1
-        return Outcome(ItemStatus.OK, entry=entry)
+        return Outcome(Status.OK, entry=entry)
 
     def delete(self, key: bytes) -> Outcome:
         """Drop an entry in any state; a pinned one keeps its blocks until its last release."""
         entry = self._entries.get(key)
         if entry is None:
-            return Outcome(ItemStatus.NOT_FOUND, "no entry with this key")
+            return Outcome(Status.NOT_FOUND, "no entry with this key")
         self._remove(entry, EventType.DELETED)
-        return Outcome(ItemStatus.OK, entry=entry)
+        return Outcome(Status.OK, entry=entry)
 
     def drop_all(self) -> int:
         """Remove every entry, leaving the file alone: the pool is being dropped (its file is
@@ -369,22 +325,29 @@ class PoolIndex:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def snapshot(self) -> PoolSnapshot:
+    def stats(self) -> PoolStats:
+        """The pool's occupancy and counters at this moment, for Stats and metrics."""
         entries = self._entries.values()
         ready = [e for e in entries if e.state is EntryState.READY]
-        return PoolSnapshot(
+        return PoolStats(
             engine_id=self.engine_id,
-            geometry=self.geometry,
+            capacity_bytes=self.geometry.capacity_bytes,
+            block_size_bytes=self.geometry.block_size_bytes,
+            num_blocks=self.geometry.num_blocks,
             free_blocks=self._allocator.free_blocks,
             free_extents=self._allocator.free_extents,
             largest_free_extent=self._allocator.largest_free_extent,
             entries_pending=len(entries) - len(ready),
             entries_ready=len(ready),
             entries_pinned=sum(1 for e in ready if e.pins),
-            pins=sum(e.pins for e in ready) + sum(e.pins for e in self._orphans),
+            pins=self.pins(),
             bytes_ready=sum(e.spec.nbytes for e in ready),
-            counters=dataclasses.replace(self.counters),
+            **dataclasses.asdict(self.counters),
         )
+
+    def pins(self) -> int:
+        """Pins outstanding, on indexed entries and on removed ones still pinned."""
+        return sum(e.pins for e in self._entries.values()) + sum(e.pins for e in self._orphans)
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -432,7 +395,7 @@ class PoolIndex:
         else:
             self._release_space(entry)
         if event is not None:
-            self._on_event(Event(event, self.engine_id, entry.key, entry.spec.nbytes))
+            self._emit(event, entry.key, entry.spec.nbytes)
 
     def _release_space(self, entry: Entry) -> None:
         self._allocator.free(entry.extents)

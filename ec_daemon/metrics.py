@@ -1,6 +1,6 @@
 """Prometheus metrics: pool occupancy and counters from the store, RPC latency by method.
 
-Pool and daemon figures are not kept twice: a collector turns Store.snapshot() into metric families
+Pool and daemon figures are not kept twice: a collector turns Store.stats() into metric families
 at scrape time, so a scrape shows exactly what the Stats RPC and `ecd stats` report. Only the RPC
 latency histograms are recorded as calls happen (through the service's `observe` hook).
 
@@ -24,10 +24,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ec_client import __version__
+from ec_client.types import PoolStats, Stats
 from ec_daemon.checks import StartupError
-from ec_daemon.index import PoolSnapshot
-from ec_daemon.store import Store, StoreSnapshot
+from ec_daemon.store import Store
 
 # From a cached Lookup (~0.3 ms over the socket) to an Acquire that waited for a producer (seconds).
 RPC_BUCKETS = (
@@ -37,21 +36,21 @@ RPC_BUCKETS = (
 SCRAPE_TIMEOUT_S = 5.0
 
 
-def _block_bytes(pool: PoolSnapshot, blocks: int) -> int:
-    return blocks * pool.geometry.block_size_bytes
+def _block_bytes(pool: PoolStats, blocks: int) -> int:
+    return blocks * pool.block_size_bytes
 
 
 # Per-pool gauges (label engine_id): name, help, value.
-POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolSnapshot], float]], ...] = (
+POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
     (
         "ecd_pool_capacity_bytes",
         "Bytes of the pool's blocks",
-        lambda p: p.geometry.capacity_bytes,
+        lambda p: p.capacity_bytes,
     ),
     (
         "ecd_pool_used_bytes",
         "Bytes of blocks held by entries",
-        lambda p: _block_bytes(p, p.geometry.num_blocks - p.free_blocks),
+        lambda p: _block_bytes(p, p.num_blocks - p.free_blocks),
     ),
     ("ecd_pool_free_bytes", "Bytes of free blocks", lambda p: _block_bytes(p, p.free_blocks)),
     (
@@ -64,7 +63,7 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolSnapshot], float]], ...] = (
     ("ecd_pool_pins", "Outstanding pins (Acquire leases)", lambda p: p.pins),
 )
 
-# Per-pool counters: PoolCounters field, help. Exposed as ecd_pool_<field>_total.
+# Per-pool counters: PoolStats field, help. Exposed as ecd_pool_<field>_total.
 POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("hits", "Acquire items answered HIT"),
     ("misses", "Acquire items answered MISS"),
@@ -78,13 +77,13 @@ POOL_COUNTERS: tuple[tuple[str, str], ...] = (
 class StoreCollector(Collector):
     """Per-pool and daemon-wide figures, computed from one snapshot per scrape."""
 
-    def __init__(self, snapshot: Callable[[], StoreSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Stats]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
         info = InfoMetricFamily("ecd_boot", "This daemon start: a new boot_epoch means a restart")
-        info.add_metric([], {"boot_epoch": snap.boot_epoch, "version": __version__})
+        info.add_metric([], {"boot_epoch": snap.boot_epoch, "version": snap.version})
         yield info
         yield GaugeMetricFamily("ecd_uptime_seconds", "Seconds since start", value=snap.uptime_s)
         yield GaugeMetricFamily(
@@ -116,17 +115,17 @@ class StoreCollector(Collector):
         for field, doc in POOL_COUNTERS:
             counter = CounterMetricFamily(f"ecd_pool_{field}", doc, labels=["engine_id"])
             for pool in snap.pools:
-                counter.add_metric([pool.engine_id], getattr(pool.counters, field))
+                counter.add_metric([pool.engine_id], getattr(pool, field))
             yield counter
 
 
-def snapshot_on_loop(store: Store, loop: asyncio.AbstractEventLoop) -> Callable[[], StoreSnapshot]:
+def snapshot_on_loop(store: Store, loop: asyncio.AbstractEventLoop) -> Callable[[], Stats]:
     """A snapshot function safe to call from another thread: it runs on the store's loop."""
 
-    async def take() -> StoreSnapshot:
-        return store.snapshot()
+    async def take() -> Stats:
+        return store.stats()
 
-    def snapshot() -> StoreSnapshot:
+    def snapshot() -> Stats:
         return asyncio.run_coroutine_threadsafe(take(), loop).result(SCRAPE_TIMEOUT_S)
 
     return snapshot
@@ -136,7 +135,7 @@ class Metrics:
     """The daemon's own registry rather than the process-global one, so that the endpoint shows
     exactly these series and nothing that an imported library registers."""
 
-    def __init__(self, snapshot: Callable[[], StoreSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Stats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(snapshot))
         ProcessCollector(registry=self.registry)  # memory, CPU, open file descriptors

@@ -22,14 +22,14 @@ import grpc
 import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
-from grpc_reflection.v1alpha import reflection
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_daemon import auth, checks, systemd
+from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
 from ec_daemon.pool import FileAccess
+from ec_daemon.pools import PoolSettings
 from ec_daemon.service import EncoderCacheService, add_to_server
 from ec_daemon.store import Store, StoreConfig
 from ec_daemon.validate import Limits
@@ -56,16 +56,15 @@ class Daemon:
 
 def build_store(config: Config, budget: int, hub: EventHub) -> Store:
     access = FileAccess(config.pool_mode, checks.group_id(config.pool_group))
-    store_config = StoreConfig(
+    pools = PoolSettings(
         shm_dir=config.shm_dir,
         max_bytes=budget,
-        lease_ttl_s=config.lease_ttl,
         eviction=config.eviction,
         max_entries_per_pool=config.max_entries_per_pool,
         max_pool_bytes=config.max_pool_bytes,
         file_access=access,
     )
-    return Store(store_config, clock=time.monotonic, on_event=hub.publish)
+    return Store(StoreConfig(pools, config.lease_ttl), clock=time.monotonic, publish=hub.publish)
 
 
 async def start(config: Config) -> Daemon:
@@ -93,9 +92,7 @@ async def start(config: Config) -> Daemon:
     hub = EventHub()
     store = build_store(config, budget, hub)
     store.adopt_pools()
-    for check, problem in checks.environment_warnings(
-        config.shm_dir, store.config.max_bytes
-    ).items():
+    for check, problem in checks.environment_warnings(config.shm_dir, budget).items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
     metrics_server = (
@@ -115,13 +112,8 @@ async def start(config: Config) -> Daemon:
     add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
+    reflection.enable(
+        server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
     )
     bind_unix_socket(server, config)
     if config.tcp and tls is not None:
@@ -153,8 +145,8 @@ async def start(config: Config) -> Daemon:
             "auth": "tokens+acl" if config.acl_file else "tokens" if guard.enabled else "off",
             "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
             "shm_dir": str(config.shm_dir),
-            "max_bytes": store.config.max_bytes,
-            "pools": len(store.pools()),
+            "max_bytes": budget,
+            "pools": len(store.stats().pools),
             "boot_epoch": store.boot_epoch,
             "pid": os.getpid(),
         },
@@ -199,16 +191,16 @@ def secure_socket(config: Config) -> None:
 
 async def reap_sessions(store: Store) -> None:
     """End sessions whose lease ran out, a few times per TTL so nothing outlives it by much."""
-    period = min(store.sessions.ttl_s / 4, 1.0)
+    period = min(store.lease_ttl_s / 4, 1.0)
     while True:
         await asyncio.sleep(period)
         for end in store.expire_sessions():
             log.warning(
                 "session lease expired",
                 extra={
-                    "session": end.session.id,
-                    "client": end.session.name,
-                    "pid": end.session.pid,
+                    "session": end.session_id,
+                    "client": end.client,
+                    "pid": end.pid,
                     "aborted": end.aborted,
                     "released": end.released,
                 },

@@ -2,30 +2,30 @@
 
 No cache logic lives here. Whole-request failures become gRPC errors with the status code of the
 CoreError, its message, and trailing metadata `ecd-reason` (what clients act on, such as
-unknown_session) and `ecd-boot-epoch`; per-item failures become per-item statuses.
+unknown_session) and `ecd-boot-epoch`; per-item failures become per-item statuses. Each value of
+`ec_client.types` the store answers with is turned into its message by one function below.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from ec_client import __version__
+from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate
 from ec_daemon.auth import Guard
-from ec_daemon.errors import Code, CoreError, ItemStatus
+from ec_daemon.errors import Code, CoreError
 from ec_daemon.events import EventHub, StreamEnd
-from ec_daemon.index import Entry, EntryState, Event, EventType, Outcome, TensorSpec
-from ec_daemon.sessions import Role
-from ec_daemon.store import AcquireOutcome, Store
+from ec_daemon.store import Store
 
 log = logging.getLogger("ecd.service")
 
@@ -68,66 +68,123 @@ async def abort(store: Store, context: grpc.aio.ServicerContext[Any, Any], exc: 
 
 
 def per_item(
-    checked: list[T | str], run: Callable[[list[T]], list[R]], invalid: Callable[[str], R]
+    keys: Sequence[bytes],
+    checked: Sequence[T | str],
+    run: Callable[[list[T]], list[R]],
+    invalid: Callable[[bytes, str], R],
 ) -> list[R]:
-    """Run the valid items as one batch and put invalid ones (a str saying why) back in order."""
+    """Run the valid items as one batch and put invalid ones (a str saying why) back in order:
+    one bad item never sinks the others."""
     results = iter(run([c for c in checked if not isinstance(c, str)]))
-    return [invalid(c) if isinstance(c, str) else next(results) for c in checked]
-
-
-def checked_keys(keys: list[bytes]) -> list[bytes | str]:
-    return [key if (problem := validate.key_problem(key)) is None else problem for key in keys]
-
-
-ITEM_STATUS: dict[ItemStatus, pb.ItemStatus] = {
-    status: getattr(pb, "ITEM_" + status.value) for status in ItemStatus
-}
-
-
-def item_status(status: ItemStatus) -> pb.ItemStatus:
-    return ITEM_STATUS[status]
-
-
-def extents_pb(entry: Entry) -> list[pb.Extent]:
-    return [pb.Extent(start=e.start, count=e.count) for e in entry.extents]
-
-
-def spec_pb(spec: TensorSpec) -> pb.TensorSpec:
-    return pb.TensorSpec(shape=list(spec.shape), dtype=spec.dtype, nbytes=spec.nbytes)
-
-
-def state_pb(entry: Entry | None) -> pb.EntryState:
-    if entry is None:
-        return pb.ENTRY_ABSENT
-    return pb.ENTRY_READY if entry.state is EntryState.READY else pb.ENTRY_PENDING
-
-
-def item_results(keys: list[bytes], outcomes: list[Outcome]) -> list[pb.ItemResult]:
     return [
-        pb.ItemResult(key=key, status=item_status(o.status), message=o.message)
-        for key, o in zip(keys, outcomes, strict=True)
+        invalid(key, c) if isinstance(c, str) else next(results)
+        for key, c in zip(keys, checked, strict=True)
     ]
 
 
-def invalid_outcome(message: str) -> Outcome:
-    return Outcome(ItemStatus.INVALID_ARGUMENT, message)
+def checked_keys(keys: Sequence[bytes]) -> list[bytes | str]:
+    return [key if (problem := validate.key_problem(key)) is None else problem for key in keys]
 
 
-ROLES = {
-    pb.ROLE_UNSPECIFIED: Role.UNSPECIFIED,
-    pb.ROLE_PRODUCER: Role.PRODUCER,
-    pb.ROLE_CONSUMER: Role.CONSUMER,
-    pb.ROLE_BOTH: Role.BOTH,
-    pb.ROLE_ADMIN: Role.ADMIN,
+# ---- from ec_client.types to messages, one function per value ---------------------------------
+
+STATUS_PB: dict[api.Status, pb.ItemStatus] = {s: getattr(pb, "ITEM_" + s.name) for s in api.Status}
+STATE_PB: dict[api.EntryState, pb.EntryState] = {
+    s: getattr(pb, "ENTRY_" + s.name) for s in api.EntryState
+}
+EVENT_PB: dict[api.EventType, pb.EventType] = {
+    t: getattr(pb, "EVENT_" + t.name) for t in api.EventType
+}
+ROLES: dict[pb.Role, api.Role] = {
+    pb.ROLE_UNSPECIFIED: api.Role.BOTH,  # clients that do not say are trusted with both
+    pb.ROLE_PRODUCER: api.Role.PRODUCER,
+    pb.ROLE_CONSUMER: api.Role.CONSUMER,
+    pb.ROLE_BOTH: api.Role.BOTH,
+    pb.ROLE_ADMIN: api.Role.ADMIN,
 }
 
-EVENT_TYPES = {
-    EventType.COMMITTED: pb.EVENT_COMMITTED,
-    EventType.EVICTED: pb.EVENT_EVICTED,
-    EventType.ABORTED: pb.EVENT_ABORTED,
-    EventType.DELETED: pb.EVENT_DELETED,
-    EventType.POOL_DROPPED: pb.EVENT_POOL_DROPPED,
-}
+
+def extents_pb(extents: Sequence[api.Extent]) -> list[pb.Extent]:
+    return [pb.Extent(start=e.start, count=e.count) for e in extents]
+
+
+def spec_pb(spec: api.TensorSpec) -> pb.TensorSpec:
+    return pb.TensorSpec(shape=spec.shape, dtype=spec.dtype, nbytes=spec.nbytes)
+
+
+def item_result_pb(r: api.ItemResult) -> pb.ItemResult:
+    return pb.ItemResult(key=r.key, status=STATUS_PB[r.status], message=r.message)
+
+
+def allocate_result_pb(r: api.AllocateResult) -> pb.AllocateResult:
+    return pb.AllocateResult(
+        key=r.key, status=STATUS_PB[r.status], message=r.message, extents=extents_pb(r.extents)
+    )
+
+
+def acquire_result_pb(r: api.AcquireResult) -> pb.AcquireResult:
+    result = pb.AcquireResult(key=r.key, status=STATUS_PB[r.status], message=r.message)
+    if r.spec is not None:
+        result.lease_id = r.lease_id
+        result.extents.extend(extents_pb(r.extents))
+        result.tensor.CopyFrom(spec_pb(r.spec))
+        result.checksum = r.checksum
+    return result
+
+
+def lease_result_pb(r: api.LeaseResult) -> pb.LeaseResult:
+    return pb.LeaseResult(lease_id=r.lease_id, status=STATUS_PB[r.status], message=r.message)
+
+
+def lookup_result_pb(r: api.LookupResult) -> pb.LookupResult:
+    return pb.LookupResult(key=r.key, state=STATE_PB[r.state], nbytes=r.nbytes, pins=r.pins)
+
+
+def entry_info_pb(e: api.EntryInfo) -> pb.EntryInfo:
+    return pb.EntryInfo(
+        **mirrored(e, "state", "spec", "extents"),
+        state=STATE_PB[e.state],
+        tensor=spec_pb(e.spec),
+        extents=extents_pb(e.extents),
+    )
+
+
+def mirrored(value: Any, *skip: str) -> dict[str, Any]:
+    """A value's fields by name, for the message whose fields are declared to match
+    (tests/unit/test_types.py), less those the message keeps elsewhere."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name not in skip}
+
+
+def pool_info_pb(p: api.PoolInfo) -> pb.PoolInfo:
+    return pb.PoolInfo(**mirrored(p, "created"))  # `created` travels in OpenPoolReply
+
+
+def stats_pb(s: api.Stats) -> pb.StatsReply:
+    return pb.StatsReply(
+        **mirrored(s, "pools"), pools=[pb.PoolStats(**mirrored(p)) for p in s.pools]
+    )
+
+
+def watch_event_pb(e: api.WatchEvent) -> pb.WatchEvent:
+    return pb.WatchEvent(
+        boot_epoch=e.boot_epoch,
+        type=EVENT_PB[e.type],
+        engine_id=e.engine_id,
+        key=e.key,
+        nbytes=e.nbytes,
+    )
+
+
+def invalid_item(key: bytes, message: str) -> api.ItemResult:
+    return api.ItemResult(key, api.Status.INVALID_ARGUMENT, message)
+
+
+def invalid_allocate(key: bytes, message: str) -> api.AllocateResult:
+    return api.AllocateResult(key, api.Status.INVALID_ARGUMENT, message, ())
+
+
+def invalid_acquire(key: bytes, message: str) -> api.AcquireResult:
+    return api.AcquireResult(key, api.Status.INVALID_ARGUMENT, message, 0, (), None, 0)
 
 
 class EncoderCacheService(pb_grpc.EncoderCacheServicer):
@@ -155,6 +212,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     def epoch(self) -> str:
         return self.store.boot_epoch
 
+    @property
+    def lease_ttl_ms(self) -> int:
+        return int(self.store.lease_ttl_s * 1000)
+
     # ---- sessions ------------------------------------------------------------------------------
 
     @rpc
@@ -162,16 +223,17 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenSessionReply:
         if request.role not in ROLES:
-            raise CoreError(Code.INVALID_ARGUMENT, f"unknown role {request.role}")
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"unknown role {request.role}: expected one of {sorted(ROLES)} (ecd.v1.Role)",
+            )
         name = validate.client_name(request.client_name)
-        session = self.store.open_session(name, request.pid, ROLES[request.role])
+        session_id = self.store.open_session(name, request.pid, ROLES[request.role])
         log.info(
-            "session opened", extra={"session": session.id, "client": name, "pid": request.pid}
+            "session opened", extra={"session": session_id, "client": name, "pid": request.pid}
         )
         return pb.OpenSessionReply(
-            boot_epoch=self.epoch,
-            session_id=session.id,
-            lease_ttl_ms=int(self.store.sessions.ttl_s * 1000),
+            boot_epoch=self.epoch, session_id=session_id, lease_ttl_ms=self.lease_ttl_ms
         )
 
     @rpc
@@ -179,9 +241,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.KeepAliveReply:
         self.store.keep_alive(request.session_id)
-        return pb.KeepAliveReply(
-            boot_epoch=self.epoch, lease_ttl_ms=int(self.store.sessions.ttl_s * 1000)
-        )
+        return pb.KeepAliveReply(boot_epoch=self.epoch, lease_ttl_ms=self.lease_ttl_ms)
 
     @rpc
     async def CloseSession(
@@ -191,8 +251,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         log.info(
             "session closed",
             extra={
-                "session": end.session.id,
-                "client": end.session.name,
+                "session": end.session_id,
+                "client": end.client,
                 "aborted": end.aborted,
                 "released": end.released,
             },
@@ -209,26 +269,15 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     ) -> pb.OpenPoolReply:
         engine_id = validate.engine_id(request.engine_id)
         validate.pool_request(request.block_size_bytes, request.capacity_bytes, request.compat_key)
-        self.store.sessions.touch(request.session_id)
-        pool, created = self.store.open_pool(
-            engine_id, request.block_size_bytes, request.capacity_bytes, request.compat_key
+        info = self.store.open_pool(
+            request.session_id,
+            engine_id,
+            request.block_size_bytes,
+            request.capacity_bytes,
+            request.compat_key,
         )
-        header = pool.file.header
-        geometry = header.geometry
         return pb.OpenPoolReply(
-            boot_epoch=self.epoch,
-            created=created,
-            pool=pb.PoolInfo(
-                engine_id=engine_id,
-                path=str(pool.file.path),
-                block_size_bytes=geometry.block_size_bytes,
-                num_blocks=geometry.num_blocks,
-                data_offset=geometry.data_offset,
-                file_size=geometry.file_size,
-                pool_uuid=str(header.pool_uuid),
-                compat_key=header.compat_key,
-                max_entries=geometry.num_slots,
-            ),
+            boot_epoch=self.epoch, created=info.created, pool=pool_info_pb(info)
         )
 
     @rpc
@@ -246,28 +295,20 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     ) -> pb.AllocateReply:
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.items), self.limits)
-        checked: list[tuple[bytes, TensorSpec] | str] = []
-        for item in request.items:
-            spec = validate.tensor_spec(item.key, item.tensor)
-            checked.append(spec if isinstance(spec, str) else (item.key, spec))
-        outcomes = per_item(
+        keys = [item.key for item in request.items]
+        checked = [
+            spec if isinstance(spec, str) else (item.key, spec)
+            for item in request.items
+            for spec in (validate.tensor_spec(item.key, item.tensor),)
+        ]
+        results = per_item(
+            keys,
             checked,
             lambda items: self.store.allocate(request.session_id, engine_id, items),
-            invalid_outcome,
+            invalid_allocate,
         )
         return pb.AllocateReply(
-            boot_epoch=self.epoch,
-            results=[
-                pb.AllocateResult(
-                    key=item.key,
-                    status=item_status(o.status),
-                    message=o.message,
-                    extents=extents_pb(o.entry)
-                    if o.status is ItemStatus.ALLOCATED and o.entry
-                    else [],
-                )
-                for item, o in zip(request.items, outcomes, strict=True)
-            ],
+            boot_epoch=self.epoch, results=[allocate_result_pb(r) for r in results]
         )
 
     @rpc
@@ -276,61 +317,57 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     ) -> pb.CommitReply:
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.items), self.limits)
-        checked: list[tuple[bytes, int] | str] = [
-            (item.key, item.checksum) if isinstance(k, bytes) else k
-            for item, k in zip(
-                request.items, checked_keys([i.key for i in request.items]), strict=True
-            )
+        keys = [item.key for item in request.items]
+        checked = [
+            (item.key, item.checksum) if isinstance(key, bytes) else key
+            for item, key in zip(request.items, checked_keys(keys), strict=True)
         ]
-        outcomes = per_item(
+        results = per_item(
+            keys,
             checked,
             lambda items: self.store.commit(request.session_id, engine_id, items),
-            invalid_outcome,
+            invalid_item,
         )
-        keys = [item.key for item in request.items]
-        return pb.CommitReply(boot_epoch=self.epoch, results=item_results(keys, outcomes))
+        return pb.CommitReply(boot_epoch=self.epoch, results=[item_result_pb(r) for r in results])
 
     @rpc
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AbortReply:
-        outcomes = self._keyed(
+        results = self._keyed(
             request.engine_id,
-            list(request.keys),
-            lambda e, keys: self.store.abort(request.session_id, e, keys),
+            request.keys,
+            lambda engine_id, keys: self.store.abort(request.session_id, engine_id, keys),
         )
-        return pb.AbortReply(
-            boot_epoch=self.epoch, results=item_results(list(request.keys), outcomes)
-        )
+        return pb.AbortReply(boot_epoch=self.epoch, results=results)
 
     @rpc
     async def Evict(
         self, request: pb.EvictRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.EvictReply:
-        outcomes = self._keyed(request.engine_id, list(request.keys), self.store.evict)
-        return pb.EvictReply(
-            boot_epoch=self.epoch, results=item_results(list(request.keys), outcomes)
-        )
+        results = self._keyed(request.engine_id, request.keys, self.store.evict)
+        return pb.EvictReply(boot_epoch=self.epoch, results=results)
 
     @rpc
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteReply:
-        outcomes = self._keyed(request.engine_id, list(request.keys), self.store.delete)
-        return pb.DeleteReply(
-            boot_epoch=self.epoch, results=item_results(list(request.keys), outcomes)
-        )
+        results = self._keyed(request.engine_id, request.keys, self.store.delete)
+        return pb.DeleteReply(boot_epoch=self.epoch, results=results)
 
     def _keyed(
         self,
         engine_id: str,
-        keys: list[bytes],
-        run: Callable[[str, list[bytes]], list[Outcome]],
-    ) -> list[Outcome]:
+        keys: Sequence[bytes],
+        run: Callable[[str, list[bytes]], list[api.ItemResult]],
+    ) -> list[pb.ItemResult]:
         """A batch of keys against one pool: validate, run the valid ones, keep the order."""
         engine_id = validate.engine_id(engine_id)
         validate.batch(len(keys), self.limits)
-        return per_item(checked_keys(keys), lambda valid: run(engine_id, valid), invalid_outcome)
+        results = per_item(
+            keys, checked_keys(keys), lambda valid: run(engine_id, valid), invalid_item
+        )
+        return [item_result_pb(r) for r in results]
 
     @rpc
     async def Acquire(
@@ -339,31 +376,24 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.keys), self.limits)
         wait_ms = validate.wait_ms(request.wait_ms)
-        checked = checked_keys(list(request.keys))
-        self.store.sessions.touch(request.session_id)
+        keys = list(request.keys)
+        checked = checked_keys(keys)
         if wait_ms:
-            # Lookup and waiter registration happen in one synchronous step: no commit can slip
-            # between them. Pins are taken only after the wait, so a caller that gives up while
-            # waiting holds nothing.
+            # The store's answer and the waiters' registration happen in one synchronous step:
+            # no commit can slip between them. Pins are taken only after the wait, so a caller
+            # that gives up while waiting holds nothing.
             valid = [k for k in checked if isinstance(k, bytes)]
-            pending = [
-                key
-                for key, entry in zip(valid, self.store.lookup(engine_id, valid), strict=True)
-                if entry is not None and entry.state is EntryState.PENDING
-            ]
-            if pending:
-                await self.hub.wait_settled(engine_id, pending, wait_ms / 1000)
+            waits = self.store.keys_to_wait_for(request.session_id, engine_id, valid)
+            if waits:
+                await self.hub.wait_settled(engine_id, waits, wait_ms / 1000)
         results = per_item(
+            keys,
             checked,
-            lambda keys: self.store.acquire(request.session_id, engine_id, keys),
-            lambda message: AcquireOutcome(invalid_outcome(message)),
+            lambda valid: self.store.acquire(request.session_id, engine_id, valid),
+            invalid_acquire,
         )
         return pb.AcquireReply(
-            boot_epoch=self.epoch,
-            results=[
-                acquire_result_pb(key, r.outcome, r.lease_id)
-                for key, r in zip(request.keys, results, strict=True)
-            ],
+            boot_epoch=self.epoch, results=[acquire_result_pb(r) for r in results]
         )
 
     @rpc
@@ -371,14 +401,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReleaseReply:
         validate.batch(len(request.lease_ids), self.limits)
-        outcomes = self.store.release(request.session_id, list(request.lease_ids))
-        return pb.ReleaseReply(
-            boot_epoch=self.epoch,
-            results=[
-                pb.LeaseResult(lease_id=lease_id, status=item_status(o.status), message=o.message)
-                for lease_id, o in zip(request.lease_ids, outcomes, strict=True)
-            ],
-        )
+        results = self.store.release(request.session_id, request.lease_ids)
+        return pb.ReleaseReply(boot_epoch=self.epoch, results=[lease_result_pb(r) for r in results])
 
     @rpc
     async def Lookup(
@@ -386,19 +410,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     ) -> pb.LookupReply:
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.keys), self.limits)
-        entries = self.store.lookup(engine_id, list(request.keys))
-        return pb.LookupReply(
-            boot_epoch=self.epoch,
-            results=[
-                pb.LookupResult(
-                    key=key,
-                    state=state_pb(entry),
-                    nbytes=entry.spec.nbytes if entry else 0,
-                    pins=entry.pins if entry else 0,
-                )
-                for key, entry in zip(request.keys, entries, strict=True)
-            ],
-        )
+        results = self.store.lookup(engine_id, request.keys)
+        return pb.LookupReply(boot_epoch=self.epoch, results=[lookup_result_pb(r) for r in results])
 
     @rpc
     async def ListEntries(
@@ -407,23 +420,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         engine_id = validate.engine_id(request.engine_id)
         limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
         entries, truncated = self.store.list_entries(engine_id, request.start_after, limit)
-        now = self.store.now()
         return pb.ListEntriesReply(
             boot_epoch=self.epoch,
             truncated=truncated,
-            entries=[
-                pb.EntryInfo(
-                    key=e.key,
-                    state=state_pb(e),
-                    tensor=spec_pb(e.spec),
-                    extents=extents_pb(e),
-                    pins=e.pins,
-                    producer=e.producer,
-                    checksum=e.checksum,
-                    age_s=now - (e.committed_at if e.state is EntryState.READY else e.created_at),
-                )
-                for e in entries
-            ],
+            entries=[entry_info_pb(e) for e in entries],
         )
 
     # ---- observation ---------------------------------------------------------------------------
@@ -433,39 +433,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatsReply:
         engine_id = validate.engine_id(request.engine_id) if request.engine_id else ""
-        snap = self.store.snapshot(engine_id)
-        return pb.StatsReply(
-            boot_epoch=snap.boot_epoch,
-            uptime_s=snap.uptime_s,
-            max_bytes=snap.max_bytes,
-            reserved_bytes=snap.reserved_bytes,
-            sessions=snap.sessions,
-            lease_expiries=snap.lease_expiries,
-            version=__version__,
-            pools=[
-                pb.PoolStats(
-                    engine_id=p.engine_id,
-                    capacity_bytes=p.geometry.capacity_bytes,
-                    block_size_bytes=p.geometry.block_size_bytes,
-                    num_blocks=p.geometry.num_blocks,
-                    free_blocks=p.free_blocks,
-                    free_extents=p.free_extents,
-                    largest_free_extent=p.largest_free_extent,
-                    entries_pending=p.entries_pending,
-                    entries_ready=p.entries_ready,
-                    entries_pinned=p.entries_pinned,
-                    pins=p.pins,
-                    hits=p.counters.hits,
-                    misses=p.counters.misses,
-                    evictions=p.counters.evictions,
-                    no_space=p.counters.no_space,
-                    commits=p.counters.commits,
-                    aborts=p.counters.aborts,
-                    bytes_ready=p.bytes_ready,
-                )
-                for p in snap.pools
-            ],
-        )
+        return stats_pb(self.store.stats(engine_id))
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -473,28 +441,18 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         try:
             self.authorize("Watch", request, context)
             engine_id = validate.engine_id(request.engine_id) if request.engine_id else ""
-            pools = [self.store.pool(engine_id)] if engine_id else self.store.pools()
+            if engine_id:
+                self.store.pool_info(engine_id)  # NOT_FOUND for a pool that does not exist
+            # Snapshot and subscription in one synchronous step, so no event falls between.
+            snapshot = self.store.ready_snapshot(engine_id) if request.snapshot else []
+            subscription = self.hub.subscribe(engine_id)
         except CoreError as exc:
             await abort(self.store, context, exc)
             return
-        # Subscribe and take the snapshot in one synchronous step, so no event falls between.
-        subscription = self.hub.subscribe(engine_id)
-        snapshot = [
-            (pool.engine_id, entry)
-            for pool in pools
-            for entry in pool.index.entries()
-            if request.snapshot and entry.state is EntryState.READY
-        ]
         try:
             if request.snapshot:
-                for pool_id, entry in snapshot:
-                    yield pb.WatchEvent(
-                        boot_epoch=self.epoch,
-                        type=pb.EVENT_SNAPSHOT,
-                        engine_id=pool_id,
-                        key=entry.key,
-                        nbytes=entry.spec.nbytes,
-                    )
+                for ready in snapshot:
+                    yield watch_event_pb(ready)
                 yield pb.WatchEvent(
                     boot_epoch=self.epoch, type=pb.EVENT_SYNCED, engine_id=engine_id
                 )
@@ -513,30 +471,9 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                         ),
                     )
                     return
-                yield watch_event_pb(self.epoch, event)
+                yield watch_event_pb(event)
         finally:
             self.hub.unsubscribe(subscription)
-
-
-def watch_event_pb(epoch: str, event: Event) -> pb.WatchEvent:
-    return pb.WatchEvent(
-        boot_epoch=epoch,
-        type=EVENT_TYPES[event.type],
-        engine_id=event.engine_id,
-        key=event.key,
-        nbytes=event.nbytes,
-    )
-
-
-def acquire_result_pb(key: bytes, outcome: Outcome, lease_id: int) -> pb.AcquireResult:
-    result = pb.AcquireResult(key=key, status=item_status(outcome.status), message=outcome.message)
-    if outcome.status is ItemStatus.HIT and outcome.entry is not None:
-        entry = outcome.entry
-        result.lease_id = lease_id
-        result.extents.extend(extents_pb(entry))
-        result.tensor.CopyFrom(spec_pb(entry.spec))
-        result.checksum = entry.checksum
-    return result
 
 
 def add_to_server(service: EncoderCacheService, server: grpc.aio.Server) -> None:

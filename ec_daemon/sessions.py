@@ -10,22 +10,19 @@ Release cannot drop a pin that someone else took since.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ec_client.types import Role
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.index import Entry
 
-
-class Role(enum.Enum):
-    UNSPECIFIED = "UNSPECIFIED"
-    PRODUCER = "PRODUCER"
-    CONSUMER = "CONSUMER"
-    BOTH = "BOTH"
-    ADMIN = "ADMIN"
+# What a session's role lets it do with entries (see Role): a consumer-only engine cannot write
+# into a pool by mistake, nor an operator tool hold pins.
+PRODUCE = frozenset({Role.PRODUCER, Role.BOTH})
+CONSUME = frozenset({Role.CONSUMER, Role.BOTH})
 
 
 @dataclass(eq=False)
@@ -33,7 +30,6 @@ class Lease:
     """One pin of one entry, held by one session."""
 
     id: int
-    session_id: str
     engine_id: str
     entry: Entry
 
@@ -85,9 +81,21 @@ class SessionTable:
         """The session with this ID if the table still holds it, expired or not."""
         return self._sessions.get(session_id)
 
-    def touch(self, session_id: str) -> Session:
-        """The live session, its lease renewed: any RPC of a session is a sign of life."""
+    def touch(self, session_id: str, may: frozenset[Role] | None = None) -> Session:
+        """The live session, its lease renewed: any RPC of a session is a sign of life.
+
+        `may`: the roles allowed to make this call (PRODUCE or CONSUME); PERMISSION_DENIED for
+        a session opened with another role.
+        """
         session = self.get(session_id)
+        if may is not None and session.role not in may:
+            allowed = " or ".join(sorted(r.value for r in may))
+            raise CoreError(
+                Code.PERMISSION_DENIED,
+                f"session of {session.name!r} was opened with role {session.role.value}; this "
+                f"call needs role {allowed}: open the session with that role",
+                Reason.ROLE,
+            )
         session.expires_at = self._clock() + self.ttl_s
         return session
 
@@ -100,7 +108,7 @@ class SessionTable:
         return [s for s in self._sessions.values() if s.expires_at <= now]
 
     def add_lease(self, session: Session, engine_id: str, entry: Entry) -> Lease:
-        lease = Lease(next(self._lease_ids), session.id, engine_id, entry)
+        lease = Lease(next(self._lease_ids), engine_id, entry)
         session.leases[lease.id] = lease
         return lease
 

@@ -17,8 +17,8 @@ from ec_client.layout import (
     MAX_NDIM,
     tensor_nbytes,
 )
+from ec_client.types import TensorSpec
 from ec_daemon.errors import Code, CoreError
-from ec_daemon.index import TensorSpec
 
 MAX_WAIT_MS = 600_000
 MAX_BLOCK_SIZE = 1 << 30

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from ec_daemon.index import Event, TensorSpec
-from ec_daemon.sessions import Role, Session
+from ec_client.types import PoolInfo, Role, TensorSpec, WatchEvent
+from ec_daemon.pools import PoolSettings
 from ec_daemon.store import Store, StoreConfig
 
 
@@ -21,12 +22,27 @@ class FakeClock:
 
 
 def make_store(
-    shm_dir: Path, clock: FakeClock, *, events: list[Event] | None = None, **config: object
+    shm_dir: Path,
+    clock: FakeClock,
+    *,
+    events: list[WatchEvent] | None = None,
+    lease_ttl_s: float = 10.0,
+    **pools: Any,
 ) -> Store:
-    settings: dict[str, object] = {"shm_dir": shm_dir, "max_bytes": 1 << 30, "lease_ttl_s": 10.0}
-    settings.update(config)
+    """A Store on shm_dir with a 1 GiB budget; `pools` overrides PoolSettings fields."""
+    settings = PoolSettings(**{"shm_dir": shm_dir, "max_bytes": 1 << 30, **pools})
     sink = events.append if events is not None else (lambda event: None)
-    return Store(StoreConfig(**settings), clock, sink)  # type: ignore[arg-type]
+    return Store(StoreConfig(settings, lease_ttl_s), clock, sink)
+
+
+def open_pool(
+    store: Store, engine_id: str, block: int, capacity: int, compat_key: str = ""
+) -> PoolInfo:
+    """OpenPool in a session of its own, closed at once (so no test sees it expire)."""
+    setup = store.open_session("setup", 1, Role.ADMIN)
+    info = store.open_pool(setup, engine_id, block, capacity, compat_key)
+    store.close_session(setup)
+    return info
 
 
 def spec(nbytes: int) -> TensorSpec:
@@ -34,5 +50,5 @@ def spec(nbytes: int) -> TensorSpec:
     return TensorSpec((nbytes,), "uint8", nbytes)
 
 
-def session(store: Store, name: str = "producer") -> Session:
-    return store.open_session(name, 1, Role.BOTH)
+def session(store: Store, name: str = "producer", role: Role = Role.BOTH) -> str:
+    return store.open_session(name, 1, role)

@@ -1,23 +1,30 @@
-"""Test support: real daemons (ec_daemon.process) plus what tests ask of them.
+"""Test support: real daemons as child processes, plus what tests ask of them.
 
 Every test gets its own socket path and its own directory under /dev/shm, removed afterwards, so
-tests never touch each other's files.
+tests never touch each other's files. A Daemon keeps its socket and shm directory across
+stop/kill/restart, so tests can kill it and start it again on the same pools.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ec_client import Client
-from ec_daemon.process import DaemonProcess, new_shm_dir, private_daemon
+from ec_daemon.spawn import new_shm_dir, serve_command, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ARGS = ("--max-bytes", "256MiB", "--lease-ttl", "2", "--log-level", "debug")
 
 __all__ = [
     "REPO",
@@ -30,13 +37,86 @@ __all__ = [
 ]
 
 
-Daemon = DaemonProcess
+@dataclass
+class Daemon:
+    """One daemon; start/stop/kill/restart keep its socket path and shm directory."""
+
+    workdir: Path
+    shm_dir: Path
+    args: tuple[str, ...] = DEFAULT_ARGS
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / "ecd.sock"
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"daemon-{self.starts}.log"
+
+    def command(self) -> list[str]:
+        return serve_command(self.socket, self.shm_dir, self.args)
+
+    def start(self, timeout_s: float = 15.0, wait: bool = True) -> Daemon:
+        self.starts += 1
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+            )
+        if wait:
+            self.wait_serving(timeout_s)
+        return self
+
+    def wait_serving(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None:
+            raise RuntimeError("daemon was never started")
+        wait_serving(self.address, self.proc, timeout_s, self.log_path)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.proc is None:
+            raise RuntimeError("daemon was never started")
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> int:
+        return self.stop(signal.SIGKILL)
+
+    def restart(self, sig: int = signal.SIGKILL) -> Daemon:
+        self.stop(sig)
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, **kwargs: Any) -> Client:
+        kwargs.setdefault("name", "test")
+        return Client(self.address, **kwargs)
 
 
 @contextmanager
 def running_daemon(*args: str, env: dict[str, str] | None = None) -> Iterator[Daemon]:
-    with private_daemon(*args, env=env, prefix="ecd-test-") as daemon:
-        yield daemon
+    """A daemon in fresh directories, killed and cleaned up on exit."""
+    workdir = Path(tempfile.mkdtemp(prefix="ecd-test-"))
+    shm_dir = new_shm_dir("ecd-test-")
+    daemon = Daemon(workdir, shm_dir, args or DEFAULT_ARGS, env or {})
+    try:
+        yield daemon.start()
+    finally:
+        if daemon.running:
+            daemon.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def assert_blocks_accounted(client: Client, engine_id: str) -> None:

@@ -1,11 +1,12 @@
 """vLLM's side of a step, for driving a connector outside a running engine (benchmark, tests).
 
-A real VllmConfig cannot be built without a GPU platform, so the config is built the way vLLM's
-own EC connector tests build it: a spec'd mock of VllmConfig holding a real ParallelConfig and a
-real ECTransferConfig, with a mocked ModelConfig answering the three questions connectors ask
-(model name, dtype, input-embedding width). Requests are real vLLM Requests with real
-MultiModalFeatureSpec / PlaceholderRange features. `schedule_step` and `finish_step` make the
-calls vLLM's scheduler makes into a connector, in its order.
+A real VllmConfig cannot be built without a GPU platform, so the config is a stand-in holding a
+real ParallelConfig and a real ECTransferConfig, with a stand-in ModelConfig answering the three
+questions connectors ask (model name, dtype, input-embedding width): the parts of VllmConfig that
+EC connectors read, and nothing else, so a connector that reads more fails here loudly. Requests
+are real vLLM Requests with real MultiModalFeatureSpec / PlaceholderRange features.
+`schedule_step` and `finish_step` make the calls vLLM's scheduler makes into a connector, in its
+order.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from unittest.mock import Mock
 
 import torch
-from vllm.config import ModelConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.config.ec_transfer import ECRole, ECTransferConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
@@ -48,18 +48,40 @@ def offline_config(
         ec_connector_extra_config=dict(extra),
     )
     ec.mm_encoder_output_widths = {"image": width}
-    model_config = Mock(spec=ModelConfig)
-    model_config.model = model
-    model_config.dtype = dtype
-    model_config.get_inputs_embeds_size.return_value = width
-    config = Mock(spec=VllmConfig)
-    config.ec_transfer_config = ec
-    config.model_config = model_config
-    config.parallel_config = ParallelConfig(
-        tensor_parallel_size=tp, distributed_executor_backend="mp", rank=rank
+    config = OfflineVllmConfig(
+        ec_transfer_config=ec,
+        model_config=OfflineModelConfig(model, dtype, width),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, distributed_executor_backend="mp", rank=rank
+        ),
+        instance_id=instance_id,
     )
-    config.instance_id = instance_id
     return cast(VllmConfig, config)
+
+
+@dataclass(frozen=True)
+class OfflineModelConfig:
+    """What EC connectors ask of vLLM's ModelConfig."""
+
+    model: str
+    dtype: torch.dtype
+    width: int
+    multimodal_config: None = None
+
+    def get_inputs_embeds_size(self) -> int:
+        return self.width
+
+
+@dataclass(frozen=True)
+class OfflineVllmConfig:
+    """What EC connectors read of vLLM's VllmConfig."""
+
+    ec_transfer_config: ECTransferConfig
+    model_config: OfflineModelConfig
+    parallel_config: ParallelConfig
+    instance_id: str
+    use_v2_model_runner: bool = True
+    lora_config: None = None
 
 
 def image_request(request_id: str, keys: Sequence[str], rows: int) -> Request:

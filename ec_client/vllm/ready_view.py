@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S
+from ec_client._session import FIRST_BACKOFF_S, MAX_BACKOFF_S
 from ec_client.client import Client, WatchStream
 from ec_client.errors import EcdError
 from ec_client.types import EventType

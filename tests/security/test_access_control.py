@@ -11,12 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, new_shm_dir, running_daemon
 from pki_testing import Pair, make_pki
 
-from ec_client import AllocateItem, Client, EcdError, Status
-from ec_client._connection import TLSFiles
-from ec_daemon.process import DaemonProcess, new_shm_dir
+from ec_client import AllocateItem, Client, EcdError, Status, TLSFiles, check_health
 
 TOKENS = {
     "encoder": "enc-0123456789abcdef",
@@ -75,11 +73,7 @@ def test_a_call_with_an_unknown_token_is_unauthenticated(secured: Daemon) -> Non
 
 def test_health_needs_no_token_so_probes_work(secured: Daemon) -> None:
     assert secured.running
-    from ec_client._connection import Options
-    from ec_client.client import check_health, shared_channel
-
-    options = Options.make(secured.address, "probe", "admin", 2, 2, None)
-    assert check_health(shared_channel(options), options) == "SERVING"
+    assert check_health(secured.address, timeout_s=2) == "SERVING"
 
 
 def test_granted_producers_and_consumers_share_a_pool(secured: Daemon) -> None:
@@ -129,7 +123,7 @@ def test_stats_of_every_pool_is_for_admins(secured: Daemon) -> None:
 def test_a_bad_token_file_stops_the_daemon_at_startup(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("encoder short\n")
-    daemon = DaemonProcess(tmp_path, new_shm_dir(), ("--token-file", str(tokens)))
+    daemon = Daemon(tmp_path, new_shm_dir(), ("--token-file", str(tokens)))
     with pytest.raises(RuntimeError, match="shorter than 16"):
         daemon.start()
     assert daemon.proc is not None and daemon.proc.returncode == 2

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from core_testing import FakeClock, make_store
+from core_testing import FakeClock, make_store, open_pool
 
 from ec_client.layout import pool_file_name
 from ec_daemon.errors import CoreError, Reason
@@ -20,7 +20,7 @@ BLOCK = 4096
 @pytest.fixture
 def store(shm_dir: Path) -> Store:
     s = make_store(shm_dir, FakeClock())
-    s.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+    open_pool(s, "p", BLOCK, 16 * BLOCK, "model-a")
     return s
 
 
@@ -35,7 +35,7 @@ def test_a_pool_file_replaced_by_a_copy_is_refused_and_kept(store: Store, shm_di
     os.replace(shm_dir / "copy", path)
     assert store.verify_pools() == ["p"]
     with pytest.raises(CoreError) as refused:
-        store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+        open_pool(store, "p", BLOCK, 16 * BLOCK, "model-a")
     assert refused.value.reason is Reason.POOL_UNVERIFIED
     assert path.exists()
 
@@ -52,9 +52,9 @@ def test_a_refused_pool_is_created_again_once_its_file_is_removed(
         f.write(b"garbage!")
     assert store.verify_pools() == ["p"]
     with pytest.raises(CoreError):
-        store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+        open_pool(store, "p", BLOCK, 16 * BLOCK, "model-a")
     path.unlink()  # what the refusal asks the operator to do
-    pool, created = store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
-    assert created and path.exists()
-    pool.file.verify()
+    info = open_pool(store, "p", BLOCK, 16 * BLOCK, "model-a")
+    assert info.created and path.exists()
+    assert store.verify_pools() == []
     store.check()

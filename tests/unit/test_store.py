@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_testing import FakeClock, make_store, session, spec
+from core_testing import FakeClock, make_store, open_pool, session, spec
 
-from ec_client.layout import HEADER_SIZE, pool_file_name
-from ec_daemon.errors import Code, CoreError, ItemStatus, Reason
-from ec_daemon.index import EntryState, Event, EventType
+from ec_client.layout import HEADER_SIZE, Header, pool_file_name
+from ec_client.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
+from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.store import Store
 
 BLOCK = 4096
@@ -23,19 +23,30 @@ def clock() -> FakeClock:
 @pytest.fixture
 def store(shm_dir: Path, clock: FakeClock) -> Store:
     s = make_store(shm_dir, clock)
-    s.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+    open_pool(s, "p", BLOCK, 16 * BLOCK, "model-a")
     return s
 
 
-def statuses(outcomes: list) -> list[ItemStatus]:  # type: ignore[type-arg]
-    return [getattr(o, "outcome", o).status for o in outcomes]
+def statuses(results: list) -> list[Status]:  # type: ignore[type-arg]
+    return [r.status for r in results]
+
+
+def pool_stats(store: Store) -> PoolStats:
+    [pool] = store.stats("p").pools
+    return pool
+
+
+def entry(store: Store, key: bytes) -> EntryInfo | None:
+    return next((e for e in store.list_entries("p", b"", 100)[0] if e.key == key), None)
+
+
+def present(store: Store, keys: list[bytes]) -> list[bool]:
+    return [r.state is not EntryState.ABSENT for r in store.lookup("p", keys)]
 
 
 def put(store: Store, sid: str, key: bytes, blocks: int) -> None:
-    assert statuses(store.allocate(sid, "p", [(key, spec(blocks * BLOCK))])) == [
-        ItemStatus.ALLOCATED
-    ]
-    assert statuses(store.commit(sid, "p", [(key, 0)])) == [ItemStatus.OK]
+    assert statuses(store.allocate(sid, "p", [(key, spec(blocks * BLOCK))])) == [Status.ALLOCATED]
+    assert statuses(store.commit(sid, "p", [(key, 0)])) == [Status.OK]
 
 
 # ---- pools ---------------------------------------------------------------------------------------
@@ -45,22 +56,24 @@ def test_open_pool_creates_a_preallocated_file_with_a_verified_header(
     store: Store, shm_dir: Path
 ) -> None:
     path = shm_dir / pool_file_name("p")
-    pool = store.pool("p")
-    assert path.stat().st_size == pool.file.header.geometry.file_size
-    assert path.stat().st_blocks * 512 >= pool.file.header.geometry.file_size  # allocated up front
+    info = store.pool_info("p")
+    assert info.path == str(path)
+    assert path.stat().st_size == info.file_size
+    assert path.stat().st_blocks * 512 >= info.file_size  # allocated up front
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    pool.file.verify()
+    header = Header.unpack(path.read_bytes()[:HEADER_SIZE])
+    assert (str(header.pool_uuid), header.compat_key) == (info.pool_uuid, "model-a")
 
 
 def test_open_pool_again_with_the_same_geometry_attaches(store: Store) -> None:
-    pool, created = store.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
-    assert not created
-    assert pool is store.pool("p")
+    info = open_pool(store, "p", BLOCK, 16 * BLOCK, "model-a")
+    assert not info.created
+    assert info.pool_uuid == store.pool_info("p").pool_uuid
 
 
 def test_open_pool_with_another_geometry_is_refused_naming_both(store: Store) -> None:
     with pytest.raises(CoreError) as info:
-        store.open_pool("p", 2 * BLOCK, 16 * BLOCK, "model-a")
+        open_pool(store, "p", 2 * BLOCK, 16 * BLOCK, "model-a")
     assert info.value.code is Code.FAILED_PRECONDITION
     assert "block_size_bytes=4096" in info.value.message
     assert "block_size_bytes=8192" in info.value.message
@@ -68,23 +81,23 @@ def test_open_pool_with_another_geometry_is_refused_naming_both(store: Store) ->
 
 def test_open_pool_with_another_compat_key_is_refused(store: Store) -> None:
     with pytest.raises(CoreError) as info:
-        store.open_pool("p", BLOCK, 16 * BLOCK, "model-b")
+        open_pool(store, "p", BLOCK, 16 * BLOCK, "model-b")
     assert info.value.code is Code.FAILED_PRECONDITION
     assert "model-a" in info.value.message and "model-b" in info.value.message
 
 
 def test_pools_beyond_the_global_budget_are_refused(shm_dir: Path, clock: FakeClock) -> None:
     store = make_store(shm_dir, clock, max_bytes=8 << 20)
-    store.open_pool("a", BLOCK, 4 << 20, "")
+    open_pool(store, "a", BLOCK, 4 << 20)
     with pytest.raises(CoreError) as info:
-        store.open_pool("b", BLOCK, 4 << 20, "")
+        open_pool(store, "b", BLOCK, 4 << 20)
     assert info.value.code is Code.RESOURCE_EXHAUSTED
     assert info.value.reason is Reason.BUDGET
     assert not (shm_dir / pool_file_name("b")).exists()
 
 
 def test_drop_pool_refuses_while_pins_are_held_unless_forced(store: Store, shm_dir: Path) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"k", 1)
     store.acquire(sid, "p", [b"k"])
     with pytest.raises(CoreError, match="pins"):
@@ -98,152 +111,153 @@ def test_drop_pool_refuses_while_pins_are_held_unless_forced(store: Store, shm_d
 
 
 def test_a_committed_entry_is_visible_with_its_spec_and_extents(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     [allocated] = store.allocate(sid, "p", [(b"k", spec(3 * BLOCK))])
-    assert allocated.entry is not None and allocated.entry.state is EntryState.PENDING
+    assert store.lookup("p", [b"k"])[0].state is EntryState.PENDING
     store.commit(sid, "p", [(b"k", 7)])
-    [entry] = store.lookup("p", [b"k"])
-    assert entry is not None and entry.state is EntryState.READY
-    assert entry.checksum == 7 and entry.blocks == 3
+    found = entry(store, b"k")
+    assert found is not None and found.state is EntryState.READY
+    assert found.checksum == 7 and found.extents == allocated.extents
+    assert found.spec == spec(3 * BLOCK) and sum(e.count for e in found.extents) == 3
 
 
 def test_allocating_a_pending_key_answers_pending(store: Store) -> None:
-    a, b = session(store, "a").id, session(store, "b").id
+    a, b = session(store, "a"), session(store, "b")
     store.allocate(a, "p", [(b"k", spec(BLOCK))])
-    assert statuses(store.allocate(b, "p", [(b"k", spec(BLOCK))])) == [ItemStatus.PENDING]
+    assert statuses(store.allocate(b, "p", [(b"k", spec(BLOCK))])) == [Status.PENDING]
 
 
 def test_allocating_a_ready_key_answers_exists(store: Store) -> None:
-    a, b = session(store, "a").id, session(store, "b").id
+    a, b = session(store, "a"), session(store, "b")
     put(store, a, b"k", 1)
-    assert statuses(store.allocate(b, "p", [(b"k", spec(BLOCK))])) == [ItemStatus.EXISTS]
+    assert statuses(store.allocate(b, "p", [(b"k", spec(BLOCK))])) == [Status.EXISTS]
 
 
 def test_a_retried_allocate_of_the_same_session_returns_the_same_extents(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     [first] = store.allocate(sid, "p", [(b"k", spec(BLOCK))])
     [again] = store.allocate(sid, "p", [(b"k", spec(BLOCK))])
-    assert again.status is ItemStatus.ALLOCATED
-    assert again.entry is first.entry
+    assert again.status is Status.ALLOCATED
+    assert again.extents == first.extents
 
 
 def test_only_the_producing_session_may_commit(store: Store) -> None:
-    a, b = session(store, "a").id, session(store, "b").id
+    a, b = session(store, "a"), session(store, "b")
     store.allocate(a, "p", [(b"k", spec(BLOCK))])
     [outcome] = store.commit(b, "p", [(b"k", 0)])
-    assert outcome.status is ItemStatus.FAILED_PRECONDITION
+    assert outcome.status is Status.FAILED_PRECONDITION
     assert "another session" in outcome.message
 
 
 def test_double_commit_is_a_per_item_failed_precondition(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"k", 1)
     [outcome] = store.commit(sid, "p", [(b"k", 0)])
-    assert outcome.status is ItemStatus.FAILED_PRECONDITION
+    assert outcome.status is Status.FAILED_PRECONDITION
     assert "READY" in outcome.message
 
 
 def test_commit_after_abort_is_not_found_and_the_blocks_are_free(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     store.allocate(sid, "p", [(b"k", spec(4 * BLOCK))])
-    assert statuses(store.abort(sid, "p", [b"k"])) == [ItemStatus.OK]
-    assert statuses(store.commit(sid, "p", [(b"k", 0)])) == [ItemStatus.NOT_FOUND]
-    assert store.pool("p").index.snapshot().free_blocks == 16
+    assert statuses(store.abort(sid, "p", [b"k"])) == [Status.OK]
+    assert statuses(store.commit(sid, "p", [(b"k", 0)])) == [Status.NOT_FOUND]
+    assert pool_stats(store).free_blocks == 16
     store.check()
 
 
 def test_acquire_pins_a_ready_entry_and_release_unpins_it(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"k", 1)
     [hit] = store.acquire(sid, "p", [b"k"])
-    assert hit.outcome.status is ItemStatus.HIT and hit.lease_id > 0
-    assert store.lookup("p", [b"k"])[0].pins == 1  # type: ignore[union-attr]
-    assert statuses(store.release(sid, [hit.lease_id])) == [ItemStatus.OK]
-    assert store.lookup("p", [b"k"])[0].pins == 0  # type: ignore[union-attr]
+    assert hit.status is Status.HIT and hit.lease_id > 0
+    assert hit.spec == spec(BLOCK) and sum(e.count for e in hit.extents) == 1
+    assert store.lookup("p", [b"k"])[0].pins == 1
+    assert statuses(store.release(sid, [hit.lease_id])) == [Status.OK]
+    assert store.lookup("p", [b"k"])[0].pins == 0
 
 
 def test_acquire_answers_miss_for_absent_and_pending_for_uncommitted_keys(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     store.allocate(sid, "p", [(b"pending", spec(BLOCK))])
     assert statuses(store.acquire(sid, "p", [b"absent", b"pending"])) == [
-        ItemStatus.MISS,
-        ItemStatus.PENDING,
+        Status.MISS,
+        Status.PENDING,
     ]
 
 
 def test_releasing_a_lease_twice_fails_the_second_time_only(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"k", 1)
     [hit] = store.acquire(sid, "p", [b"k"])
     assert statuses(store.release(sid, [hit.lease_id, hit.lease_id])) == [
-        ItemStatus.OK,
-        ItemStatus.NOT_FOUND,
+        Status.OK,
+        Status.NOT_FOUND,
     ]
     store.check()
 
 
 def test_a_session_cannot_release_another_sessions_lease(store: Store) -> None:
-    a, b = session(store, "a").id, session(store, "b").id
+    a, b = session(store, "a"), session(store, "b")
     put(store, a, b"k", 1)
     [hit] = store.acquire(a, "p", [b"k"])
-    assert statuses(store.release(b, [hit.lease_id])) == [ItemStatus.NOT_FOUND]
-    assert store.lookup("p", [b"k"])[0].pins == 1  # type: ignore[union-attr]
+    assert statuses(store.release(b, [hit.lease_id])) == [Status.NOT_FOUND]
+    assert store.lookup("p", [b"k"])[0].pins == 1
 
 
 # ---- eviction ------------------------------------------------------------------------------------
 
 
 def test_lru_evicts_the_least_recently_used_entry_first(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     for key in (b"a", b"b", b"c", b"d"):
         put(store, sid, key, 4)
     [hit] = store.acquire(sid, "p", [b"a"])  # a is now the most recently used
     store.release(sid, [hit.lease_id])
     put(store, sid, b"e", 4)
-    present = [e is not None for e in store.lookup("p", [b"a", b"b", b"c", b"d", b"e"])]
-    assert present == [True, False, True, True, True]
+    assert present(store, [b"a", b"b", b"c", b"d", b"e"]) == [True, False, True, True, True]
 
 
 def test_fifo_evicts_the_oldest_commit_first_regardless_of_hits(
     shm_dir: Path, clock: FakeClock
 ) -> None:
     store = make_store(shm_dir, clock, eviction="fifo")
-    store.open_pool("p", BLOCK, 16 * BLOCK, "")
-    sid = session(store).id
+    open_pool(store, "p", BLOCK, 16 * BLOCK)
+    sid = session(store)
     for key in (b"a", b"b", b"c", b"d"):
         put(store, sid, key, 4)
     [hit] = store.acquire(sid, "p", [b"a"])
     store.release(sid, [hit.lease_id])
     put(store, sid, b"e", 4)
-    assert store.lookup("p", [b"a"]) == [None]
+    assert present(store, [b"a"]) == [False]
 
 
 def test_pinned_and_pending_entries_are_never_evicted(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"pinned", 8)
     store.acquire(sid, "p", [b"pinned"])
     store.allocate(sid, "p", [(b"pending", spec(8 * BLOCK))])
     [outcome] = store.allocate(sid, "p", [(b"new", spec(BLOCK))])
-    assert outcome.status is ItemStatus.NO_SPACE
+    assert outcome.status is Status.NO_SPACE
     assert "evictable" in outcome.message
-    assert [e is not None for e in store.lookup("p", [b"pinned", b"pending"])] == [True, True]
+    assert present(store, [b"pinned", b"pending"]) == [True, True]
     store.check()
 
 
 def test_an_allocation_that_cannot_fit_evicts_nothing(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"pinned", 8)
     store.acquire(sid, "p", [b"pinned"])
     put(store, sid, b"evictable", 4)
     [outcome] = store.allocate(sid, "p", [(b"big", spec(12 * BLOCK))])
-    assert outcome.status is ItemStatus.NO_SPACE
-    assert store.lookup("p", [b"evictable"])[0] is not None
-    assert store.pool("p").index.counters.no_space == 1
+    assert outcome.status is Status.NO_SPACE
+    assert present(store, [b"evictable"]) == [True]
+    assert pool_stats(store).no_space == 1
 
 
 def test_an_entry_larger_than_the_pool_is_invalid(store: Store) -> None:
-    [outcome] = store.allocate(session(store).id, "p", [(b"k", spec(17 * BLOCK))])
-    assert outcome.status is ItemStatus.INVALID_ARGUMENT
+    [outcome] = store.allocate(session(store), "p", [(b"k", spec(17 * BLOCK))])
+    assert outcome.status is Status.INVALID_ARGUMENT
     assert "16" in outcome.message
 
 
@@ -251,48 +265,48 @@ def test_a_full_slot_table_evicts_to_make_room_for_a_new_entry(
     shm_dir: Path, clock: FakeClock
 ) -> None:
     store = make_store(shm_dir, clock, max_entries_per_pool=2)
-    store.open_pool("p", BLOCK, 16 * BLOCK, "")
-    sid = session(store).id
+    open_pool(store, "p", BLOCK, 16 * BLOCK)
+    sid = session(store)
     for key in (b"a", b"b", b"c"):
         put(store, sid, key, 1)
-    assert [e is not None for e in store.lookup("p", [b"a", b"b", b"c"])] == [False, True, True]
+    assert present(store, [b"a", b"b", b"c"]) == [False, True, True]
     store.check()
 
 
 def test_an_entry_can_span_several_extents_under_fragmentation(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     for i in range(8):
         put(store, sid, b"k%d" % i, 2)
     store.evict("p", [b"k1", b"k3", b"k5", b"k7"])  # four 2-block holes
     [outcome] = store.allocate(sid, "p", [(b"wide", spec(6 * BLOCK))])
-    assert outcome.status is ItemStatus.ALLOCATED and outcome.entry is not None
-    assert len(outcome.entry.extents) == 3
+    assert outcome.status is Status.ALLOCATED
+    assert len(outcome.extents) == 3
     store.check()
 
 
 def test_evict_refuses_pinned_and_pending_entries(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"pinned", 1)
     store.acquire(sid, "p", [b"pinned"])
     store.allocate(sid, "p", [(b"pending", spec(BLOCK))])
     assert statuses(store.evict("p", [b"pinned", b"pending", b"absent"])) == [
-        ItemStatus.FAILED_PRECONDITION,
-        ItemStatus.FAILED_PRECONDITION,
-        ItemStatus.NOT_FOUND,
+        Status.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
+        Status.NOT_FOUND,
     ]
 
 
 def test_delete_of_a_pinned_entry_hides_it_and_frees_its_blocks_at_the_last_release(
     store: Store,
 ) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"k", 4)
     [hit] = store.acquire(sid, "p", [b"k"])
-    assert statuses(store.delete("p", [b"k"])) == [ItemStatus.OK]
-    assert store.lookup("p", [b"k"]) == [None]
-    assert store.pool("p").index.snapshot().free_blocks == 12  # still held by the pin
+    assert statuses(store.delete("p", [b"k"])) == [Status.OK]
+    assert present(store, [b"k"]) == [False]
+    assert pool_stats(store).free_blocks == 12  # still held by the pin
     store.release(sid, [hit.lease_id])
-    assert store.pool("p").index.snapshot().free_blocks == 16
+    assert pool_stats(store).free_blocks == 16
     store.check()
 
 
@@ -302,7 +316,7 @@ def test_delete_of_a_pinned_entry_hides_it_and_frees_its_blocks_at_the_last_rele
 def test_an_expired_session_loses_its_pending_entries_and_pins(
     store: Store, clock: FakeClock
 ) -> None:
-    producer, consumer = session(store, "dead").id, session(store, "alive").id
+    producer, consumer = session(store, "dead"), session(store, "alive")
     put(store, consumer, b"ready", 2)
     store.allocate(producer, "p", [(b"half-written", spec(4 * BLOCK))])
     store.acquire(producer, "p", [b"ready"])
@@ -310,15 +324,15 @@ def test_an_expired_session_loses_its_pending_entries_and_pins(
     store.keep_alive(consumer)
     clock.advance(5)
     [end] = store.expire_sessions()
-    assert (end.session.name, end.aborted, end.released) == ("dead", 1, 1)
-    assert store.lookup("p", [b"half-written"]) == [None]
-    assert store.lookup("p", [b"ready"])[0].pins == 0  # type: ignore[union-attr]
+    assert (end.client, end.aborted, end.released) == ("dead", 1, 1)
+    assert present(store, [b"half-written"]) == [False]
+    assert store.lookup("p", [b"ready"])[0].pins == 0
     assert store.lease_expiries == 1
     store.check()
 
 
 def test_closing_a_session_aborts_and_releases_at_once(store: Store) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"ready", 1)
     store.allocate(sid, "p", [(b"pending", spec(BLOCK))])
     store.acquire(sid, "p", [b"ready"])
@@ -331,15 +345,16 @@ def test_closing_a_session_aborts_and_releases_at_once(store: Store) -> None:
 def test_events_tell_of_commits_aborts_evictions_and_deletes(
     shm_dir: Path, clock: FakeClock
 ) -> None:
-    events: list[Event] = []
+    events: list[WatchEvent] = []
     store = make_store(shm_dir, clock, events=events)
-    store.open_pool("p", BLOCK, 2 * BLOCK, "")
-    sid = session(store).id
+    open_pool(store, "p", BLOCK, 2 * BLOCK)
+    sid = session(store)
     put(store, sid, b"a", 2)
     store.allocate(sid, "p", [(b"b", spec(2 * BLOCK))])  # evicts a
     store.abort(sid, "p", [b"b"])
     put(store, sid, b"c", 1)
     store.delete("p", [b"c"])
+    assert {(e.engine_id, e.boot_epoch) for e in events} == {("p", store.boot_epoch)}
     assert [(e.type, e.key) for e in events] == [
         (EventType.COMMITTED, b"a"),
         (EventType.EVICTED, b"a"),
@@ -355,19 +370,20 @@ def test_events_tell_of_commits_aborts_evictions_and_deletes(
 def test_a_new_store_adopts_ready_entries_and_drops_pending_ones(
     store: Store, shm_dir: Path, clock: FakeClock
 ) -> None:
-    sid = session(store).id
+    sid = session(store)
     put(store, sid, b"kept", 3)
     store.allocate(sid, "p", [(b"lost", spec(2 * BLOCK))])
-    before = store.pool("p").file.header
+    before = store.pool_info("p")
     store.close()
 
     adopted = make_store(shm_dir, clock)
     adopted.adopt_pools()
-    assert adopted.pool("p").file.header == before
-    kept, lost = adopted.lookup("p", [b"kept", b"lost"])
-    assert kept is not None and kept.state is EntryState.READY and kept.blocks == 3
-    assert lost is None
-    assert adopted.pool("p").index.snapshot().free_blocks == 13
+    assert adopted.pool_info("p") == before
+    kept = entry(adopted, b"kept")
+    assert kept is not None and kept.state is EntryState.READY
+    assert sum(e.count for e in kept.extents) == 3
+    assert present(adopted, [b"lost"]) == [False]
+    assert pool_stats(adopted).free_blocks == 13
     adopted.check()
 
 
@@ -383,7 +399,7 @@ def test_a_pool_file_whose_header_was_overwritten_is_refused_and_kept(
     adopted.adopt_pools()
     assert path.exists()
     with pytest.raises(CoreError) as info:
-        adopted.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+        open_pool(adopted, "p", BLOCK, 16 * BLOCK, "model-a")
     assert info.value.reason is Reason.POOL_UNVERIFIED
     assert "checksum" in info.value.message
 
@@ -396,4 +412,38 @@ def test_a_truncated_pool_file_is_refused(store: Store, shm_dir: Path, clock: Fa
     adopted = make_store(shm_dir, clock)
     adopted.adopt_pools()
     with pytest.raises(CoreError, match="truncated"):
-        adopted.open_pool("p", BLOCK, 16 * BLOCK, "model-a")
+        open_pool(adopted, "p", BLOCK, 16 * BLOCK, "model-a")
+
+
+# ---- roles ---------------------------------------------------------------------------------------
+
+
+def test_a_consumer_session_may_not_allocate(store: Store) -> None:
+    consumer = session(store, "decoder", Role.CONSUMER)
+    with pytest.raises(CoreError) as info:
+        store.allocate(consumer, "p", [(b"k", spec(BLOCK))])
+    assert info.value.code is Code.PERMISSION_DENIED
+    assert info.value.reason is Reason.ROLE
+    assert "role consumer" in info.value.message and "producer" in info.value.message
+    assert present(store, [b"k"]) == [False]
+
+
+def test_a_producer_session_may_not_pin(store: Store) -> None:
+    producer = session(store, "encoder", Role.PRODUCER)
+    put(store, producer, b"k", 1)
+    with pytest.raises(CoreError) as info:
+        store.acquire(producer, "p", [b"k"])
+    assert info.value.code is Code.PERMISSION_DENIED
+    assert store.lookup("p", [b"k"])[0].pins == 0
+
+
+def test_an_admin_session_may_open_pools_but_neither_produce_nor_consume(store: Store) -> None:
+    admin = session(store, "ecd-cli", Role.ADMIN)
+    assert store.open_pool(admin, "p", BLOCK, 16 * BLOCK, "model-a").engine_id == "p"
+    for call in (
+        lambda: store.allocate(admin, "p", [(b"k", spec(BLOCK))]),
+        lambda: store.acquire(admin, "p", [b"k"]),
+    ):
+        with pytest.raises(CoreError) as info:
+            call()
+        assert info.value.code is Code.PERMISSION_DENIED

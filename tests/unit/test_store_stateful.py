@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 
-from core_testing import FakeClock, make_store, spec
+from core_testing import FakeClock, make_store, open_pool, spec
 from ecd_testing import new_shm_dir
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -27,9 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_daemon.errors import ItemStatus
-from ec_daemon.index import Entry, EntryState
-from ec_daemon.sessions import Role
+from ec_client.types import EntryState, Extent, Role, Status
 
 BLOCK = 512
 BLOCKS = 32  # small, so that a few allocations fill the pool and eviction runs often
@@ -49,12 +47,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = make_store(
             self.shm_dir, self.clock, eviction=eviction, max_entries_per_pool=slots, lease_ttl_s=TTL
         )
-        self.store.open_pool("p", BLOCK, BLOCKS * BLOCK, "")
-        self.index = self.store.pool("p").index
-        self.pending: dict[bytes, tuple[str, Entry]] = {}  # key -> (session, entry)
-        self.pins: dict[int, tuple[str, Entry]] = {}  # lease -> (session, entry)
-        self.deleted: set[int] = set()  # ids of entries deleted while pinned
-        return multiple(*(self.store.open_session(n, 1, Role.BOTH).id for n in ("a", "b")))
+        open_pool(self.store, "p", BLOCK, BLOCKS * BLOCK)
+        self.pending: dict[bytes, tuple[str, tuple[Extent, ...]]] = {}  # key -> (session, extents)
+        self.pins: dict[int, tuple[str, bytes]] = {}  # lease -> (session, key)
+        self.deleted: set[int] = set()  # leases whose entry was deleted while pinned
+        self.dead: set[str] = set()  # sessions closed or expired
+        return multiple(*(self.store.open_session(n, 1, Role.BOTH) for n in ("a", "b")))
 
     def teardown(self) -> None:
         self.store.close()
@@ -62,7 +60,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(target=sessions)
     def open_session(self) -> str:
-        return self.store.open_session("client", 1, Role.BOTH).id
+        return self.store.open_session("client", 1, Role.BOTH)
 
     @rule(
         sid=sessions,
@@ -71,92 +69,86 @@ class StoreMachine(RuleBasedStateMachine):
     )
     def allocate(self, sid: str, items: list[tuple[bytes, int, int]], commit: bool) -> None:
         """Allocate a batch (a partial last block included), and maybe commit it at once."""
-        if self.store.sessions.find(sid) is None:
+        if sid in self.dead:
             return
         for key, blocks, extra in items:
             self._allocate_one(sid, key, blocks, (blocks - 1) * BLOCK + extra + 1)
         if commit:
             for key in [k for k, (owner, _) in self.pending.items() if owner == sid]:
                 self.pending.pop(key)
-                assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [
-                    ItemStatus.OK
-                ]
+                assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [Status.OK]
 
     def _allocate_one(self, sid: str, key: bytes, blocks: int, nbytes: int) -> None:
         [outcome] = self.store.allocate(sid, "p", [(key, spec(nbytes))])
-        if outcome.status is ItemStatus.ALLOCATED:
-            assert outcome.entry is not None
-            assert outcome.entry.blocks == blocks
-            self.pending[key] = (sid, outcome.entry)
-        elif outcome.status is ItemStatus.PENDING:
+        if outcome.status is Status.ALLOCATED:
+            assert sum(e.count for e in outcome.extents) == blocks
+            self.pending[key] = (sid, outcome.extents)
+        elif outcome.status is Status.PENDING:
             assert key in self.pending
-        elif outcome.status is ItemStatus.EXISTS:
-            assert outcome.entry is not None and outcome.entry.state is EntryState.READY
+        elif outcome.status is Status.EXISTS:
+            assert self.store.lookup("p", [key])[0].state is EntryState.READY
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pending)))
         sid, _ = self.pending.pop(key)
-        assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [ItemStatus.OK]
+        assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [Status.OK]
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pending)))
         sid, _ = self.pending.pop(key)
-        assert [o.status for o in self.store.abort(sid, "p", [key])] == [ItemStatus.OK]
+        assert [o.status for o in self.store.abort(sid, "p", [key])] == [Status.OK]
 
     @rule(sid=sessions, key=KEYS)
     def acquire(self, sid: str, key: bytes) -> None:
-        if self.store.sessions.find(sid) is None:
+        if sid in self.dead:
             return
         [result] = self.store.acquire(sid, "p", [key])
-        if result.outcome.status is ItemStatus.HIT:
-            assert result.outcome.entry is not None
-            self.pins[result.lease_id] = (sid, result.outcome.entry)
+        if result.status is Status.HIT:
+            self.pins[result.lease_id] = (sid, key)
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         lease = data.draw(st.sampled_from(sorted(self.pins)))
         sid, _ = self.pins.pop(lease)
-        assert [o.status for o in self.store.release(sid, [lease])] == [ItemStatus.OK]
-        assert [o.status for o in self.store.release(sid, [lease])] == [ItemStatus.NOT_FOUND]
+        assert [o.status for o in self.store.release(sid, [lease])] == [Status.OK]
+        assert [o.status for o in self.store.release(sid, [lease])] == [Status.NOT_FOUND]
 
     @rule(key=KEYS)
     def evict(self, key: bytes) -> None:
         [outcome] = self.store.evict("p", [key])
-        if outcome.status is ItemStatus.OK:
+        if outcome.status is Status.OK:
             assert key not in self.pending
-            assert all(
-                entry.key != key or id(entry) in self.deleted for _, entry in self.pins.values()
-            )
+            assert all(k != key or lease in self.deleted for lease, (_, k) in self.pins.items())
 
     @rule(key=KEYS)
     def delete(self, key: bytes) -> None:
         [outcome] = self.store.delete("p", [key])
-        if outcome.status is ItemStatus.OK and outcome.entry is not None:
+        if outcome.status is Status.OK:
             self.pending.pop(key, None)
-            if outcome.entry.pins:
-                self.deleted.add(id(outcome.entry))
+            self.deleted.update(lease for lease, (_, k) in self.pins.items() if k == key)
 
     @rule(sid=consumes(sessions))
     def close_session(self, sid: str) -> None:
-        if self.store.sessions.find(sid) is not None:
+        if sid not in self.dead:
             self.store.close_session(sid)
         self._forget(sid)
 
     @rule(seconds=st.sampled_from([1.0, TTL / 2, TTL]), sid=sessions)
     def time_passes(self, seconds: float, sid: str) -> None:
         """Time passes; one session keeps itself alive, the others may expire."""
-        if self.store.sessions.find(sid) is not None:
+        if sid not in self.dead:
             self.store.keep_alive(sid)
         self.clock.advance(seconds)
         for end in self.store.expire_sessions():
-            self._forget(end.session.id)
+            self._forget(end.session_id)
 
     def _forget(self, sid: str) -> None:
+        self.dead.add(sid)
         self.pending = {k: v for k, v in self.pending.items() if v[0] != sid}
         self.pins = {k: v for k, v in self.pins.items() if v[0] != sid}
 
@@ -166,16 +158,17 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def pending_entries_are_never_evicted(self) -> None:
-        for key, (_, entry) in self.pending.items():
-            assert self.index.get(key) is entry
-            assert entry.state is EntryState.PENDING
+        listed = {e.key: e for e in self.store.list_entries("p", b"", 1000)[0]}
+        for key, (_, extents) in self.pending.items():
+            assert listed[key].state is EntryState.PENDING
+            assert listed[key].extents == extents
 
     @invariant()
     def pinned_entries_stay_until_released(self) -> None:
-        for _, entry in self.pins.values():
-            assert entry.state is EntryState.READY
-            if id(entry) not in self.deleted:
-                assert self.index.get(entry.key) is entry
+        for lease, (_, key) in self.pins.items():
+            if lease not in self.deleted:
+                [found] = self.store.lookup("p", [key])
+                assert found.state is EntryState.READY and found.pins > 0
 
 
 StoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -30,6 +30,13 @@ class EncoderCacheStub:
     The service
     ---------------------------------------------------------------------------------------------
 
+    Every RPC may fail as a whole with: INVALID_ARGUMENT (a malformed engine_id or request body),
+    UNAUTHENTICATED (no or an unknown bearer token, when tokens are on), PERMISSION_DENIED (the
+    token's grants, or the session's role, do not allow the call), RESOURCE_EXHAUSTED (a batch or
+    message over the limit), UNAVAILABLE (the daemon is stopping or unreachable). Calls that take a
+    session_id also fail with NOT_FOUND and `ecd-reason: unknown_session` when the session closed,
+    its lease ran out or the daemon restarted (open a new one); calls on a pool with NOT_FOUND and
+    `ecd-reason: unknown_pool` when it does not exist. Other whole-call errors are listed below.
     """
 
     def __init__(self, channel):
@@ -125,100 +132,134 @@ class EncoderCacheServicer:
     The service
     ---------------------------------------------------------------------------------------------
 
+    Every RPC may fail as a whole with: INVALID_ARGUMENT (a malformed engine_id or request body),
+    UNAUTHENTICATED (no or an unknown bearer token, when tokens are on), PERMISSION_DENIED (the
+    token's grants, or the session's role, do not allow the call), RESOURCE_EXHAUSTED (a batch or
+    message over the limit), UNAVAILABLE (the daemon is stopping or unreachable). Calls that take a
+    session_id also fail with NOT_FOUND and `ecd-reason: unknown_session` when the session closed,
+    its lease ran out or the daemon restarted (open a new one); calls on a pool with NOT_FOUND and
+    `ecd-reason: unknown_pool` when it does not exist. Other whole-call errors are listed below.
     """
 
     def OpenSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A new session (lease, boot epoch). INVALID_ARGUMENT: unknown role, client_name too long.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Renew the lease.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End the session: its PENDING entries are aborted, its pins released.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenPool(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Create the pool, or attach to it if it exists with the same geometry and compat_key.
+        INVALID_ARGUMENT: sizes out of range. FAILED_PRECONDITION: exists with another geometry or
+        compat_key (reason pool_mismatch), or its file was refused (pool_unverified).
+        RESOURCE_EXHAUSTED: over the budget or the per-pool limit (budget), the shm directory is full
+        (shm_full).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DropPool(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Delete a pool and its file. FAILED_PRECONDITION: entries PENDING or pinned, without force.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: ITEM_ALLOCATED, ITEM_EXISTS, ITEM_PENDING, ITEM_NO_SPACE, ITEM_INVALID_ARGUMENT (bad
+        key or tensor spec, or an entry larger than the whole pool), ITEM_FAILED_PRECONDITION (this
+        session allocated the key before with another spec).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: ITEM_OK, ITEM_NOT_FOUND (never allocated, aborted, or the producer's lease ran
+        out), ITEM_FAILED_PRECONDITION (not PENDING, or another session's), ITEM_INVALID_ARGUMENT.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: as Commit.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: ITEM_HIT, ITEM_MISS, ITEM_PENDING (still PENDING after wait_ms),
+        ITEM_INVALID_ARGUMENT. INVALID_ARGUMENT as a whole: wait_ms over the limit.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: ITEM_OK, ITEM_NOT_FOUND (released already, never issued, or another session's).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: the state; no pin is taken.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Evict(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: ITEM_OK, ITEM_NOT_FOUND, ITEM_FAILED_PRECONDITION (PENDING or pinned: use Delete),
+        ITEM_INVALID_ARGUMENT.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per item: ITEM_OK, ITEM_NOT_FOUND, ITEM_INVALID_ARGUMENT.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListEntries(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Entries in key order, a page at a time.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Daemon figures and those of one pool (or every pool).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """With snapshot: every READY key, then EVENT_SYNCED, then live events. The stream ends with
+        RESOURCE_EXHAUSTED if the watcher falls too far behind (resubscribe), and quietly when the
+        daemon stops.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -319,6 +360,13 @@ class EncoderCache:
     The service
     ---------------------------------------------------------------------------------------------
 
+    Every RPC may fail as a whole with: INVALID_ARGUMENT (a malformed engine_id or request body),
+    UNAUTHENTICATED (no or an unknown bearer token, when tokens are on), PERMISSION_DENIED (the
+    token's grants, or the session's role, do not allow the call), RESOURCE_EXHAUSTED (a batch or
+    message over the limit), UNAVAILABLE (the daemon is stopping or unreachable). Calls that take a
+    session_id also fail with NOT_FOUND and `ecd-reason: unknown_session` when the session closed,
+    its lease ran out or the daemon restarted (open a new one); calls on a pool with NOT_FOUND and
+    `ecd-reason: unknown_pool` when it does not exist. Other whole-call errors are listed below.
     """
 
     @staticmethod

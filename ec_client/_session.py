@@ -1,0 +1,198 @@
+"""The decisions every client call makes, once for Client and AsyncClient alike.
+
+A call is a *plan*: a generator that yields the I/O it needs (`Send` an RPC, `Pause`, `Reopen`
+the session) and receives the outcome (the reply, or an EcdError thrown into it). Client drives
+plans with blocking gRPC calls and threads, AsyncClient with grpc.aio and asyncio; neither holds
+any rule of its own. The rules:
+
+- UNAVAILABLE (daemon down or restarting): retry with exponential backoff until the connect
+  deadline has passed since the first failure, then raise.
+- NOT_FOUND with reason unknown_session (lease ran out, or the daemon restarted): open a new
+  session, reopen the pools this client had opened, tell on_restart callbacks, retry once.
+- A reply whose boot epoch differs from the session's: the daemon restarted; do the same.
+- A reopen happens once however many callers noticed: `Reopen` carries the generation the
+  caller saw, and the driver skips it when the session moved on meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from ec_client import _wire
+from ec_client._connection import Options
+from ec_client.errors import EcdError
+from ec_client.types import PoolInfo
+
+T = TypeVar("T")
+
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
+
+
+@dataclass(frozen=True)
+class Send:
+    """Make this RPC now; the driver sends back the raw reply or throws the EcdError."""
+
+    call: _wire.Call[Any]
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Reopen:
+    """Drive `SessionState.reopen()` under the client's lock, unless the session's generation
+    is no longer `generation` (another caller reopened it meanwhile)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The plan returned `value`."""
+
+    value: Any
+
+
+Step = Send | Pause | Reopen
+Plan = Generator[Step, Any, T]
+
+
+def advance(plan: Plan[Any], reply: Any, error: EcdError | None) -> Step | Done:
+    """Resume a plan with the outcome of its last step: its next step, or Done."""
+    try:
+        return plan.send(reply) if error is None else plan.throw(error)
+    except StopIteration as done:
+        return Done(done.value)
+
+
+class Backoff:
+    """Delays between retries of an UNAVAILABLE call, bounded by the connect deadline."""
+
+    def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._deadline = clock() + budget_s
+        self._delay = FIRST_BACKOFF_S
+
+    def next_delay(self) -> float | None:
+        """Seconds to wait before the next try, or None when the deadline has passed."""
+        left = self._deadline - self._clock()
+        if left <= 0:
+            return None
+        delay = min(self._delay, left)
+        self._delay = min(self._delay * 2, MAX_BACKOFF_S)
+        return delay
+
+
+def session_lost(error: EcdError) -> bool:
+    return error.code == grpc.StatusCode.NOT_FOUND and error.reason == "unknown_session"
+
+
+@dataclass
+class SessionState:
+    """The client's view of its session, what it must redo on a restarted daemon, and the plans
+    of its calls."""
+
+    options: Options
+    session_id: str = ""
+    boot_epoch: str = ""
+    lease_ttl_s: float = 0.0
+    generation: int = 0  # bumped at every (re)open, so concurrent callers reopen only once
+    closed: bool = False
+    pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)  # replayed on reopen
+    pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
+    on_restart: list[Callable[[str], None]] = field(default_factory=list)
+
+    # ---- plans -----------------------------------------------------------------------------
+
+    def call(self, call: _wire.Call[T]) -> Plan[T]:
+        """One API call with every recovery rule applied; returns the parsed result."""
+        generation = self.generation
+        try:
+            reply = yield from self.send(call)
+        except EcdError as error:
+            if not session_lost(error) or self.closed:
+                raise
+            yield Reopen(generation)
+            reply = yield from self.send(call)
+        if self.restarted(reply.boot_epoch):
+            yield Reopen(generation)
+        return call.parse(reply)
+
+    def send(self, call: _wire.Call[Any], retry: bool = True) -> Plan[Any]:
+        """One RPC, retried with backoff while the daemon is UNAVAILABLE; the raw reply."""
+        backoff = Backoff(self.options.connect_timeout_s)
+        while True:
+            try:
+                return (yield Send(call, self.session_id))
+            except EcdError as error:
+                unavailable = retry and error.code == grpc.StatusCode.UNAVAILABLE
+                delay = backoff.next_delay() if unavailable else None
+                if delay is None:
+                    raise
+                yield Pause(delay)
+
+    def open(self) -> Plan[None]:
+        """Open a new session."""
+        o = self.options
+        reply = yield from self.send(_wire.open_session(o.name, os.getpid(), o.role))
+        self.session_id = reply.session_id
+        self.boot_epoch = reply.boot_epoch
+        self.lease_ttl_s = reply.lease_ttl_ms / 1000
+        self.generation += 1
+
+    def reopen(self) -> Plan[None]:
+        """A new session and the pools of the old one, after a restart or a lost lease."""
+        yield from self.open()
+        for call in list(self.pools.values()):
+            info = call.parse((yield from self.send(call)))
+            self.pool_opened(call, info)
+
+    def close(self) -> Plan[None]:
+        """End the session; if the daemon is gone or already forgot it, the lease ends it all
+        the same, so failures are not retried."""
+        self.closed = True
+        yield from self.send(_wire.close_session(), retry=False)
+
+    def open_pool(self, call: _wire.Call[PoolInfo]) -> Plan[PoolInfo]:
+        """OpenPool, remembered so that a reopened session opens the pool again."""
+        info = yield from self.call(call)
+        self.pool_opened(call, info)
+        return info
+
+    def drop_pool(self, engine_id: str, force: bool) -> Plan[int]:
+        dropped = yield from self.call(_wire.drop_pool(engine_id, force))
+        self.pools.pop(engine_id, None)
+        self.pool_infos.pop(engine_id, None)
+        return dropped
+
+    # ---- what the plans remember ---------------------------------------------------------------
+
+    def pool_opened(self, call: _wire.Call[PoolInfo], info: PoolInfo) -> None:
+        self.pools[info.engine_id] = call
+        self.pool_infos[info.engine_id] = info
+
+    def pool_info(self, engine_id: str) -> PoolInfo:
+        info = self.pool_infos.get(engine_id)
+        if info is None:
+            raise EcdError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {engine_id!r} was not opened by this client; call open_pool first",
+            )
+        return info
+
+    def restarted(self, epoch: str) -> bool:
+        return bool(self.boot_epoch) and bool(epoch) and epoch != self.boot_epoch
+
+    def tell_restart(self) -> None:
+        for callback in list(self.on_restart):
+            callback(self.boot_epoch)

@@ -1,0 +1,239 @@
+"""The pools a daemon serves: their files and indexes, the global budget, and the files refused.
+
+One job: which pools exist. Adopt the files a previous daemon left in shm_dir, create new ones
+within the budget, attach to existing ones (same geometry and compatibility key, or refused),
+notice files changed under the daemon, forget and unlink. What lives inside a pool (entries,
+pins, PENDING allocations of sessions) is the store's business: it tells the registry when a
+pool goes, after undoing what sessions held in it.
+
+A refused pool file (one that did not verify at adoption, or changed under the daemon) is left
+in place for inspection; OpenPool of its engine_id fails until an operator removes the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ec_client.layout import (
+    POOL_FILE_PREFIX,
+    POOL_FILE_SUFFIX,
+    Geometry,
+    LayoutError,
+    pool_file_name,
+)
+from ec_client.types import EventType, PoolInfo, WatchEvent
+from ec_daemon.errors import Code, CoreError, Reason
+from ec_daemon.eviction import POLICIES
+from ec_daemon.index import PoolIndex
+from ec_daemon.pool import FileAccess, PoolFile
+
+log = logging.getLogger("ecd.pools")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    shm_dir: Path
+    max_bytes: int  # all pool files together
+    eviction: str = "lru"
+    max_entries_per_pool: int = 65536  # slot table size: 1 KiB of pool file per entry
+    max_pool_bytes: int | None = None  # capacity one pool may ask for; None: the whole budget
+    file_access: FileAccess = field(default_factory=FileAccess)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool the daemon serves: its file and the index of its entries."""
+
+    file: PoolFile
+    index: PoolIndex
+
+    @property
+    def engine_id(self) -> str:
+        return self.file.header.engine_id
+
+    def info(self, created: bool) -> PoolInfo:
+        header = self.file.header
+        geometry = header.geometry
+        return PoolInfo(
+            engine_id=header.engine_id,
+            path=str(self.file.path),
+            block_size_bytes=geometry.block_size_bytes,
+            num_blocks=geometry.num_blocks,
+            data_offset=geometry.data_offset,
+            file_size=geometry.file_size,
+            pool_uuid=str(header.pool_uuid),
+            compat_key=header.compat_key,
+            max_entries=geometry.num_slots,
+            created=created,
+        )
+
+
+class PoolRegistry:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        clock: Callable[[], float],
+        publish: Callable[[WatchEvent], None],
+        boot_epoch: str,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._publish = publish
+        self._boot_epoch = boot_epoch
+        self._pools: dict[str, Pool] = {}
+        self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
+
+    def adopt_all(self) -> None:
+        """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries."""
+        for path in sorted(self.settings.shm_dir.glob(f"{POOL_FILE_PREFIX}*{POOL_FILE_SUFFIX}")):
+            engine_id = path.name[len(POOL_FILE_PREFIX) : -len(POOL_FILE_SUFFIX)]
+            try:
+                file, records = PoolFile.adopt(path)
+            except (LayoutError, OSError) as exc:
+                self.refuse(engine_id, path, str(exc))
+                continue
+            index = self._new_index(engine_id, file.header.geometry, file)
+            try:
+                index.restore(records)
+            except ValueError as exc:
+                file.close()
+                self.refuse(engine_id, path, f"slot table does not verify: {exc}")
+                continue
+            self._pools[engine_id] = Pool(file, index)
+            log.info(
+                "pool adopted",
+                extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
+            )
+
+    def refuse(self, engine_id: str, path: Path, why: str) -> None:
+        self._refused[engine_id] = why
+        log.error(
+            "pool file refused and left in place",
+            extra={"engine_id": engine_id, "path": str(path), "reason": why},
+        )
+
+    def open(
+        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+    ) -> tuple[Pool, bool]:
+        """Attach to the pool of this engine_id or create it; returns (pool, created)."""
+        num_blocks = capacity_bytes // block_size_bytes
+        limit = self.settings.max_pool_bytes
+        if limit is not None and capacity_bytes > limit:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"capacity_bytes {capacity_bytes} is over the per-pool limit of {limit} bytes "
+                "(--max-pool-bytes)",
+                Reason.BUDGET,
+            )
+        pool = self._pools.get(engine_id)
+        if pool is not None:
+            self._check_same(pool, block_size_bytes, num_blocks, compat_key)
+            return pool, False
+        path = self.settings.shm_dir / pool_file_name(engine_id)
+        if engine_id in self._refused and os.path.lexists(path):
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool file {path} exists but was not adopted ({self._refused[engine_id]}); "
+                "inspect it, remove it, then retry",
+                Reason.POOL_UNVERIFIED,
+            )
+        self._refused.pop(engine_id, None)  # its file is gone (as the refusal asked): start anew
+        geometry = Geometry(
+            block_size_bytes, num_blocks, min(num_blocks, self.settings.max_entries_per_pool)
+        )
+        reserved, budget = self.reserved_bytes(), self.settings.max_bytes
+        if reserved + geometry.file_size > budget:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"pool {engine_id!r} needs {geometry.file_size} bytes but only "
+                f"{budget - reserved} of the daemon's {budget}-byte "
+                "budget are left; ask for less capacity_bytes, drop a pool, or raise --max-bytes",
+                Reason.BUDGET,
+            )
+        try:
+            file = PoolFile.create(
+                self.settings.shm_dir, engine_id, geometry, compat_key, self.settings.file_access
+            )
+        except FileExistsError as exc:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"{exc.filename} exists but the daemon did not create it; remove it and retry",
+                Reason.POOL_UNVERIFIED,
+            ) from exc
+        pool = Pool(file, self._new_index(engine_id, geometry, file))
+        self._pools[engine_id] = pool
+        log.info("pool created", extra={"engine_id": engine_id, "bytes": geometry.file_size})
+        return pool, True
+
+    @staticmethod
+    def _check_same(pool: Pool, block_size_bytes: int, num_blocks: int, compat_key: str) -> None:
+        have = pool.file.header
+        geometry = have.geometry
+        if (geometry.block_size_bytes, geometry.num_blocks) != (block_size_bytes, num_blocks):
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {pool.engine_id!r} exists with block_size_bytes="
+                f"{geometry.block_size_bytes} and num_blocks={geometry.num_blocks}; "
+                f"requested block_size_bytes={block_size_bytes} and num_blocks={num_blocks}",
+                Reason.POOL_MISMATCH,
+            )
+        if have.compat_key != compat_key:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {pool.engine_id!r} exists with compat_key {have.compat_key!r}; requested "
+                f"{compat_key!r} (another model or dtype wrote it)",
+                Reason.POOL_MISMATCH,
+            )
+
+    def _new_index(self, engine_id: str, geometry: Geometry, file: PoolFile) -> PoolIndex:
+        def emit(type: EventType, key: bytes, nbytes: int) -> None:
+            self._publish(WatchEvent(type, engine_id, key, nbytes, self._boot_epoch))
+
+        policy = POLICIES[self.settings.eviction]()
+        return PoolIndex(engine_id, geometry, file, policy, self._clock, emit)
+
+    def get(self, engine_id: str) -> Pool:
+        pool = self._pools.get(engine_id)
+        if pool is None:
+            raise CoreError(
+                Code.NOT_FOUND,
+                f"unknown pool {engine_id!r}: open it with OpenPool first",
+                Reason.UNKNOWN_POOL,
+            )
+        return pool
+
+    def all(self) -> list[Pool]:
+        return list(self._pools.values())
+
+    def reserved_bytes(self) -> int:
+        return sum(p.file.header.geometry.file_size for p in self._pools.values())
+
+    def changed(self) -> list[tuple[Pool, str]]:
+        """Pools whose file was truncated, overwritten, removed or replaced behind the daemon's
+        back, with what changed."""
+        changed = []
+        for pool in self._pools.values():
+            try:
+                pool.file.verify()
+            except (LayoutError, OSError) as exc:
+                changed.append((pool, f"changed under the daemon: {exc}"))
+        return changed
+
+    def remove(self, pool: Pool) -> None:
+        """Stop serving the pool (the store has undone what sessions held in it); its file stays
+        until the caller unlinks or closes it."""
+        del self._pools[pool.engine_id]
+        self._publish(WatchEvent(EventType.POOL_DROPPED, pool.engine_id, b"", 0, self._boot_epoch))
+
+    def close(self, drop_pools: bool) -> None:
+        """Release the pool files (the data stays in shm_dir unless drop_pools)."""
+        for pool in self._pools.values():
+            if drop_pools:
+                pool.file.unlink()
+            else:
+                pool.file.close()
+        self._pools.clear()

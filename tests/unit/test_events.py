@@ -1,0 +1,92 @@
+"""EventHub alone: waiters settle on any event about their key, a dropped pool settles all of its
+waiters, Watch subscriptions filter by pool, overflow and shutdown end a stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ec_client.types import EventType, WatchEvent
+from ec_daemon.events import EventHub, StreamEnd
+
+
+def event(type: EventType, key: bytes = b"k", engine_id: str = "p") -> WatchEvent:
+    return WatchEvent(type, engine_id, key, 1, "epoch")
+
+
+async def test_a_waiter_returns_when_its_key_is_committed() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 5.0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    hub.publish(event(EventType.COMMITTED))
+    await asyncio.wait_for(waiting, 1.0)
+
+
+async def test_a_waiter_returns_when_its_key_goes_away() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 5.0))
+    await asyncio.sleep(0)
+    hub.publish(event(EventType.ABORTED))
+    await asyncio.wait_for(waiting, 1.0)
+
+
+async def test_a_waiter_of_several_keys_waits_for_every_one() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"a", b"b"], 5.0))
+    await asyncio.sleep(0)
+    hub.publish(event(EventType.COMMITTED, b"a"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    hub.publish(event(EventType.COMMITTED, b"b"))
+    await asyncio.wait_for(waiting, 1.0)
+
+
+async def test_events_of_other_pools_and_keys_do_not_wake_a_waiter() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 0.2))
+    await asyncio.sleep(0)
+    hub.publish(event(EventType.COMMITTED, b"other"))
+    hub.publish(event(EventType.COMMITTED, b"k", engine_id="q"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await waiting  # times out quietly
+
+
+async def test_a_dropped_pool_settles_all_its_waiters() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"a", b"b"], 5.0))
+    await asyncio.sleep(0)
+    hub.publish(event(EventType.POOL_DROPPED, b""))
+    await asyncio.wait_for(waiting, 1.0)
+
+
+async def test_a_waiter_that_timed_out_leaves_nothing_behind() -> None:
+    hub = EventHub()
+    await hub.wait_settled("p", [b"k"], 0.01)
+    assert not hub._waiters
+
+
+async def test_a_subscription_sees_only_its_pool() -> None:
+    hub = EventHub()
+    mine, everything = hub.subscribe("p"), hub.subscribe("")
+    hub.publish(event(EventType.COMMITTED, b"a", engine_id="p"))
+    hub.publish(event(EventType.COMMITTED, b"b", engine_id="q"))
+    assert mine.queue.qsize() == 1 and everything.queue.qsize() == 2
+
+
+async def test_a_subscriber_that_falls_behind_is_cut_off_with_overflow() -> None:
+    hub = EventHub(watch_queue_limit=2)
+    subscription = hub.subscribe("")
+    for key in (b"a", b"b", b"c", b"d"):
+        hub.publish(event(EventType.COMMITTED, key))
+    items = [subscription.queue.get_nowait() for _ in range(subscription.queue.qsize())]
+    assert items[-1] is StreamEnd.OVERFLOW and len(items) == 3
+
+
+async def test_shutdown_ends_every_stream() -> None:
+    hub = EventHub()
+    subscription = hub.subscribe("p")
+    hub.shut_down()
+    assert subscription.queue.get_nowait() is StreamEnd.SHUTDOWN
+    hub.publish(event(EventType.COMMITTED))
+    assert subscription.queue.empty()  # an ended stream takes nothing more

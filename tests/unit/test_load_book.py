@@ -1,0 +1,138 @@
+"""LoadBook alone (the vLLM scheduler side's pins and loads): requests wait one step for a pin,
+loads are dispatched under fresh transfer IDs, a pin goes only after every rank reported."""
+
+from __future__ import annotations
+
+from ec_client.types import AcquireResult, Extent, Status, TensorSpec
+from ec_client.vllm.loads import LoadBook
+
+SPEC = TensorSpec((4, 8), "float16", 64)
+
+
+def hit(key: str, lease_id: int) -> AcquireResult:
+    return AcquireResult(key.encode(), Status.HIT, "", lease_id, (Extent(0, 1),), SPEC, 0)
+
+
+def miss(key: str) -> AcquireResult:
+    return AcquireResult(key.encode(), Status.MISS, "", 0, (), None, 0)
+
+
+def ready(*keys: str):  # type: ignore[no-untyped-def]
+    return lambda key: key in keys
+
+
+def pinned_book(key: str = "k", lease_id: int = 7, ranks: int = 1) -> LoadBook:
+    """A book holding a pin on `key`, as after one admit and one Acquire."""
+    book = LoadBook(ranks)
+    assert not book.admit("r1", [key], ready(key), now=0.0, wait_s=0.0)
+    book.acquired(book.wanted(), [hit(key, lease_id)], lambda spec: True)
+    return book
+
+
+def test_a_request_whose_key_is_ready_but_not_pinned_waits_for_the_pin() -> None:
+    book = LoadBook(1)
+    assert not book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.wanted() == ["k"]
+    assert not book.pinned("k")
+
+
+def test_once_pinned_the_request_is_admitted_and_the_key_is_a_cache_hit() -> None:
+    book = pinned_book()
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.pinned("k")
+
+
+def test_a_request_whose_key_is_absent_is_admitted_to_encode() -> None:
+    book = LoadBook(1)
+    assert book.admit("r1", ["k"], ready(), now=0.0, wait_s=0.0)
+    assert book.wanted() == []
+
+
+def test_with_a_wait_an_absent_key_holds_the_request_that_long() -> None:
+    book = LoadBook(1)
+    assert not book.admit("r1", ["k"], ready(), now=10.0, wait_s=2.0)
+    assert not book.admit("r1", ["k"], ready(), now=11.0, wait_s=2.0)
+    assert book.admit("r1", ["k"], ready(), now=12.0, wait_s=2.0)
+
+
+def test_a_missed_key_does_not_hold_its_request_back_again() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.acquired(["k"], [miss("k")], lambda spec: True) == ["k"]
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+
+
+def test_a_pin_of_an_unusable_shape_is_released_at_once() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.acquired(["k"], [hit("k", 9)], lambda spec: False) == ["k"]
+    assert book.take_releases() == [9]
+    assert not book.pinned("k")
+
+
+def test_requests_of_one_step_share_one_dispatch_per_key() -> None:
+    book = pinned_book()
+    assert book.dispatch("r1", "k") and book.dispatch("r2", "k")
+    [order] = book.take_step().values()
+    assert order.extents == (Extent(0, 1),) and order.spec == SPEC
+    assert book.take_step() == {}
+
+
+def test_every_dispatch_gets_a_transfer_id_never_used_before() -> None:
+    book = pinned_book()
+    book.dispatch("r1", "k")
+    first = book.take_step()["k"].transfer_id
+    book.dispatch("r2", "k")
+    assert book.take_step()["k"].transfer_id != first
+
+
+def test_a_pin_is_released_only_after_every_rank_reported_and_no_request_needs_it() -> None:
+    book = pinned_book(ranks=2)
+    book.dispatch("r1", "k")
+    transfer = book.take_step()["k"].transfer_id
+    book.report(transfer, rank=0)
+    book.report(transfer, rank=0)  # a rank counts once
+    assert book.take_releases() == []
+    book.report(transfer, rank=1)
+    assert book.take_releases() == [7]
+    assert not book.busy()
+
+
+def test_a_pin_waits_for_requests_still_counting_on_it() -> None:
+    book = pinned_book()
+    book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0)  # r2 holds the pin too
+    book.dispatch("r1", "k")
+    book.report(book.take_step()["k"].transfer_id, rank=0)
+    assert book.take_releases() == []
+    book.forget("r2")
+    assert book.take_releases() == [7]
+
+
+def test_unknown_transfer_reports_change_nothing() -> None:
+    book = pinned_book()
+    book.report(12345, rank=0)
+    assert book.pinned("k") and book.take_releases() == []
+
+
+def test_giving_up_on_wanted_keys_lets_their_requests_encode() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    book.give_up_wanted()
+    assert book.wanted() == []
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+
+
+def test_voiding_the_pins_fails_the_requests_whose_loads_were_in_flight() -> None:
+    book = pinned_book()
+    book.dispatch("r1", "k")
+    book.take_step()
+    assert book.void() == {"r1"}
+    assert not book.pinned("k") and book.take_releases() == []
+
+
+def test_releases_that_did_not_reach_the_daemon_are_sent_again() -> None:
+    book = pinned_book()
+    book.forget("r1")
+    releases = book.take_releases()
+    book.requeue_releases(releases)
+    assert book.take_releases() == [7]

@@ -1,0 +1,137 @@
+"""ReadyView alone, over a fake client whose Watch streams the test feeds: READY keys known only
+after the snapshot, followed as events come, forgotten while the stream is broken, and a fresh
+snapshot after reattaching."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import grpc
+import pytest
+
+from ec_client.client import Client
+from ec_client.errors import EcdError
+from ec_client.types import EventType, WatchEvent
+from ec_client.vllm.ready_view import ReadyView
+
+BROKEN = object()
+
+
+class FakeStream:
+    """A Watch stream: yields what the test puts, ends on cancel, raises on BROKEN."""
+
+    def __init__(self) -> None:
+        self.items: queue.Queue[object] = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        while not self.cancelled.is_set():
+            try:
+                item = self.items.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if item is BROKEN:
+                raise EcdError(grpc.StatusCode.UNAVAILABLE, "daemon went away")
+            yield cast(WatchEvent, item)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.streams: queue.Queue[FakeStream] = queue.Queue()
+
+    def open_watch(self, engine_id: str, snapshot: bool) -> FakeStream:
+        assert snapshot
+        stream = FakeStream()
+        self.streams.put(stream)
+        return stream
+
+
+def event(type: EventType, key: str = "") -> WatchEvent:
+    return WatchEvent(type, "p", key.encode(), 1, "epoch")
+
+
+def eventually(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached within 5 s"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[ReadyView, FakeClient, list[int]]]:
+    client = FakeClient()
+    reattached: list[int] = []
+    view = ReadyView(cast(Client, client), "p", lambda: reattached.append(1))
+    yield view, client, reattached
+    view.close()
+
+
+def synced(client: FakeClient, *keys: str) -> FakeStream:
+    stream = client.streams.get(timeout=5)
+    for key in keys:
+        stream.items.put(event(EventType.SNAPSHOT, key))
+    stream.items.put(event(EventType.SYNCED))
+    return stream
+
+
+def test_nothing_is_ready_until_the_snapshot_ends(setup: Any) -> None:
+    view, client, _ = setup
+    stream = client.streams.get(timeout=5)
+    stream.items.put(event(EventType.SNAPSHOT, "a"))
+    time.sleep(0.05)
+    assert not view.synced and not view.has("a")
+    stream.items.put(event(EventType.SYNCED))
+    eventually(lambda: view.has("a"))
+
+
+def test_commits_and_removals_are_followed(setup: Any) -> None:
+    view, client, _ = setup
+    stream = synced(client, "a")
+    eventually(lambda: view.synced)
+    stream.items.put(event(EventType.COMMITTED, "b"))
+    stream.items.put(event(EventType.EVICTED, "a"))
+    eventually(lambda: view.has("b") and not view.has("a"))
+    for gone in (EventType.ABORTED, EventType.DELETED):
+        stream.items.put(event(gone, "b"))
+        eventually(lambda: not view.has("b"))
+        stream.items.put(event(EventType.COMMITTED, "b"))
+        eventually(lambda: view.has("b"))
+
+
+def test_a_broken_stream_forgets_everything_then_reattaches_and_resyncs(setup: Any) -> None:
+    view, client, reattached = setup
+    stream = synced(client, "a")
+    eventually(lambda: view.has("a"))
+    stream.items.put(BROKEN)
+    eventually(lambda: not view.synced)
+    assert not view.has("a")
+    synced(client, "c")
+    eventually(lambda: view.has("c"))
+    assert reattached and not view.has("a")
+
+
+def test_a_dropped_pool_ends_the_stream_and_takes_a_fresh_snapshot(setup: Any) -> None:
+    view, client, reattached = setup
+    stream = synced(client, "a")
+    eventually(lambda: view.has("a"))
+    stream.items.put(event(EventType.POOL_DROPPED))
+    synced(client)
+    eventually(lambda: view.synced and not view.has("a"))
+    assert reattached
+
+
+def test_what_the_scheduler_learned_first_is_known_before_the_event(setup: Any) -> None:
+    view, client, _ = setup
+    synced(client)
+    eventually(lambda: view.synced)
+    view.add("mine")
+    assert view.has("mine")
+    view.discard("mine")
+    assert not view.has("mine")
