@@ -169,6 +169,15 @@ class SessionState:
         self.pool_opened(call, info)
         return info
 
+    def reopen_pool(self, engine_id: str) -> Plan[PoolInfo]:
+        call = self.pools.get(engine_id)
+        if call is None:
+            raise EcdError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {engine_id!r} was not opened by this client; call open_pool first",
+            )
+        return (yield from self.open_pool(call))
+
     def drop_pool(self, engine_id: str, force: bool) -> Plan[int]:
         dropped = yield from self.call(_wire.drop_pool(engine_id, force))
         self.pools.pop(engine_id, None)

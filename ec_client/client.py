@@ -7,6 +7,13 @@ A background thread keeps the session alive (every lease TTL / 3). Every call fo
 recovery rules of `_session` (backoff while the daemon is unreachable, a new session and the
 pools reopened after a restart or a lost lease); this module only performs their I/O.
 
+Two things serve the hot path of Producer and Consumer (DESIGN §12):
+- `later(job)`: calls nobody needs to wait for (a Commit once its bytes landed, a Release once its
+  load landed) run on one background thread, in the order they were handed over; `settle()`
+  waits for all of them so far.
+- `view(engine_id)`: the pool's READY keys, followed through Watch (ReadyView), so that a miss
+  costs no round trip.
+
 What a call can answer: batched calls return one result per item, in order, whose `status` is
 one of those the method lists; a call fails as a whole with `EcdError`, whose `.code` is
 INVALID_ARGUMENT (a malformed engine_id, a batch over the limit), NOT_FOUND (unknown pool; an
@@ -22,6 +29,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -32,6 +40,7 @@ from ec_client._connection import Options, TLSFiles, shared_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
+from ec_client.ready_view import ReadyView
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -45,6 +54,7 @@ from ec_client.types import (
     Role,
     Stats,
     WatchEvent,
+    key_bytes,
 )
 
 T = TypeVar("T")
@@ -123,6 +133,10 @@ class Client:
         self._state = SessionState(self.options)
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._jobs_lock = threading.Lock()  # not _lock: a reopen holds that across RPCs
+        self._background: ThreadPoolExecutor | None = None
+        self._last_job: Future[Any] | None = None
+        self._views: dict[str, ReadyView] = {}
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -162,13 +176,68 @@ class Client:
         """Renew the lease now; returns the lease TTL in seconds."""
         return self._run(_wire.keep_alive())
 
-    def close(self) -> None:
-        """Close the session: the daemon aborts its PENDING entries and releases its pins."""
+    def close(self, settle_timeout_s: float = 10.0) -> None:
+        """Finish the background calls (within settle_timeout_s), stop following pools, close
+        the session: the daemon aborts its PENDING entries and releases its pins."""
         if self._closed.is_set():
             return
+        with contextlib.suppress(TimeoutError):
+            self.settle(settle_timeout_s)
         self._closed.set()
+        for view in self._views.values():
+            view.close()
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(EcdError):
             self._drive(self._state.close())
+
+    # ---- the background lane and the views of pools --------------------------------------------
+
+    def later(self, job: Callable[[], T]) -> Future[T]:
+        """Run `job` on the client's background thread, after every job handed over before it.
+
+        For calls the caller need not wait for. Their failures are the job's to report (its
+        future holds them too)."""
+        with self._jobs_lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="ecd-later")
+            future = self._last_job = self._background.submit(job)
+        return future
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait until every job handed to `later` so far has run (TimeoutError if not within
+        timeout_s). Costs nothing when none is outstanding."""
+        last = self._last_job
+        if last is not None and not last.done():
+            # Jobs run in order: the last one done means every earlier one is.
+            with contextlib.suppress(Exception):
+                last.result(timeout_s)
+            if not last.done():
+                raise TimeoutError(f"background calls still running after {timeout_s} s")
+
+    def view(self, engine_id: str) -> ReadyView:
+        """The READY keys of a pool this client opened, followed from now on (one Watch stream
+        per pool per client, until close)."""
+        with self._jobs_lock:
+            view = self._views.get(engine_id)
+            if view is None:
+                view = self._views[engine_id] = ReadyView(
+                    self, engine_id, lambda: self.reopen_pool(engine_id)
+                )
+        return view
+
+    def known_ready(self, engine_id: str, keys: Sequence[Key]) -> None:
+        """This client committed `keys`: its view of the pool (if it follows one) has them READY
+        before the daemon's events come back."""
+        view = self._views.get(engine_id)
+        if view is not None:
+            for key in keys:
+                view.add(key_bytes(key))
+
+    def reopen_pool(self, engine_id: str) -> PoolInfo:
+        """OpenPool again with what this client opened it with (after a restart, or once a
+        dropped or refused pool's file is gone)."""
+        return self._drive(self._state.reopen_pool(engine_id))
 
     def __enter__(self) -> Client:
         return self

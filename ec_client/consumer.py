@@ -1,14 +1,25 @@
-"""Consumer: read encoder outputs from a pool. acquire -> copy -> release, one RPC each per batch.
+"""Consumer: read encoder outputs from a pool. One round trip per batch of hits, none per miss.
 
     t = Consumer(client, "qwen-vl-node1").get("mm-hash-1", device="cuda:0", wait_ms=500)
 
 A hit comes back as a tensor of the stored shape and dtype; a miss (absent, or still being
-written after wait_ms) as None. The entry stays pinned, so it cannot be evicted or overwritten,
-until its copy has landed; only then is the pin released.
+written after wait_ms) as None. Steps of a get:
+
+1. Misses without a round trip: the client follows the pool's READY keys (ReadyView, fed by
+   Watch), so a key it does not know is answered None at once, without asking the daemon. While
+   the view is not synced (starting, or the daemon away) every key is asked; with wait_ms every
+   key is asked too, since the daemon is what waits (for a key PENDING or not there yet).
+2. One Acquire pins the hits (the round trip), then their copies out of the pool are launched.
+3. The pins are released on the client's background thread once the copies have landed, never
+   before: the entry cannot be evicted or overwritten while it is being read.
+
+Before a get, this client's own puts are committed (it waits for its background commits), so a
+client always reads its own writes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,10 +27,12 @@ import grpc
 import torch
 
 from ec_client.client import Client
-from ec_client.endpoint import PoolEndpoint, raise_item_errors
+from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
-from ec_client.mover import TensorMover, Transfer
-from ec_client.types import AcquireResult, Key, Status
+from ec_client.mover import TensorMover, Transfer, wait_all
+from ec_client.types import AcquireResult, Key, Status, key_bytes
+
+log = logging.getLogger("ec_client")
 
 
 @dataclass
@@ -34,35 +47,36 @@ class _Read:
 
 
 class GetHandle:
-    """A get in flight: copies launched, pins held. `wait` releases them once the copies landed.
+    """A get whose Acquire answered: its tensors exist and their copies are launched.
 
     On GPU the tensors are usable at once on the caller's current stream (it waits on the copies);
-    `wait` is only about giving the pins back.
+    `wait` blocks the host until the copies landed. Pins go back by themselves once they have.
     """
 
-    def __init__(
-        self, consumer: Consumer, tensors: dict[Key, torch.Tensor | None], reads: list[_Read]
-    ):
-        self._consumer = consumer
-        self._tensors = tensors
+    def __init__(self, tensors: dict[Key, torch.Tensor | None], reads: list[_Read]) -> None:
+        self.tensors = tensors
         self._reads = reads
-        self._released = False
 
     def done(self) -> bool:
         return all(r.transfer.done() for r in self._reads)
 
     def wait(self) -> dict[Key, torch.Tensor | None]:
-        if not self._released:
-            self._consumer._release(self._reads)
-            self._released = True
-        return self._tensors
+        for read in self._reads:
+            read.transfer.wait()
+        return self.tensors
 
 
 class Consumer:
-    def __init__(self, client: Client, engine_id: str, *, verify: bool = False) -> None:
-        """verify: check each entry's stored CRC-32 (if its producer stored one) after reading."""
+    def __init__(
+        self, client: Client, engine_id: str, *, verify: bool = False, watch: bool = True
+    ) -> None:
+        """verify: check each entry's stored CRC-32 (if its producer stored one) after reading.
+        watch: answer misses from the client's view of the pool (no round trip); without it,
+        every get asks the daemon."""
         self.endpoint = PoolEndpoint(client, engine_id)
         self.verify = verify
+        self.failed_releases = 0  # pins whose Release did not reach the daemon (logged)
+        self._view = client.view(engine_id) if watch else None
 
     @property
     def client(self) -> Client:
@@ -78,12 +92,12 @@ class Consumer:
         """The stored tensor on `device` (or copied into `out`), or None on a miss."""
         return self.get_many_async(
             [key], device, wait_ms, {key: out} if out is not None else None
-        ).wait()[key]
+        ).tensors[key]
 
     def get_many(
         self, keys: Sequence[Key], device: torch.device | str = "cpu", wait_ms: int = 0
     ) -> dict[Key, torch.Tensor | None]:
-        return self.get_many_async(keys, device, wait_ms).wait()
+        return self.get_many_async(keys, device, wait_ms).tensors
 
     def get_many_async(
         self,
@@ -92,47 +106,73 @@ class Consumer:
         wait_ms: int = 0,
         out: dict[Key, torch.Tensor] | None = None,
     ) -> GetHandle:
-        """Acquire every key in one RPC and launch the copies; the handle releases the pins."""
-        results = self.client.acquire(self.endpoint.engine_id, keys, wait_ms)
+        """Acquire the keys that may be there in one RPC and launch their copies."""
+        tensors: dict[Key, torch.Tensor | None] = {key: None for key in keys}
+        self.client.settle()  # read our own writes: their commits first
+        asked = self._worth_asking(keys, wait_ms)
+        if not asked:
+            return GetHandle(tensors, [])
+        results = self.client.acquire(self.endpoint.engine_id, asked, wait_ms)
         reads: list[_Read] = []
         try:
-            raise_item_errors("Acquire", ((r.key, r.status, r.message) for r in results))
+            error = item_errors("Acquire", results)
+            if error is not None:
+                raise error
             mover = self.endpoint.mover(device)
-            for key, result in zip(keys, results, strict=True):
+            for key, result in zip(asked, results, strict=True):
                 if result.status is Status.HIT and result.spec is not None:
                     target = out.get(key) if out else None
                     tensor, transfer = mover.load(result.extents, result.spec, target)
                     reads.append(_Read(key, result, mover, tensor, transfer))
+                elif result.status is Status.MISS and self._view is not None:
+                    self._view.discard(key_bytes(key))
         except BaseException:
-            self.client.release([r.lease_id for r in results if r.status is Status.HIT])
+            wait_all(r.transfer for r in reads)  # no pin goes while a copy may still read
+            self._release([r.lease_id for r in results if r.status is Status.HIT])
             raise
-        tensors: dict[Key, torch.Tensor | None] = {key: None for key in keys}
+        if self.verify:
+            self._verify(reads)  # waits for the copies; releases even if it raises
         tensors.update({r.key: r.tensor for r in reads})
-        return GetHandle(self, tensors, reads)
+        if reads:
+            self.client.later(lambda: self._release_landed(reads))
+        return GetHandle(tensors, reads)
 
-    def _release(self, reads: Sequence[_Read]) -> None:
-        if not reads:
+    def _worth_asking(self, keys: Sequence[Key], wait_ms: int) -> list[Key]:
+        """The keys to Acquire: all of them unless the view is synced and no wait is asked for,
+        in which case only those it has READY (the rest are misses, with no round trip)."""
+        view = self._view
+        if view is None or wait_ms or not view.synced:
+            return list(keys)
+        return [key for key in keys if view.has(key_bytes(key))]
+
+    def _release_landed(self, reads: Sequence[_Read]) -> None:
+        wait_all(r.transfer for r in reads)
+        self._release([r.result.lease_id for r in reads])
+
+    def _release(self, lease_ids: list[int]) -> None:
+        if not lease_ids:
             return
+        try:
+            error = item_errors("Release", self.client.release(lease_ids))
+        except EcdError as exc:
+            error = exc
+        if error is not None:  # the pins go with the session's lease all the same
+            self.failed_releases += len(lease_ids)
+            log.warning("ecd: release of %d pin(s) failed: %s", len(lease_ids), error)
+
+    def _verify(self, reads: Sequence[_Read]) -> None:
         try:
             for read in reads:
                 read.transfer.wait()
-            if self.verify:
-                self._verify(reads)
-        finally:
-            results = self.client.release([r.result.lease_id for r in reads])
-        raise_item_errors(
-            "Release", ((r.key, s.status, s.message) for r, s in zip(reads, results, strict=True))
-        )
-
-    @staticmethod
-    def _verify(reads: Sequence[_Read]) -> None:
-        for read in reads:
-            stored = read.result.checksum
-            if not stored or read.result.spec is None:
-                continue
-            found = read.mover.checksum(read.result.extents, read.result.spec.nbytes)
-            if found != stored:
-                raise EcdError(
-                    grpc.StatusCode.DATA_LOSS,
-                    f"entry {read.key!r}: checksum {found:#x} != stored {stored:#x}",
-                )
+                stored = read.result.checksum
+                if not stored or read.result.spec is None:
+                    continue
+                found = read.mover.checksum(read.result.extents, read.result.spec.nbytes)
+                if found != stored:
+                    raise EcdError(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"entry {read.key!r}: checksum {found:#x} != stored {stored:#x}",
+                    )
+        except BaseException:
+            self._release([r.result.lease_id for r in reads])
+            raise

@@ -11,7 +11,7 @@ from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.mapping import PoolMapping
 from ec_client.mover import TensorMover
-from ec_client.types import Status
+from ec_client.types import ItemResult, LeaseResult
 
 
 class PoolEndpoint:
@@ -50,13 +50,15 @@ class PoolEndpoint:
         self.mapping.check_current()
 
 
-def raise_item_errors(what: str, outcomes: Iterable[tuple[object, Status, str]]) -> None:
-    """Raise one EcdError naming every (item, status, message) that is an error, with the first
-    one's status code."""
-    failed = [(item, status, message) for item, status, message in outcomes if status.is_error]
-    if failed:
-        details = "; ".join(
-            f"{item!r}: {status.value}: {message}" for item, status, message in failed
-        )
-        code = getattr(grpc.StatusCode, failed[0][1].name)
-        raise EcdError(code, f"{what} refused {len(failed)} item(s): {details}")
+def item_errors(what: str, results: Iterable[ItemResult | LeaseResult]) -> EcdError | None:
+    """One EcdError naming every result that is an error, with the first one's status code;
+    None if none is."""
+    failed = [r for r in results if r.status.is_error]
+    if not failed:
+        return None
+    details = "; ".join(
+        f"{r.key if isinstance(r, ItemResult) else r.lease_id!r}: {r.status.value}: {r.message}"
+        for r in failed
+    )
+    code = getattr(grpc.StatusCode, failed[0].status.name)
+    return EcdError(code, f"{what} refused {len(failed)} item(s): {details}")

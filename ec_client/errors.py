@@ -24,3 +24,9 @@ class EcdError(Exception):
         metadata = (call.trailing_metadata() if hasattr(call, "trailing_metadata") else None) or ()
         reason = next((str(v) for k, v in metadata if k == "ecd-reason"), "")
         return cls(code, details, reason)
+
+    @classmethod
+    def copy_failed(cls, key: object, cause: BaseException) -> EcdError:
+        """A copy between a tensor and the pool failed (a device error): the entry is not
+        written (a save is aborted) or not read (a load's pin is released)."""
+        return cls(grpc.StatusCode.DATA_LOSS, f"copy of {key!r} failed: {cause}", "copy_failed")

@@ -14,9 +14,10 @@ the mover's own CUDA stream:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -69,6 +70,14 @@ class Transfer:
         if self.event is not None:
             self.event.synchronize()
         self.keep.clear()
+
+
+def wait_all(transfers: Iterable[Transfer]) -> None:
+    """Let every transfer land, whatever fails: used before giving back the blocks or pins of a
+    batch that broke, so no copy in flight can touch blocks handed to someone else."""
+    for transfer in transfers:
+        with contextlib.suppress(Exception):
+            transfer.wait()
 
 
 class TensorMover:

@@ -43,6 +43,7 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import tensor_nbytes
+from ec_client.ready_view import ReadyView
 from ec_client.types import AllocateItem, Role, TensorSpec
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.loads import LoadBook
@@ -51,7 +52,6 @@ from ec_client.vllm.metadata import (
     ECDaemonWorkerMetadata,
     SaveOrder,
 )
-from ec_client.vllm.ready_view import ReadyView
 from ec_client.vllm.saves import SaveBook
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class SchedulerSide:
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
         wait_s = self.config.wait_s if self.view.synced else 0.0
-        return self.loads.admit(request.request_id, needed, self.view.has, time.monotonic(), wait_s)
+        return self.loads.admit(request.request_id, needed, self._ready, time.monotonic(), wait_s)
 
     def has_cache_item(self, identifier: str) -> bool:
         return self.config.is_consumer and self.loads.pinned(identifier)
@@ -133,7 +133,7 @@ class SchedulerSide:
         if self.config.is_consumer and self.loads.dispatch(request.request_id, key):
             return
         self.loads.scheduled(request.request_id, key)
-        if self.config.is_producer and not self.view.has(key):
+        if self.config.is_producer and not self._ready(key):
             spec = self._save_spec(feature)
             if spec is not None:
                 self.saves.plan(key, spec)
@@ -199,7 +199,7 @@ class SchedulerSide:
             else:
                 for key, result in zip(landed, results, strict=True):
                     if not result.status.is_error:
-                        self.view.add(key)
+                        self.view.add(key.encode())
         failed = self.saves.take_failed()
         if failed:
             aborted = self._call("abort", lambda: self.client.abort(self.config.pool, failed))
@@ -220,7 +220,7 @@ class SchedulerSide:
             self.loads.give_up_wanted()
             return
         for key in self.loads.acquired(wanted, results, self._loadable):
-            self.view.discard(key)
+            self.view.discard(key.encode())
 
     def _allocate(self) -> dict[str, SaveOrder]:
         planned = self.saves.take_planned()
@@ -264,6 +264,9 @@ class SchedulerSide:
             self.config.pool,
             len(failed),
         )
+
+    def _ready(self, key: str) -> bool:
+        return self.view.has(key.encode())
 
     def _loadable(self, spec: TensorSpec) -> bool:
         """Encoder outputs are (rows, width) in the model dtype; anything else is not ours."""

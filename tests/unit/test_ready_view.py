@@ -13,10 +13,9 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from ec_client.client import Client
 from ec_client.errors import EcdError
+from ec_client.ready_view import ReadyView
 from ec_client.types import EventType, WatchEvent
-from ec_client.vllm.ready_view import ReadyView
 
 BROKEN = object()
 
@@ -68,7 +67,7 @@ def eventually(check: Callable[[], bool]) -> None:
 def setup() -> Iterator[tuple[ReadyView, FakeClient, list[int]]]:
     client = FakeClient()
     reattached: list[int] = []
-    view = ReadyView(cast(Client, client), "p", lambda: reattached.append(1))
+    view = ReadyView(client, "p", lambda: reattached.append(1))
     yield view, client, reattached
     view.close()
 
@@ -86,9 +85,9 @@ def test_nothing_is_ready_until_the_snapshot_ends(setup: Any) -> None:
     stream = client.streams.get(timeout=5)
     stream.items.put(event(EventType.SNAPSHOT, "a"))
     time.sleep(0.05)
-    assert not view.synced and not view.has("a")
+    assert not view.synced and not view.has(b"a")
     stream.items.put(event(EventType.SYNCED))
-    eventually(lambda: view.has("a"))
+    eventually(lambda: view.has(b"a"))
 
 
 def test_commits_and_removals_are_followed(setup: Any) -> None:
@@ -97,33 +96,33 @@ def test_commits_and_removals_are_followed(setup: Any) -> None:
     eventually(lambda: view.synced)
     stream.items.put(event(EventType.COMMITTED, "b"))
     stream.items.put(event(EventType.EVICTED, "a"))
-    eventually(lambda: view.has("b") and not view.has("a"))
+    eventually(lambda: view.has(b"b") and not view.has(b"a"))
     for gone in (EventType.ABORTED, EventType.DELETED):
         stream.items.put(event(gone, "b"))
-        eventually(lambda: not view.has("b"))
+        eventually(lambda: not view.has(b"b"))
         stream.items.put(event(EventType.COMMITTED, "b"))
-        eventually(lambda: view.has("b"))
+        eventually(lambda: view.has(b"b"))
 
 
 def test_a_broken_stream_forgets_everything_then_reattaches_and_resyncs(setup: Any) -> None:
     view, client, reattached = setup
     stream = synced(client, "a")
-    eventually(lambda: view.has("a"))
+    eventually(lambda: view.has(b"a"))
     stream.items.put(BROKEN)
     eventually(lambda: not view.synced)
-    assert not view.has("a")
+    assert not view.has(b"a")
     synced(client, "c")
-    eventually(lambda: view.has("c"))
-    assert reattached and not view.has("a")
+    eventually(lambda: view.has(b"c"))
+    assert reattached and not view.has(b"a")
 
 
 def test_a_dropped_pool_ends_the_stream_and_takes_a_fresh_snapshot(setup: Any) -> None:
     view, client, reattached = setup
     stream = synced(client, "a")
-    eventually(lambda: view.has("a"))
+    eventually(lambda: view.has(b"a"))
     stream.items.put(event(EventType.POOL_DROPPED))
     synced(client)
-    eventually(lambda: view.synced and not view.has("a"))
+    eventually(lambda: view.synced and not view.has(b"a"))
     assert reattached
 
 
@@ -131,7 +130,7 @@ def test_what_the_scheduler_learned_first_is_known_before_the_event(setup: Any) 
     view, client, _ = setup
     synced(client)
     eventually(lambda: view.synced)
-    view.add("mine")
-    assert view.has("mine")
-    view.discard("mine")
-    assert not view.has("mine")
+    view.add(b"mine")
+    assert view.has(b"mine")
+    view.discard(b"mine")
+    assert not view.has(b"mine")

@@ -55,7 +55,7 @@ def test_a_daemon_restart_fails_only_the_requests_whose_loads_were_in_flight(
     daemon.restart()  # SIGKILL, then a new daemon re-adopts the pool's READY entries
     wait_until(lambda: e.scheduler.client.boot_epoch != epoch)
     assert e.finish(replies) == {"r1"}
-    wait_until(lambda: e.scheduler.view.has("img-a"))
+    wait_until(lambda: e.scheduler.view.has(b"img-a"))
     _, after = e.admit(request("r3", "img-a"))
     assert after.loaded == {"img-a": digest(encoder_output("img-a"))}
 
@@ -73,7 +73,7 @@ def test_while_the_daemon_is_down_requests_are_encoded_without_stalling_the_step
     assert step.encode == {"img-a": ROWS, "img-b": ROWS} and not step.metadata.saves
     assert not e.finish(e.run(step)) and not e.connector.has_pending_push_work()
     daemon.start()
-    wait_until(lambda: e.scheduler.view.has("img-a"), timeout_s=10)
+    wait_until(lambda: e.scheduler.view.has(b"img-a"), timeout_s=10)
     _, after = e.admit(request("r3", "img-a"))
     assert after.loaded == {"img-a": digest(encoder_output("img-a"))}
 

@@ -27,7 +27,7 @@ def test_a_consumer_engine_loads_what_a_producer_engine_saved_through_the_shared
     produced = producer.step(request("p1", "img-a"))
     assert produced.step.encode == {"img-a": 16}
     producer.settle()
-    wait_until(lambda: consumer.scheduler.view.has("img-a"))
+    wait_until(lambda: consumer.scheduler.view.has(b"img-a"))
     _, result = consumer.admit(request("c1", "img-a"))
     assert not result.step.encode
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
@@ -41,7 +41,7 @@ def test_a_consumer_with_ecd_wait_ms_waits_for_an_item_the_producer_is_still_enc
     waiting = request("c1", "img-a")
     assert consumer.step(waiting).step.held == {"c1"}  # not in the pool: wait for it
     producer.save("p1", "img-a")
-    wait_until(lambda: consumer.scheduler.view.has("img-a"))
+    wait_until(lambda: consumer.scheduler.view.has(b"img-a"))
     _, result = consumer.admit(waiting)
     assert result.step.load == {"img-a"} and not result.step.encode
 
@@ -58,7 +58,7 @@ def test_a_producer_does_not_save_an_item_the_pool_already_has(engine: EngineFac
     first = engine(role="ec_producer", pool=SHARED)
     second = engine(role="ec_producer", pool=SHARED)
     first.save("p1", "img-a")
-    wait_until(lambda: second.scheduler.view.has("img-a"))
+    wait_until(lambda: second.scheduler.view.has(b"img-a"))
     before = second.scheduler.rpcs.copy()
     result = second.step(request("p2", "img-a"))  # a producer encodes whatever it is sent
     assert result.step.encode and not result.step.metadata.saves

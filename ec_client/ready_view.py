@@ -1,46 +1,60 @@
 """ReadyView: which keys of one pool are READY, as last heard from the daemon's Watch stream.
 
-vLLM asks `has_cache_item` for every encoder input its GPU cache misses, inside the scheduler
-loop; a round trip per question would cost more than the loop itself. A background thread follows
-Watch(pool, snapshot=True) instead: every READY key, then SYNCED, then COMMITTED / EVICTED /
-ABORTED / DELETED / POOL_DROPPED as they happen. Answering is a set lookup.
+A miss must cost no round trip (DESIGN §12): a Consumer, or vLLM's scheduler asking
+`has_cache_item` for every encoder input, answers from this view instead of asking the daemon.
+A background thread follows Watch(pool, snapshot=True): every READY key, then SYNCED, then
+COMMITTED / EVICTED / ABORTED / DELETED / POOL_DROPPED as they happen. Answering is a set lookup.
 
 The view is a hint, never a promise: it can say READY for a key evicted a moment ago (the
-Acquire that follows finds out) and miss a key committed a moment ago (it is encoded again).
-Until the stream has delivered its snapshot, and whenever it is broken (daemon down or
-restarting, pool dropped), it knows nothing: every key is a miss, and `synced` is False, which
-the scheduler also takes as "do not call the daemon now". The thread reconnects with backoff,
-reattaching first (OpenPool: notices a restarted daemon, recreates a dropped pool), and takes a
-fresh snapshot.
+Acquire that follows finds out) and miss a key committed a moment ago (a few hundred
+microseconds: the event's trip). Until the stream has delivered its snapshot, and whenever it is
+broken (daemon down or restarting, pool dropped), it knows nothing: `synced` is False, and users
+fall back to asking the daemon (Consumer) or to encoding (vLLM). The thread reconnects with
+backoff, reattaching first (reopening the pool: notices a restarted daemon, recreates a dropped
+pool), and takes a fresh snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from ec_client._session import FIRST_BACKOFF_S, MAX_BACKOFF_S
-from ec_client.client import Client, WatchStream
 from ec_client.errors import EcdError
-from ec_client.types import EventType
+from ec_client.types import EventType, WatchEvent
 
-log = logging.getLogger("ec_client.vllm")
+log = logging.getLogger("ec_client")
 
 _GONE = (EventType.EVICTED, EventType.ABORTED, EventType.DELETED)
 
 
+class Stream(Protocol):
+    """An open Watch call (Client.open_watch): iterate for events; cancel from any thread."""
+
+    def __iter__(self) -> Iterator[WatchEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Watcher(Protocol):
+    def open_watch(self, engine_id: str, snapshot: bool) -> Stream: ...
+
+
 class ReadyView:
-    def __init__(self, client: Client, engine_id: str, reattach: Callable[[], object]) -> None:
+    def __init__(
+        self, client: Watcher, engine_id: str, reattach: Callable[[], object] = lambda: None
+    ) -> None:
         """reattach: called before every reconnect; raises EcdError while the daemon is away."""
         self._client = client
         self._engine_id = engine_id
         self._reattach = reattach
         self._lock = threading.Lock()
-        self._ready: set[str] = set()
+        self._ready: set[bytes] = set()
         self._synced = threading.Event()
         self._closed = threading.Event()
-        self._stream: WatchStream | None = None
+        self._stream: Stream | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"ecd-watch-{engine_id}", daemon=True
         )
@@ -53,16 +67,16 @@ class ReadyView:
     def wait_synced(self, timeout_s: float) -> bool:
         return self._synced.wait(timeout_s)
 
-    def has(self, key: str) -> bool:
-        with self._lock:
-            return self._synced.is_set() and key in self._ready
+    def has(self, key: bytes) -> bool:
+        # A set lookup under the GIL is atomic: no lock on this, the hottest path.
+        return key in self._ready and self._synced.is_set()
 
-    def add(self, key: str) -> None:
-        """The scheduler committed `key` itself: known READY before the event comes back."""
+    def add(self, key: bytes) -> None:
+        """This process committed `key` itself: known READY before the event comes back."""
         with self._lock:
             self._ready.add(key)
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: bytes) -> None:
         """An Acquire found `key` gone before the event came."""
         with self._lock:
             self._ready.discard(key)
@@ -99,19 +113,18 @@ class ReadyView:
             self._stream = stream
         if self._closed.is_set():
             stream.cancel()  # close() ran between the loop's check and the assignment
-        snapshot: set[str] = set()
+        snapshot: set[bytes] = set()
         for event in stream:
-            key = event.key.decode("utf-8", "surrogateescape")
             if event.type is EventType.SNAPSHOT:
-                snapshot.add(key)
+                snapshot.add(event.key)
             elif event.type is EventType.SYNCED:
                 with self._lock:
                     self._ready = snapshot
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
-                self.add(key)
+                self.add(event.key)
             elif event.type in _GONE:
-                self.discard(key)
+                self.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()
