@@ -25,6 +25,7 @@ from ec_client.types import (
     Role,
     Stats,
     Status,
+    StepResult,
     TensorSpec,
     WatchEvent,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "Role",
     "Stats",
     "Status",
+    "StepResult",
     "TLSFiles",
     "TensorMover",
     "TensorSpec",

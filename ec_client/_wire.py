@@ -63,10 +63,6 @@ def keys(values: Sequence[api.Key]) -> list[bytes]:
     return [api.key_bytes(k) for k in values]
 
 
-def item_results(reply: Any) -> list[api.ItemResult]:
-    return [api.ItemResult(r.key, status(r.status), r.message) for r in reply.results]
-
-
 def open_session(name: str, pid: int, role: api.Role) -> Call[pb.OpenSessionReply]:
     return Call(
         "OpenSession",
@@ -118,37 +114,71 @@ def drop_pool(engine_id: str, force: bool) -> Call[int]:
     )
 
 
-def allocate(engine_id: str, items: Sequence[api.AllocateItem]) -> Call[list[api.AllocateResult]]:
-    request_items = []
+# ---- the parts of the item RPCs: each Step part is built and read as its own RPC's items -------
+
+
+def allocate_items(items: Sequence[api.AllocateItem]) -> list[pb.AllocateItem]:
+    built = []
     for item in items:
         s = item.spec
-        request_items.append(
-            pb.AllocateItem(
-                key=api.key_bytes(item.key),
-                tensor=pb.TensorSpec(shape=list(s.shape), dtype=s.dtype, nbytes=s.nbytes),
-            )
+        tensor = pb.TensorSpec(shape=s.shape, dtype=s.dtype, nbytes=s.nbytes)
+        built.append(pb.AllocateItem(key=api.key_bytes(item.key), tensor=tensor))
+    return built
+
+
+def commit_items(keys_: Sequence[api.Key], checksums: Sequence[int] | None) -> list[pb.CommitItem]:
+    sums = list(checksums) if checksums is not None else [0] * len(keys_)
+    if len(sums) != len(keys_):
+        raise ValueError(f"{len(keys_)} keys but {len(sums)} checksums")
+    return [pb.CommitItem(key=k, checksum=c) for k, c in zip(keys(keys_), sums, strict=True)]
+
+
+def item_results(results: Sequence[pb.ItemResult]) -> list[api.ItemResult]:
+    return [api.ItemResult(r.key, status(r.status), r.message) for r in results]
+
+
+def allocate_results(results: Sequence[pb.AllocateResult]) -> list[api.AllocateResult]:
+    return [
+        api.AllocateResult(r.key, status(r.status), r.message, extents(r.extents)) for r in results
+    ]
+
+
+def acquire_results(results: Sequence[pb.AcquireResult]) -> list[api.AcquireResult]:
+    return [
+        api.AcquireResult(
+            r.key,
+            status(r.status),
+            r.message,
+            r.lease_id,
+            extents(r.extents),
+            spec(r.tensor) if r.HasField("tensor") else None,
+            r.checksum,
         )
+        for r in results
+    ]
+
+
+def lease_results(results: Sequence[pb.LeaseResult]) -> list[api.LeaseResult]:
+    return [api.LeaseResult(r.lease_id, status(r.status), r.message) for r in results]
+
+
+def allocate(engine_id: str, items: Sequence[api.AllocateItem]) -> Call[list[api.AllocateResult]]:
+    built = allocate_items(items)
     return Call(
         "Allocate",
-        lambda sid: pb.AllocateRequest(session_id=sid, engine_id=engine_id, items=request_items),
-        lambda reply: [
-            api.AllocateResult(r.key, status(r.status), r.message, extents(r.extents))
-            for r in reply.results
-        ],
+        lambda sid: pb.AllocateRequest(session_id=sid, engine_id=engine_id, items=built),
+        lambda reply: allocate_results(reply.results),
     )
 
 
 def commit(
     engine_id: str, keys_: Sequence[api.Key], checksums: Sequence[int] | None
 ) -> Call[list[api.ItemResult]]:
-    sums = list(checksums) if checksums is not None else [0] * len(keys_)
-    if len(sums) != len(keys_):
-        raise ValueError(f"{len(keys_)} keys but {len(sums)} checksums")
-    items = [pb.CommitItem(key=k, checksum=c) for k, c in zip(keys(keys_), sums, strict=True)]
+    items = commit_items(keys_, checksums)
     return Call(
         "Commit",
         lambda sid: pb.CommitRequest(session_id=sid, engine_id=engine_id, items=items),
-        item_results,
+        lambda reply: item_results(reply.results),
     )
 
 
@@ -157,7 +187,7 @@ def abort(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]
     return Call(
         "Abort",
         lambda sid: pb.AbortRequest(session_id=sid, engine_id=engine_id, keys=raw),
-        item_results,
+        lambda reply: item_results(reply.results),
     )
 
 
@@ -165,27 +195,12 @@ def acquire(
     engine_id: str, keys_: Sequence[api.Key], wait_ms: int
 ) -> Call[list[api.AcquireResult]]:
     raw = keys(keys_)
-
-    def parse(reply: pb.AcquireReply) -> list[api.AcquireResult]:
-        return [
-            api.AcquireResult(
-                key=r.key,
-                status=status(r.status),
-                message=r.message,
-                lease_id=r.lease_id,
-                extents=extents(r.extents),
-                spec=spec(r.tensor) if r.HasField("tensor") else None,
-                checksum=r.checksum,
-            )
-            for r in reply.results
-        ]
-
     return Call(
         "Acquire",
         lambda sid: pb.AcquireRequest(
             session_id=sid, engine_id=engine_id, keys=raw, wait_ms=wait_ms
         ),
-        parse,
+        lambda reply: acquire_results(reply.results),
         extra_timeout_s=wait_ms / 1000,
     )
 
@@ -195,9 +210,39 @@ def release(lease_ids: Sequence[int]) -> Call[list[api.LeaseResult]]:
     return Call(
         "Release",
         lambda sid: pb.ReleaseRequest(session_id=sid, lease_ids=ids),
-        lambda reply: [
-            api.LeaseResult(r.lease_id, status(r.status), r.message) for r in reply.results
-        ],
+        lambda reply: lease_results(reply.results),
+    )
+
+
+def step(
+    engine_id: str,
+    releases: Sequence[int] = (),
+    commits: Sequence[pb.CommitItem] = (),
+    aborts: Sequence[api.Key] = (),
+    acquires: Sequence[api.Key] = (),
+    allocates: Sequence[pb.AllocateItem] = (),
+) -> Call[api.StepResult]:
+    """A Step; commits and allocates come built (commit_items, allocate_items), so that a caller
+    that builds them ahead of time pays for it off its critical path."""
+    ids, raw_aborts, raw_acquires = list(releases), keys(aborts), keys(acquires)
+    return Call(
+        "Step",
+        lambda sid: pb.StepRequest(
+            session_id=sid,
+            engine_id=engine_id,
+            releases=ids,
+            commits=commits,
+            aborts=raw_aborts,
+            acquires=raw_acquires,
+            allocates=allocates,
+        ),
+        lambda reply: api.StepResult(
+            lease_results(reply.releases),
+            item_results(reply.commits),
+            item_results(reply.aborts),
+            acquire_results(reply.acquires),
+            allocate_results(reply.allocates),
+        ),
     )
 
 
@@ -214,12 +259,20 @@ def lookup(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.LookupResu
 
 def evict(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
     raw = keys(keys_)
-    return Call("Evict", lambda _: pb.EvictRequest(engine_id=engine_id, keys=raw), item_results)
+    return Call(
+        "Evict",
+        lambda _: pb.EvictRequest(engine_id=engine_id, keys=raw),
+        lambda reply: item_results(reply.results),
+    )
 
 
 def delete(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
     raw = keys(keys_)
-    return Call("Delete", lambda _: pb.DeleteRequest(engine_id=engine_id, keys=raw), item_results)
+    return Call(
+        "Delete",
+        lambda _: pb.DeleteRequest(engine_id=engine_id, keys=raw),
+        lambda reply: item_results(reply.results),
+    )
 
 
 def list_entries(

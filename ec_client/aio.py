@@ -34,6 +34,7 @@ from ec_client.types import (
     PoolInfo,
     Role,
     Stats,
+    StepResult,
     WatchEvent,
 )
 
@@ -143,6 +144,28 @@ class AsyncClient:
 
     async def release(self, lease_ids: Sequence[int]) -> list[LeaseResult]:
         return await self._run(_wire.release(lease_ids))
+
+    async def step(
+        self,
+        engine_id: str,
+        *,
+        releases: Sequence[int] = (),
+        commits: Sequence[Key] = (),
+        checksums: Sequence[int] | None = None,
+        aborts: Sequence[Key] = (),
+        acquires: Sequence[Key] = (),
+        allocates: Sequence[AllocateItem] = (),
+    ) -> StepResult:
+        return await self._run(
+            _wire.step(
+                engine_id,
+                releases,
+                _wire.commit_items(commits, checksums),
+                aborts,
+                acquires,
+                _wire.allocate_items(allocates),
+            )
+        )
 
     async def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         return await self._run(_wire.lookup(engine_id, keys))

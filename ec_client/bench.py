@@ -2,6 +2,9 @@
 
 Machines running this are noisy, so every figure is a median over several runs, and speeds are
 reported as ratios to a baseline measured side by side in the same run:
+- latency: a put, a get and a miss of one 256 KiB entry, as multiples of a health-check round
+  trip measured in the same run (DESIGN §12: a put or a get waits on one round trip, a miss on
+  none);
 - control: RPC round trips of 64-item batches against a plain health-check RPC on the channel;
 - data: put/get bandwidth against a raw torch copy_ of the same bytes into the same pool mapping;
 - load: puts and gets per second with 1 and several client processes;
@@ -142,6 +145,50 @@ def bench_control(client: Client, runs: int, iterations: int, report: Report) ->
     client.drop_pool(POOL, force=True)
 
 
+# ---- latency of one put, get, miss ---------------------------------------------------------------
+
+
+def bench_latency(client: Client, runs: int, iterations: int, size: int, report: Report) -> None:
+    """p50 and p99 of put, get and miss of one entry, each over a health check's, per run."""
+    import torch
+
+    from ec_client import Consumer, Producer
+
+    client.open_pool(POOL, BLOCK, max(size, BLOCK) * (iterations + 8) + (16 << 20))
+    producer, consumer = Producer(client, POOL), Consumer(client, POOL)
+    client.view(POOL).wait_synced(10)
+    tensor = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    out = torch.empty_like(tensor)
+    per_run: list[dict[str, float]] = []
+    for run in progress(range(runs), "latency"):
+        keys = [f"l{run}-{i}" for i in range(iterations)]
+        health = [timed(client.health) for _ in range(iterations)]
+        put = [timed(producer.put, key, tensor) for key in keys]
+        producer.flush()
+        get = [timed(consumer.get, key, "cpu", 0, out) for key in keys]
+        miss = [timed(consumer.get, f"absent-{key}") for key in keys]
+        client.settle()
+        client.evict(POOL, keys)
+        row = {}
+        for name, samples in (("health", health), ("put", put), ("get", get), ("miss", miss)):
+            row[f"{name}_p50"] = percentile(samples, 50)
+            row[f"{name}_p99"] = percentile(samples, 99)
+        per_run.append(row)
+    med = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
+    for name in ("put", "get", "miss", "health"):
+        report.add(
+            "latency",
+            {
+                "op": f"{name} {format_size(size)}" if name != "health" else "Health.Check",
+                "p50_us": med[f"{name}_p50"] * 1e6,
+                "p99_us": med[f"{name}_p99"] * 1e6,
+                "p50_vs_health": med[f"{name}_p50"] / med["health_p50"],
+                "p99_vs_health": med[f"{name}_p99"] / med["health_p99"],
+            },
+        )
+    client.drop_pool(POOL, force=True)
+
+
 # ---- data path ---------------------------------------------------------------------------------
 
 
@@ -195,6 +242,8 @@ def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, repo
             put_many = timed(producer.put_many, dict(zip(keys, sources.values(), strict=True)))
             targets: dict[Key, torch.Tensor] = dict(zip(keys, outs, strict=True))
             get_many = timed(_get_into, consumer, targets)
+            producer.flush()  # commits go in the background: settle them before evicting
+            client.settle()
             client.evict(POOL, [*singles, *keys])
             rows.append(
                 {
@@ -319,6 +368,10 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
 
 
 SECTIONS = {
+    "latency": (
+        "One entry at a time: put, get and a miss, against a health check (medians of runs)",
+        ["op", "p50_us", "p99_us", "p50_vs_health", "p99_vs_health"],
+    ),
     "control": (
         "Control plane, 64-item batches (medians of runs)",
         ["op", "p50_us", "p99_us", "p50_vs_health", "p99_vs_health", "items_per_s"],
@@ -361,6 +414,9 @@ def run(address: str, args: Any) -> Report:
     report = Report({})
     suites = set(args.suite.split(","))
     with Client(address, name="ecd-bench", role=Role.BOTH) as client:
+        if suites & {"latency", "all"}:
+            size = parse_size(args.load_size)
+            bench_latency(client, args.runs, args.iterations, size, report)
         if suites & {"control", "all"}:
             bench_control(client, args.runs, args.iterations, report)
         if suites & {"data", "all"}:

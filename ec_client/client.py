@@ -53,6 +53,7 @@ from ec_client.types import (
     PoolInfo,
     Role,
     Stats,
+    StepResult,
     WatchEvent,
     key_bytes,
 )
@@ -299,6 +300,32 @@ class Client:
         """Drop pins (call only once the reads landed). Per item: OK, NOT_FOUND (released
         already, never issued, or another session's)."""
         return self._run(_wire.release(lease_ids))
+
+    def step(
+        self,
+        engine_id: str,
+        *,
+        releases: Sequence[int] = (),
+        commits: Sequence[Key] = (),
+        checksums: Sequence[int] | None = None,
+        aborts: Sequence[Key] = (),
+        acquires: Sequence[Key] = (),
+        allocates: Sequence[AllocateItem] = (),
+    ) -> StepResult:
+        """Release, Commit, Abort, Acquire (without waiting) and Allocate in one round trip, in
+        that order (releases and aborts free space first; commits are visible to the acquires;
+        the acquires pin their entries before the allocations could evict them). Each part's
+        results are what its own call answers."""
+        return self._run(
+            _wire.step(
+                engine_id,
+                releases,
+                _wire.commit_items(commits, checksums),
+                aborts,
+                acquires,
+                _wire.allocate_items(allocates),
+            )
+        )
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         """State (ABSENT, PENDING, READY), size and pins of each key; pins nothing."""

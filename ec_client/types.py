@@ -167,6 +167,17 @@ class LeaseResult:
 
 
 @dataclass(frozen=True)
+class StepResult:
+    """A Step's answers, part by part, each in the order of its items."""
+
+    releases: list[LeaseResult]
+    commits: list[ItemResult]
+    aborts: list[ItemResult]
+    acquires: list[AcquireResult]
+    allocates: list[AllocateResult]
+
+
+@dataclass(frozen=True)
 class LookupResult:
     key: bytes
     state: EntryState

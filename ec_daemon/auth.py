@@ -45,7 +45,8 @@ RPC_ACTIONS: dict[str, Action] = {
     "KeepAlive": Action.SESSION,
     "CloseSession": Action.SESSION,
     "Release": Action.SESSION,
-    "OpenPool": Action.CONSUME,
+    "OpenPool": Action.SESSION,  # produce or consume: checked apart
+    "Step": Action.SESSION,  # each part as its own RPC: the service names them
     "Allocate": Action.PRODUCE,
     "Commit": Action.PRODUCE,
     "Abort": Action.PRODUCE,
@@ -140,25 +141,38 @@ class Guard:
     def enabled(self) -> bool:
         return bool(self._tokens)
 
-    def check(self, rpc: str, engine_id: str, metadata: Sequence[tuple[str, str | bytes]]) -> str:
-        """The caller's name; raises CoreError UNAUTHENTICATED or PERMISSION_DENIED."""
+    def check(
+        self,
+        rpc: str,
+        engine_id: str,
+        metadata: Sequence[tuple[str, str | bytes]],
+        actions: Sequence[Action] = (),
+    ) -> str:
+        """The caller's name; raises CoreError UNAUTHENTICATED or PERMISSION_DENIED.
+
+        `actions`: what the call does when it is not one fixed action (a Step's parts); each
+        must be granted. Otherwise the RPC's own action (OpenPool: produce or consume)."""
         if not self._tokens:
             return ""
         name = self._identify(metadata)
-        action = RPC_ACTIONS[rpc]
-        if self._rules is None or action is Action.SESSION:
+        if self._rules is None:
             return name
-        if not engine_id:
-            action = Action.ADMIN  # every pool at once
-        wanted = (Action.PRODUCE, Action.CONSUME) if rpc == "OpenPool" else (action,)
-        if not any(r.allows(name, a, engine_id or "*") for r in self._rules for a in wanted):
+        if rpc == "OpenPool":
+            self._require(name, rpc, engine_id, (Action.PRODUCE, Action.CONSUME))
+        for action in actions or (RPC_ACTIONS[rpc],):
+            if action is not Action.SESSION:
+                # Without a pool the call concerns every pool at once: an admin's business.
+                self._require(name, rpc, engine_id, (action if engine_id else Action.ADMIN,))
+        return name
+
+    def _require(self, name: str, rpc: str, engine_id: str, wanted: tuple[Action, ...]) -> None:
+        if not any(r.allows(name, a, engine_id or "*") for r in self._rules or () for a in wanted):
             what = " or ".join(a.value for a in wanted)
             where = f"pool {engine_id!r}" if engine_id else "every pool"
             raise CoreError(
                 Code.PERMISSION_DENIED,
                 f"{name!r} may not {what} in {where} ({rpc}): no rule grants it",
             )
-        return name
 
     def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
         header = next((str(v) for k, v in metadata if k == "authorization"), "")

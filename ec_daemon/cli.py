@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--address", help="daemon address [default: ECD_ADDRESS / default socket]")
     bench.add_argument("--spawn", action="store_true", help="start a private daemon for the run")
-    bench.add_argument("--suite", default="all", help="control,data,load,handoff or all")
+    bench.add_argument("--suite", default="all", help="latency,control,data,load,handoff or all")
     bench.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
     bench.add_argument(
         "--iterations", type=int, default=100, help="samples per run (control, handoff)"
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sizes", default="256KiB,8MiB,64MiB", help="entry sizes (data)")
     bench.add_argument("--batch", type=int, default=8, help="entries per put_many/get_many (data)")
     bench.add_argument("--processes", default="1,4", help="client process counts (load)")
-    bench.add_argument("--load-size", default="256KiB", help="entry size (load)")
+    bench.add_argument("--load-size", default="256KiB", help="entry size (latency, load)")
     bench.add_argument("--seconds", type=float, default=5.0, help="duration per count (load)")
     bench.add_argument("--output", help="also write the figures as JSON to this file")
     bench.set_defaults(run=cmd_bench)

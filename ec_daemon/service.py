@@ -22,7 +22,7 @@ from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate
-from ec_daemon.auth import Guard
+from ec_daemon.auth import Action, Guard
 from ec_daemon.errors import Code, CoreError
 from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.store import Store
@@ -67,19 +67,59 @@ async def abort(store: Store, context: grpc.aio.ServicerContext[Any, Any], exc: 
     await context.abort(GRPC_CODE[exc.code], exc.message)
 
 
+def valid(checked: Sequence[T | str]) -> list[T]:
+    """The items that passed their checks (a str is an item's reason for failing them)."""
+    return [c for c in checked if not isinstance(c, str)]
+
+
+def reinsert(
+    keys: Sequence[bytes],
+    checked: Sequence[T | str],
+    results: list[R],
+    invalid: Callable[[bytes, str], R],
+) -> list[R]:
+    """The results of the valid items with the invalid ones put back in order: one bad item
+    never sinks the others."""
+    answers = iter(results)
+    return [
+        invalid(key, c) if isinstance(c, str) else next(answers)
+        for key, c in zip(keys, checked, strict=True)
+    ]
+
+
 def per_item(
     keys: Sequence[bytes],
     checked: Sequence[T | str],
     run: Callable[[list[T]], list[R]],
     invalid: Callable[[bytes, str], R],
 ) -> list[R]:
-    """Run the valid items as one batch and put invalid ones (a str saying why) back in order:
-    one bad item never sinks the others."""
-    results = iter(run([c for c in checked if not isinstance(c, str)]))
+    """Run the valid items as one batch and put the invalid ones back in order."""
+    return reinsert(keys, checked, run(valid(checked)), invalid)
+
+
+def checked_specs(items: Sequence[pb.AllocateItem]) -> list[tuple[bytes, api.TensorSpec] | str]:
     return [
-        invalid(key, c) if isinstance(c, str) else next(results)
-        for key, c in zip(keys, checked, strict=True)
+        spec if isinstance(spec, str) else (item.key, spec)
+        for item in items
+        for spec in (validate.tensor_spec(item.key, item.tensor),)
     ]
+
+
+def checked_commits(items: Sequence[pb.CommitItem]) -> list[tuple[bytes, int] | str]:
+    return [
+        (item.key, item.checksum) if isinstance(key, bytes) else key
+        for item, key in zip(items, checked_keys([i.key for i in items]), strict=True)
+    ]
+
+
+def step_actions(request: pb.StepRequest) -> tuple[Action, ...]:
+    """What a Step does, part by part, for the access lists."""
+    actions = [Action.SESSION]
+    if request.commits or request.aborts or request.allocates:
+        actions.append(Action.PRODUCE)
+    if request.acquires:
+        actions.append(Action.CONSUME)
+    return tuple(actions)
 
 
 def checked_keys(keys: Sequence[bytes]) -> list[bytes | str]:
@@ -206,7 +246,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         engine_id = getattr(request, "engine_id", "")
-        self.guard.check(rpc, engine_id, tuple(context.invocation_metadata() or ()))
+        actions = step_actions(request) if isinstance(request, pb.StepRequest) else ()
+        self.guard.check(rpc, engine_id, tuple(context.invocation_metadata() or ()), actions)
 
     @property
     def epoch(self) -> str:
@@ -296,11 +337,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.items), self.limits)
         keys = [item.key for item in request.items]
-        checked = [
-            spec if isinstance(spec, str) else (item.key, spec)
-            for item in request.items
-            for spec in (validate.tensor_spec(item.key, item.tensor),)
-        ]
+        checked = checked_specs(request.items)
         results = per_item(
             keys,
             checked,
@@ -318,10 +355,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.items), self.limits)
         keys = [item.key for item in request.items]
-        checked = [
-            (item.key, item.checksum) if isinstance(key, bytes) else key
-            for item, key in zip(request.items, checked_keys(keys), strict=True)
-        ]
+        checked = checked_commits(request.items)
         results = per_item(
             keys,
             checked,
@@ -403,6 +437,58 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         validate.batch(len(request.lease_ids), self.limits)
         results = self.store.release(request.session_id, request.lease_ids)
         return pb.ReleaseReply(boot_epoch=self.epoch, results=[lease_result_pb(r) for r in results])
+
+    @rpc
+    async def Step(
+        self, request: pb.StepRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StepReply:
+        engine_id = validate.engine_id(request.engine_id)
+        for part in (
+            request.releases,
+            request.commits,
+            request.aborts,
+            request.acquires,
+            request.allocates,
+        ):
+            validate.batch(len(part), self.limits)
+        commits, aborts = checked_commits(request.commits), checked_keys(request.aborts)
+        acquires, allocates = checked_keys(request.acquires), checked_specs(request.allocates)
+        result = self.store.step(
+            request.session_id,
+            engine_id,
+            request.releases,
+            valid(commits),
+            valid(aborts),
+            valid(acquires),
+            valid(allocates),
+        )
+        return pb.StepReply(
+            boot_epoch=self.epoch,
+            releases=[lease_result_pb(r) for r in result.releases],
+            commits=[
+                item_result_pb(r)
+                for r in reinsert(
+                    [i.key for i in request.commits], commits, result.commits, invalid_item
+                )
+            ],
+            aborts=[
+                item_result_pb(r)
+                for r in reinsert(request.aborts, aborts, result.aborts, invalid_item)
+            ],
+            acquires=[
+                acquire_result_pb(r)
+                for r in reinsert(request.acquires, acquires, result.acquires, invalid_acquire)
+            ],
+            allocates=[
+                allocate_result_pb(r)
+                for r in reinsert(
+                    [i.key for i in request.allocates],
+                    allocates,
+                    result.allocates,
+                    invalid_allocate,
+                )
+            ],
+        )
 
     @rpc
     async def Lookup(

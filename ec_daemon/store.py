@@ -182,47 +182,17 @@ class Store:
         self, session_id: str, engine_id: str, items: Sequence[tuple[bytes, api.TensorSpec]]
     ) -> list[api.AllocateResult]:
         session = self._sessions.touch(session_id, PRODUCE)
-        index = self._pools.get(engine_id).index
-        evictions_before = index.counters.evictions
-        results = []
-        for key, spec in items:
-            outcome = index.allocate(key, spec, session.id, session.name)
-            extents: tuple[api.Extent, ...] = ()
-            if outcome.status is api.Status.ALLOCATED and outcome.entry is not None:
-                session.pending.add((engine_id, key))
-                extents = outcome.entry.extents
-            results.append(api.AllocateResult(key, outcome.status, outcome.message, extents))
-        evicted = index.counters.evictions - evictions_before
-        if evicted:  # one line per batch, never one per entry
-            log.info(
-                "entries evicted",
-                extra={"engine_id": engine_id, "evicted": evicted, "client": session.name},
-            )
-        return results
+        return self._allocate(session, self._pools.get(engine_id), items)
 
     def commit(
         self, session_id: str, engine_id: str, items: Sequence[tuple[bytes, int]]
     ) -> list[api.ItemResult]:
         session = self._sessions.touch(session_id, PRODUCE)
-        index = self._pools.get(engine_id).index
-        results = []
-        for key, checksum in items:
-            outcome = index.commit(key, session.id, checksum)
-            if outcome.status is api.Status.OK:
-                session.pending.discard((engine_id, key))
-            results.append(item_result(key, outcome))
-        return results
+        return self._commit(session, self._pools.get(engine_id), items)
 
     def abort(self, session_id: str, engine_id: str, keys: Sequence[bytes]) -> list[api.ItemResult]:
         session = self._sessions.touch(session_id, PRODUCE)
-        index = self._pools.get(engine_id).index
-        results = []
-        for key in keys:
-            outcome = index.abort(key, session.id)
-            if outcome.status is api.Status.OK:
-                session.pending.discard((engine_id, key))
-            results.append(item_result(key, outcome))
-        return results
+        return self._abort(session, self._pools.get(engine_id), keys)
 
     def keys_to_wait_for(
         self, session_id: str, engine_id: str, keys: Sequence[bytes]
@@ -240,13 +210,84 @@ class Store:
         self, session_id: str, engine_id: str, keys: Sequence[bytes]
     ) -> list[api.AcquireResult]:
         session = self._sessions.touch(session_id, CONSUME)
-        index = self._pools.get(engine_id).index
+        return self._acquire(session, self._pools.get(engine_id), keys)
+
+    def release(self, session_id: str, lease_ids: Sequence[int]) -> list[api.LeaseResult]:
+        return self._release(self._sessions.touch(session_id, CONSUME), lease_ids)
+
+    def step(
+        self,
+        session_id: str,
+        engine_id: str,
+        releases: Sequence[int],
+        commits: Sequence[tuple[bytes, int]],
+        aborts: Sequence[bytes],
+        acquires: Sequence[bytes],
+        allocates: Sequence[tuple[bytes, api.TensorSpec]],
+    ) -> api.StepResult:
+        """Release, Commit, Abort, Acquire and Allocate in this order, in one call. The session,
+        the roles its parts need and the pool are checked before any part is applied."""
+        produces, consumes = bool(commits or aborts or allocates), bool(releases or acquires)
+        may = PRODUCE & CONSUME if produces and consumes else PRODUCE if produces else CONSUME
+        session = self._sessions.touch(session_id, may if produces or consumes else None)
+        pool = self._pools.get(engine_id)
+        released = self._release(session, releases)
+        committed = self._commit(session, pool, commits)
+        aborted = self._abort(session, pool, aborts)
+        acquired = self._acquire(session, pool, acquires)
+        allocated = self._allocate(session, pool, allocates)
+        return api.StepResult(released, committed, aborted, acquired, allocated)
+
+    def _allocate(
+        self, session: Session, pool: Pool, items: Sequence[tuple[bytes, api.TensorSpec]]
+    ) -> list[api.AllocateResult]:
+        index = pool.index
+        evictions_before = index.counters.evictions
+        results = []
+        for key, spec in items:
+            outcome = index.allocate(key, spec, session.id, session.name)
+            extents: tuple[api.Extent, ...] = ()
+            if outcome.status is api.Status.ALLOCATED and outcome.entry is not None:
+                session.pending.add((pool.engine_id, key))
+                extents = outcome.entry.extents
+            results.append(api.AllocateResult(key, outcome.status, outcome.message, extents))
+        evicted = index.counters.evictions - evictions_before
+        if evicted:  # one line per batch, never one per entry
+            log.info(
+                "entries evicted",
+                extra={"engine_id": pool.engine_id, "evicted": evicted, "client": session.name},
+            )
+        return results
+
+    def _commit(
+        self, session: Session, pool: Pool, items: Sequence[tuple[bytes, int]]
+    ) -> list[api.ItemResult]:
+        results = []
+        for key, checksum in items:
+            outcome = pool.index.commit(key, session.id, checksum)
+            if outcome.status is api.Status.OK:
+                session.pending.discard((pool.engine_id, key))
+            results.append(item_result(key, outcome))
+        return results
+
+    def _abort(self, session: Session, pool: Pool, keys: Sequence[bytes]) -> list[api.ItemResult]:
         results = []
         for key in keys:
-            outcome = index.pin(key)
+            outcome = pool.index.abort(key, session.id)
+            if outcome.status is api.Status.OK:
+                session.pending.discard((pool.engine_id, key))
+            results.append(item_result(key, outcome))
+        return results
+
+    def _acquire(
+        self, session: Session, pool: Pool, keys: Sequence[bytes]
+    ) -> list[api.AcquireResult]:
+        results = []
+        for key in keys:
+            outcome = pool.index.pin(key)
             entry = outcome.entry
             if outcome.status is api.Status.HIT and entry is not None:
-                lease_id = self._sessions.add_lease(session, engine_id, entry).id
+                lease_id = self._sessions.add_lease(session, pool.engine_id, entry).id
                 results.append(
                     api.AcquireResult(
                         key, api.Status.HIT, "", lease_id, entry.extents, entry.spec, entry.checksum
@@ -258,8 +299,7 @@ class Store:
                 )
         return results
 
-    def release(self, session_id: str, lease_ids: Sequence[int]) -> list[api.LeaseResult]:
-        session = self._sessions.touch(session_id, CONSUME)
+    def _release(self, session: Session, lease_ids: Sequence[int]) -> list[api.LeaseResult]:
         results = []
         for lease_id in lease_ids:
             lease = session.leases.pop(lease_id, None)

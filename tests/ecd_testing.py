@@ -14,7 +14,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "run_ecd",
     "run_python",
     "running_daemon",
+    "wait_until",
 ]
 
 
@@ -155,3 +157,13 @@ def run_python(code: str, *args: str, timeout_s: float = 60.0) -> subprocess.Com
         cwd=REPO,
         check=False,
     )
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll `predicate` (e.g. a Watch event reaching another client's view) until it holds;
+    AssertionError if it does not within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout_s} s")
+        time.sleep(0.005)

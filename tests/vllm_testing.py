@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-import time
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
@@ -316,12 +315,3 @@ class Engine:
 
 
 EngineFactory = Callable[..., Engine]  # the `engine` fixture: engine(**EngineSpec fields)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll `predicate` (e.g. a Watch event reaching another engine's view) until it holds."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still false after {timeout_s} s")
-        time.sleep(0.005)

@@ -112,3 +112,42 @@ def test_pool_files_stay_after_a_graceful_stop(daemon: Daemon) -> None:
     assert daemon.stop() == 0
     assert os.path.exists(info.path)
     assert not daemon.socket.exists()
+
+
+def test_a_step_applies_its_parts_in_order_in_one_call(daemon: Daemon) -> None:
+    with daemon.client(name="engine") as c:
+        c.open_pool(POOL, BLOCK, 8 * BLOCK)
+        [old] = c.allocate(POOL, [AllocateItem("old", (BLOCK,), "uint8")])
+        c.commit(POOL, ["old"])
+        [pin] = c.acquire(POOL, ["old"])
+        c.allocate(POOL, [AllocateItem("mine", (BLOCK,), "uint8")])
+        step = c.step(
+            POOL,
+            releases=[pin.lease_id],
+            commits=["mine"],
+            acquires=["mine", "absent"],
+            allocates=[AllocateItem("new", (2, BLOCK), "uint8")],
+        )
+        assert [r.status for r in step.releases] == [Status.OK]
+        assert [r.status for r in step.commits] == [Status.OK]
+        # The commit came first, so the same call's Acquire already sees it.
+        assert [r.status for r in step.acquires] == [Status.HIT, Status.MISS]
+        assert [r.status for r in step.allocates] == [Status.ALLOCATED]
+        assert c.lookup(POOL, ["old"])[0].pins == 0
+        assert_blocks_accounted(c, POOL)
+
+
+def test_a_bad_item_in_one_part_of_a_step_fails_alone(daemon: Daemon) -> None:
+    with daemon.client(name="engine") as c:
+        c.open_pool(POOL, BLOCK, 8 * BLOCK)
+        step = c.step(
+            POOL,
+            acquires=["", "absent"],
+            allocates=[
+                AllocateItem("k", (BLOCK,), "uint8"),
+                AllocateItem("x" * 300, (1,), "uint8"),
+            ],
+        )
+        assert [r.status for r in step.acquires] == [Status.INVALID_ARGUMENT, Status.MISS]
+        assert [r.status for r in step.allocates] == [Status.ALLOCATED, Status.INVALID_ARGUMENT]
+        assert "too long" in step.allocates[1].message

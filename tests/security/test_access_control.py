@@ -204,3 +204,15 @@ def test_a_message_over_the_size_limit_is_resource_exhausted() -> None:
             c.lookup("p", keys)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert c.health() == "SERVING"
+
+
+def test_a_step_needs_the_grant_of_each_of_its_parts(secured: Daemon) -> None:
+    with as_(secured, "encoder") as encoder, as_(secured, "decoder") as decoder:
+        encoder.open_pool("vl-step", 4096, 64 * 4096)
+        decoder.open_pool("vl-step", 4096, 64 * 4096)
+        item = AllocateItem("k", (4096,), "uint8")
+        assert encoder.step("vl-step", allocates=[item]).allocates[0].status is Status.ALLOCATED
+        # The decoder may consume, so a Step that only acquires is fine, one that allocates not.
+        assert decoder.step("vl-step", acquires=["k"]).acquires[0].status is Status.PENDING
+        refused = code_of(lambda: decoder.step("vl-step", acquires=["k"], allocates=[item]))
+        assert refused == grpc.StatusCode.PERMISSION_DENIED

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from ecd_testing import Daemon
-from vllm_testing import ROWS, WIDTH, EngineFactory, digest, encoder_output, request, wait_until
+from ecd_testing import Daemon, wait_until
+from vllm_testing import ROWS, WIDTH, EngineFactory, digest, encoder_output, request
 
 from ec_client import AllocateItem, EntryState, Status
 

@@ -11,8 +11,8 @@ to their engine and dropped when it stops.
 from __future__ import annotations
 
 import pytest
-from ecd_testing import Daemon
-from vllm_testing import EngineFactory, digest, encoder_output, request, wait_until
+from ecd_testing import Daemon, wait_until
+from vllm_testing import EngineFactory, digest, encoder_output, request
 
 from ec_client.vllm.scheduler import PoolRefused
 

@@ -365,6 +365,40 @@ class ReleaseReply(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[LeaseResult]
     def __init__(self, boot_epoch: _Optional[str] = ..., results: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ...) -> None: ...
 
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    engine_id: str
+    releases: _containers.RepeatedScalarFieldContainer[int]
+    commits: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    aborts: _containers.RepeatedScalarFieldContainer[bytes]
+    acquires: _containers.RepeatedScalarFieldContainer[bytes]
+    allocates: _containers.RepeatedCompositeFieldContainer[AllocateItem]
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("boot_epoch", "releases", "commits", "aborts", "acquires", "allocates")
+    BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATES_FIELD_NUMBER: _ClassVar[int]
+    boot_epoch: str
+    releases: _containers.RepeatedCompositeFieldContainer[LeaseResult]
+    commits: _containers.RepeatedCompositeFieldContainer[ItemResult]
+    aborts: _containers.RepeatedCompositeFieldContainer[ItemResult]
+    acquires: _containers.RepeatedCompositeFieldContainer[AcquireResult]
+    allocates: _containers.RepeatedCompositeFieldContainer[AllocateResult]
+    def __init__(self, boot_epoch: _Optional[str] = ..., releases: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., acquires: _Optional[_Iterable[_Union[AcquireResult, _Mapping]]] = ..., allocates: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("engine_id", "keys")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class EncoderCacheStub:
                 request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.SerializeToString,
                 response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/ecd.v1.EncoderCache/Step',
+                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.SerializeToString,
+                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Evict',
                 request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.SerializeToString,
@@ -226,6 +231,14 @@ class EncoderCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """Release, Commit, Abort, Acquire (without waiting) and Allocate in one call, in that order;
+        per item of each part, what that RPC answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Evict(self, request, context):
         """Per item: ITEM_OK, ITEM_NOT_FOUND, ITEM_FAILED_PRECONDITION (PENDING or pinned: use Delete),
         ITEM_INVALID_ARGUMENT.
@@ -321,6 +334,11 @@ def add_EncoderCacheServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.FromString,
                     response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.FromString,
+                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -656,6 +674,33 @@ class EncoderCache:
             '/ecd.v1.EncoderCache/Lookup',
             ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.SerializeToString,
             ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecd.v1.EncoderCache/Step',
+            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.SerializeToString,
+            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,
