@@ -9,6 +9,7 @@ until its copy has landed; only then is the pin released.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch
 from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, raise_item_errors
 from ec_client.errors import EcdError
-from ec_client.mover import TensorMover, Transfer
+from ec_client.mover import TensorMover, Transfer, wait_all
 from ec_client.types import AcquireResult, Key, Status
 
 
@@ -104,6 +105,10 @@ class Consumer:
                     tensor, transfer = mover.load(result.extents, result.spec, target)
                     reads.append(_Read(key, result, mover, tensor, transfer))
         except BaseException:
+            # Copies already launched must land before the pins go: the entries could be evicted
+            # and rewritten under them.
+            with contextlib.suppress(Exception):
+                wait_all(r.transfer for r in reads)
             self.client.release([r.lease_id for r in results if r.status is Status.HIT])
             raise
         tensors: dict[Key, torch.Tensor | None] = {key: None for key in keys}
@@ -114,8 +119,7 @@ class Consumer:
         if not reads:
             return
         try:
-            for read in reads:
-                read.transfer.wait()
+            wait_all(r.transfer for r in reads)
             if self.verify:
                 self._verify(reads)
         finally:

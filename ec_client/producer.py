@@ -10,6 +10,7 @@ if a copy fails, the batch's allocations are aborted, so no half-written entry i
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 
 from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, raise_item_errors
-from ec_client.mover import TensorMover, Transfer, spec_of
+from ec_client.mover import TensorMover, Transfer, spec_of, wait_all
 from ec_client.types import AllocateItem, AllocateResult, Extent, Key, Status
 
 
@@ -101,6 +102,10 @@ class Producer:
                     transfer = mover.save(tensor, result.extents)
                     writes.append(_Write(key, result.extents, spec.nbytes, mover, transfer))
         except BaseException:
+            # Copies already launched must land before the entries go back: a late copy would
+            # write into blocks handed to another writer.
+            with contextlib.suppress(Exception):
+                wait_all(w.transfer for w in writes)
             self._abort(results)
             raise
         statuses = {key: _PUT_STATUS[r.status] for key, r in zip(tensors, results, strict=True)}
@@ -111,8 +116,7 @@ class Producer:
             return
         engine_id = self.endpoint.engine_id
         try:
-            for write in writes:
-                write.transfer.wait()
+            wait_all(w.transfer for w in writes)
         except BaseException:
             self.client.abort(engine_id, [w.key for w in writes])
             raise
