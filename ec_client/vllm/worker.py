@@ -5,6 +5,8 @@ At start it maps the pool and, on a GPU, registers it with CUDA (seconds for a l
 before serving than in the first step). It learns the pool from a short-lived client, by the same
 create-or-attach OpenPool the scheduler side makes; a daemon not reachable then is no error: the
 pool is mapped on first use, from the step's metadata, and again whenever the daemon recreated it.
+Workers start before the scheduler side, so a worker may create the engine's private pool; it
+drops that pool at shutdown (the scheduler side, which drops it otherwise, may never have run).
 
 Each step (vLLM's V2 model runner order): `begin` with the step's orders, `save_present` for
 ordered saves already in the encoder cache, `load` every ordered load into the encoder cache,
@@ -27,6 +29,7 @@ the encoder runs, `save` each newly encoded output that has an order, then `repo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, TypeVar
 
@@ -64,7 +67,7 @@ def worker_rank(tensor_parallel_size: int) -> WorkerRank:
 
 class WorkerSide:
     def __init__(self, vllm_config: VllmConfig) -> None:
-        config = ConnectorConfig.from_vllm(vllm_config)
+        self.config = config = ConnectorConfig.from_vllm(vllm_config)
         self.rank = worker_rank(vllm_config.parallel_config.tensor_parallel_size)
         self.loads = self.rank.pipeline == 0
         self.saves = config.worker_is_alone or self.rank == WorkerRank(0, 0)
@@ -80,23 +83,30 @@ class WorkerSide:
         self._saved: list[str] = []
         self._failed: list[str] = []
         self._loaded: list[int] = []
+        self._created_private_pool = False
         if self.loads or self.saves:
-            self._map_at_start(config)
+            self._map_at_start()
 
-    def _map_at_start(self, config: ConnectorConfig) -> None:
+    def _client(self) -> Client:
+        c = self.config
+        return Client(
+            c.address,
+            name=f"{c.client_name}-worker",
+            connect_timeout_s=c.connect_timeout_s,
+            keepalive=False,  # short-lived: one call
+        )
+
+    def _map_at_start(self) -> None:
+        c = self.config
         try:
-            with Client(
-                config.address,
-                name=f"{config.client_name}-worker",
-                connect_timeout_s=config.connect_timeout_s,
-                keepalive=False,
-            ) as client:
-                info = client.open_pool(
-                    config.pool, config.block_size_bytes, config.capacity_bytes, config.compat_key
-                )
+            with self._client() as client:
+                info = client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
+            # Workers start before the scheduler side: if the engine fails before that exists,
+            # nobody else would drop a private pool this worker created.
+            self._created_private_pool = info.created and c.pool_is_private
             self._map(info)
         except EcdError as error:
-            log.warning("pool %s not mapped at start, will be on first use: %s", config.pool, error)
+            log.warning("pool %s not mapped at start, will be on first use: %s", c.pool, error)
 
     def begin(self, meta: ECDaemonConnectorMetadata) -> None:
         if not (self.loads or self.saves):
@@ -162,6 +172,9 @@ class WorkerSide:
         if self._mover is not None:
             self._mover.mapping.close()
             self._mover = None
+        if self._created_private_pool:
+            with contextlib.suppress(EcdError), self._client() as client:
+                client.drop_pool(self.config.pool, force=True)
 
     def _map(self, pool: PoolInfo) -> TensorMover:
         """The mover for this pool; maps it on first use and again if the daemon recreated it."""

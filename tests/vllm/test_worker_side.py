@@ -1,8 +1,9 @@
 """The worker side alone, in this process: what it does at start and on later pipeline stages.
 
 Proves: a worker maps the pool at start, and on a GPU registers it with CUDA then (not in the
-first step); a worker that cannot reach the daemon at start still starts and maps the pool from
-its first step's metadata; a worker of a later pipeline stage (which never builds input
+first step); a private pool a worker created is dropped at its shutdown, one the scheduler side
+created is not; a worker that cannot reach the daemon at start still starts and maps the pool
+from its first step's metadata; a worker of a later pipeline stage (which never builds input
 embeddings) neither loads nor saves nor reports; reports of two workers are counted apart
 whatever their pipeline stage.
 """
@@ -50,6 +51,29 @@ def test_a_gpu_worker_registers_the_pool_with_cuda_at_start(
     assert fake_cuda.pinned  # before any step
     with daemon.client() as c:
         assert c.stats(f"{spec.instance_id}_dp0").pools  # it created (or attached to) the pool
+
+
+def pool_exists(daemon: Daemon, pool: str) -> bool:
+    with daemon.client() as c:
+        return any(p.engine_id == pool for p in c.stats().pools)
+
+
+def test_a_private_pool_a_worker_created_is_dropped_at_its_shutdown(daemon: Daemon) -> None:
+    spec = EngineSpec(daemon.address)  # no scheduler side: an engine that failed to start
+    w = worker(spec)
+    pool = f"{spec.instance_id}_dp0"
+    assert pool_exists(daemon, pool)
+    w.shutdown()
+    assert not pool_exists(daemon, pool)
+
+
+def test_a_pool_the_scheduler_side_created_outlives_a_workers_shutdown(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(workers=False)
+    w = worker(e.spec)
+    w.shutdown()
+    assert pool_exists(daemon, e.pool)
 
 
 def test_a_worker_that_cannot_reach_the_daemon_at_start_maps_the_pool_on_first_use(
