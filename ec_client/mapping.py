@@ -9,11 +9,11 @@
 - Registration with CUDA (cudaHostRegister, so copies are real async DMA) happens only when a CUDA
   TensorMover is made for the mapping (or `register_cuda` is called), once per mapping: a process
   that only copies on the CPU never pins the pool nor creates a CUDA context. It registers in
-  chunks of whole blocks (one huge registration has failed on recent drivers); a GPU copy never
-  spans two chunks (`split_at`). A failed registration undoes the chunks already registered,
-  clears the error CUDA keeps (it would otherwise be raised by the next kernel launch in the
-  process), is counted and warned about with CUDA's own error string, and copies still work (as
-  slower pageable copies).
+  chunks of whole blocks ending on 2 MiB boundaries (one huge registration has failed on recent
+  drivers); a GPU copy never spans two chunks (`split_at`). A failed registration undoes the
+  chunks already registered, clears the error CUDA keeps (it would otherwise be raised by the
+  next kernel launch in the process), is counted and warned about with CUDA's own error string,
+  and copies still work (as slower pageable copies).
 - A pool recreated under a live mapping (dropped and opened again: new file, new UUID) is
   detected by `check_current`, not silently used.
 """
@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import threading
@@ -44,16 +45,21 @@ from ec_client.layout import HEADER_SIZE, Header, LayoutError
 from ec_client.types import Extent, PoolInfo
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python lacks the name
-# cudaHostRegister of one huge range has failed on recent drivers: register in pieces of at most
-# this many bytes (rounded down to whole blocks).
+# cudaHostRegister of one huge range has failed on recent drivers: register in pieces of about
+# this many bytes at most.
 CUDA_REGISTER_CHUNK = 8 << 30
+# Pieces are whole blocks and also end on 2 MiB boundaries (the data region starts on one), so no
+# block and no page, of 4 KiB or 2 MiB, is split between two registrations.
+CUDA_REGISTER_ALIGN = 2 << 20
 
 Span = tuple[int, int, int]  # (pool offset, tensor offset, length) of one copy, in bytes
 
 
 def chunk_bytes(block_size: int, limit: int) -> int:
-    """The registration chunk: the most whole blocks that fit in `limit` bytes (one at least)."""
-    return max(1, limit // block_size) * block_size
+    """The registration chunk: the largest multiple of both the block size and 2 MiB within
+    `limit` bytes (or the smallest, when none fits)."""
+    unit = math.lcm(block_size, CUDA_REGISTER_ALIGN)
+    return max(1, limit // unit) * unit
 
 
 def register_chunks(size: int, chunk: int) -> list[tuple[int, int]]:

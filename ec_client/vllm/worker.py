@@ -70,7 +70,7 @@ class WorkerSide:
         self.config = config = ConnectorConfig.from_vllm(vllm_config)
         self.rank = worker_rank(vllm_config.parallel_config.tensor_parallel_size)
         self.loads = self.rank.pipeline == 0
-        self.saves = config.worker_is_alone or self.rank == WorkerRank(0, 0)
+        self.saves = self.loads and (config.worker_is_alone or self.rank.tensor == 0)
         self._device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()

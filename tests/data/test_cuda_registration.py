@@ -21,8 +21,8 @@ from ec_client.mapping import PoolMapping
 from ec_client.mover import TensorMover
 
 POOL = "cuda-reg"
-BLOCK = 3000  # not a divisor of any power of two: chunks must be rounded to whole blocks
-BLOCKS = 1400  # 4.2 MB: five chunks of at most 1 MiB
+BLOCK = 3072  # not a divisor of 2 MiB: chunks are multiples of both, 6 MiB
+BLOCKS = 6826  # 20 MiB: four chunks, the last one short
 
 
 @pytest.fixture
@@ -68,17 +68,18 @@ def test_a_cuda_mover_registers_the_pool_once_per_mapping(
     assert PoolMapping.registrations.registered == 1
 
 
-def test_registration_chunks_are_whole_blocks_covering_the_pool(
+def test_registration_chunks_are_whole_blocks_on_2_mib_boundaries_covering_the_pool(
     client: Client, fake_cuda: FakeCudart
 ) -> None:
     pool = mapping(client)
     pool.register_cuda(torch.device("cuda", 0))
     sizes = [size for _, size in fake_cuda.registered]
-    assert len(sizes) == 5 and all(size % BLOCK == 0 for size in sizes)
-    assert max(sizes) <= 1 << 20 and sum(sizes) == BLOCKS * BLOCK
+    assert sizes[:-1] == [6 << 20] * 3 and sizes[-1] % BLOCK == 0
+    assert sum(sizes) == BLOCKS * BLOCK
     starts = [pointer for pointer, _ in fake_cuda.registered]
     ends = [pointer + size for pointer, size in fake_cuda.registered]
     assert starts[0] == pool.flat.data_ptr() and starts[1:] == ends[:-1]
+    assert all((start - starts[0]) % (2 << 20) == 0 for start in starts)
 
 
 def test_closing_a_mapping_unregisters_every_chunk(client: Client, fake_cuda: FakeCudart) -> None:

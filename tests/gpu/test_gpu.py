@@ -202,8 +202,8 @@ def test_a_load_does_not_queue_behind_a_save_waiting_for_compute(client: Client)
 def test_copies_across_registration_chunks_are_bit_identical(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mapping_module, "CUDA_REGISTER_CHUNK", MiB)  # 146 blocks a chunk
-    tensor = pattern(6 * MiB, 7).cuda()  # over six chunks
+    monkeypatch.setattr(mapping_module, "CUDA_REGISTER_CHUNK", MiB)  # 14 MiB chunks: the least
+    tensor = pattern(32 * MiB, 7).cuda()  # over three chunks
     Producer(client, POOL).put("chunks", tensor)
     assert mapping_of(client).cuda_registered
     loaded = Consumer(client, POOL).get("chunks", device="cuda")

@@ -1,9 +1,9 @@
 """The pure parts of the copy path: registration chunks, copies cut at chunk boundaries, device
 names, waiting for transfers.
 
-Proves: registration chunks are whole blocks covering the region; a copy is cut exactly where it
-crosses a chunk boundary and nowhere else; "cuda" means the current device; waiting for a batch
-waits for every transfer even when one fails.
+Proves: registration chunks are whole blocks on 2 MiB boundaries, covering the region; a copy
+is cut exactly where it crosses a chunk boundary and nowhere else; "cuda" means the current
+device; waiting for a batch waits for every transfer even when one fails.
 """
 
 from __future__ import annotations
@@ -19,22 +19,23 @@ from ec_client.mapping import Span, chunk_bytes, register_chunks, split_at
 from ec_client.mover import Transfer, cuda_device, wait_all
 
 
-def test_a_chunk_is_the_most_whole_blocks_under_the_limit() -> None:
-    assert chunk_bytes(3000, 1 << 20) == 349 * 3000
-    assert chunk_bytes(7168, 8 << 30) % 7168 == 0
+def test_a_chunk_is_the_most_whole_blocks_and_whole_2_mib_under_the_limit() -> None:
+    assert chunk_bytes(7168, 8 << 30) == 585 * (14 << 20)  # 7168 and 2 MiB meet every 14 MiB
+    assert chunk_bytes(4096, 8 << 30) == 8 << 30
 
 
-def test_a_chunk_is_one_block_at_least() -> None:
-    assert chunk_bytes(7168, 4096) == 7168
+def test_a_chunk_below_one_common_multiple_is_one_common_multiple() -> None:
+    assert chunk_bytes(7168, 1 << 20) == 14 << 20
 
 
-@given(block=st.integers(1, 10_000), blocks=st.integers(1, 5_000), limit=st.integers(1, 1 << 22))
-def test_registration_chunks_are_whole_blocks_covering_the_region_in_order(
+@given(block=st.integers(1, 70_000), blocks=st.integers(1, 5_000), limit=st.integers(1, 1 << 30))
+def test_registration_chunks_are_whole_blocks_on_2_mib_boundaries_covering_the_region(
     block: int, blocks: int, limit: int
 ) -> None:
     chunk = chunk_bytes(block, limit)
     pieces = register_chunks(blocks * block, chunk)
     assert all(length % block == 0 and 0 < length <= chunk for _, length in pieces)
+    assert all(offset % (2 << 20) == 0 for offset, _ in pieces)
     assert [offset for offset, _ in pieces] == list(range(0, blocks * block, chunk))
     assert sum(length for _, length in pieces) == blocks * block
 
