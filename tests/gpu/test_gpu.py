@@ -66,9 +66,10 @@ def cache_block(stream: torch.cuda.Stream | None, nbytes: int) -> None:
 
 def test_a_cuda_mover_registers_the_pool(client: Client) -> None:
     mapping = mapping_of(client)
+    failed = PoolMapping.registrations.failed
     TensorMover(mapping, "cuda")
     assert mapping.cuda_registered
-    assert PoolMapping.registrations.failed == 0
+    assert PoolMapping.registrations.failed == failed
 
 
 @pytest.mark.parametrize(
