@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install proto run test test-gpu test-faults test-fuzz test-load bench lint format clean
+.PHONY: install proto run test test-gpu gpu-wheels gpu-check test-faults test-fuzz test-load bench \
+	lint format clean
 
 install: $(STAMP)
 
@@ -34,6 +35,35 @@ bench: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests/gpu -v -s $(PYTEST_ARGS)
+
+# make gpu-check runs on a bare GPU machine (Python 3.12, torch with CUDA, no vLLM, no network):
+# it needs no venv, only `python3` (PYTHON=... to choose another) and the wheels `make gpu-wheels`
+# put in .whl (git-ignored; carry it with the checkout). Those are the packages whose versions the
+# generated protobuf code, the daemon and the test suite depend on, for CPython 3.12 x86_64.
+GPU_WHEELS := .whl
+GPU_SITE ?= /tmp/ecd-gpu-site
+GPU_PIP_DOWNLOAD := pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 -d $(GPU_WHEELS)
+GPU_PACKAGES := protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+	grpcio-reflection==1.85.1 prometheus-client==0.26.0 sortedcontainers==2.4.0 uvloop==0.23.0 \
+	typing-extensions==4.16.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 \
+	pygments==2.21.0 pytest-asyncio==1.5.0 pytest-timeout==2.4.0
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m $(GPU_PIP_DOWNLOAD) $(GPU_PACKAGES)
+	du -sh $(GPU_WHEELS)
+
+# ECD_REQUIRE_GPU=0 rehearses the plumbing where there is no GPU (the GPU tests then skip);
+# ECD_GPU_OUT=DIR keeps the figures (gpu-check.json) and the test log there.
+gpu-check: PYTHON = python3
+gpu-check:
+	@ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(GPU_WHEELS): run make gpu-wheels (with network), then bring $(GPU_WHEELS) along"; exit 1; }
+	rm -rf $(GPU_SITE)
+	$(PYTHON) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(GPU_WHEELS)/*.whl \
+		|| for wheel in $(GPU_WHEELS)/*.whl; do $(PYTHON) -m zipfile -e $$wheel $(GPU_SITE) || exit 1; done
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) ECD_REQUIRE_GPU=$${ECD_REQUIRE_GPU:-1} $(PYTHON) tests/gpu/check.py
 
 # make test runs a sample of these three suites (pyproject.toml deselects slow and load tests);
 # their own targets run them in full. -m "slow or not slow" lifts the deselection.

@@ -19,6 +19,7 @@ client always reads its own writes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,7 +128,8 @@ class Consumer:
                 elif result.status is Status.MISS and self._view is not None:
                     self._view.discard(key_bytes(key))
         except BaseException:
-            wait_all(r.transfer for r in reads)  # no pin goes while a copy may still read
+            with contextlib.suppress(Exception):  # no pin goes while a copy may still read
+                wait_all(r.transfer for r in reads)
             self._release([r.lease_id for r in results if r.status is Status.HIT])
             raise
         if self.verify:
@@ -146,8 +148,10 @@ class Consumer:
         return [key for key in keys if view.has(key_bytes(key))]
 
     def _release_landed(self, reads: Sequence[_Read]) -> None:
-        wait_all(r.transfer for r in reads)
-        self._release([r.result.lease_id for r in reads])
+        try:
+            wait_all(r.transfer for r in reads)
+        finally:
+            self._release([r.result.lease_id for r in reads])
 
     def _release(self, lease_ids: list[int]) -> None:
         if not lease_ids:

@@ -10,7 +10,7 @@ import torch
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.mapping import PoolMapping
-from ec_client.mover import TensorMover
+from ec_client.mover import TensorMover, cuda_device
 from ec_client.types import ItemResult, LeaseResult
 
 
@@ -24,7 +24,7 @@ class PoolEndpoint:
     def mover(self, device: torch.device | str) -> TensorMover:
         """The mover for a device, re-mapping first if the pool was recreated since."""
         self._refresh()
-        device = torch.device(device)
+        device = cuda_device(device)  # "cuda" and "cuda:0" share one mover
         mover = self._movers.get(device)
         if mover is None or mover.mapping is not self.mapping:
             mover = self._movers[device] = TensorMover(self.mapping, device)

@@ -6,9 +6,14 @@
   runs at full speed instead of faulting its pages in one by one.
 - The tensor views hold the mapping alive: numpy's buffer export makes mmap.close() refuse while
   any view exists, so a view can never outlive the pages it points at (a SIGSEGV otherwise).
-- With CUDA, the data region is registered as pinned host memory (cudaHostRegister) once per
-  process, in chunks; a failed registration is counted and warned about, and copies still work
-  (as slower pageable copies).
+- Registration with CUDA (cudaHostRegister, so copies are real async DMA) happens only when a CUDA
+  TensorMover is made for the mapping (or `register_cuda` is called), once per mapping: a process
+  that only copies on the CPU never pins the pool nor creates a CUDA context. It registers in
+  chunks of whole blocks ending on 2 MiB boundaries (one huge registration has failed on recent
+  drivers); a GPU copy never spans two chunks (`split_at`). A failed registration undoes the
+  chunks already registered, clears the error CUDA keeps (it would otherwise be raised by the
+  next kernel launch in the process), is counted and warned about with CUDA's own error string,
+  and copies still work (as slower pageable copies).
 - A pool recreated under a live mapping (dropped and opened again: new file, new UUID) is
   detected by `check_current`, not silently used.
 """
@@ -16,10 +21,12 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,13 +34,50 @@ import grpc
 import numpy as np
 import torch
 
+from ec_client.cuda_runtime import (
+    CUDA_ERROR_MEMORY_ALLOCATION,
+    CUDA_SUCCESS,
+    CudaRuntime,
+    cuda_runtime,
+)
 from ec_client.errors import EcdError
 from ec_client.layout import HEADER_SIZE, Header, LayoutError
 from ec_client.types import Extent, PoolInfo
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python lacks the name
-# cudaHostRegister of one huge range has failed on recent drivers; register in pieces this large.
+# cudaHostRegister of one huge range has failed on recent drivers: register in pieces of about
+# this many bytes at most.
 CUDA_REGISTER_CHUNK = 8 << 30
+# Pieces are whole blocks and also end on 2 MiB boundaries (the data region starts on one), so no
+# block and no page, of 4 KiB or 2 MiB, is split between two registrations.
+CUDA_REGISTER_ALIGN = 2 << 20
+
+Span = tuple[int, int, int]  # (pool offset, tensor offset, length) of one copy, in bytes
+
+
+def chunk_bytes(block_size: int, limit: int) -> int:
+    """The registration chunk: the largest multiple of both the block size and 2 MiB within
+    `limit` bytes (or the smallest, when none fits)."""
+    unit = math.lcm(block_size, CUDA_REGISTER_ALIGN)
+    return max(1, limit // unit) * unit
+
+
+def register_chunks(size: int, chunk: int) -> list[tuple[int, int]]:
+    """(offset, length) of the pieces a region of `size` bytes is registered in."""
+    return [(offset, min(chunk, size - offset)) for offset in range(0, size, chunk)]
+
+
+def split_at(spans: Iterable[Span], chunk: int) -> list[Span]:
+    """The spans cut wherever they cross a multiple of `chunk` in the pool, so that no copy reads
+    or writes two registrations (one that does fails with `invalid argument` or runs as a slow
+    synchronous copy)."""
+    pieces = []
+    for pool_at, at, length in spans:
+        while length > 0:
+            piece = min(length, chunk - pool_at % chunk)
+            pieces.append((pool_at, at, piece))
+            pool_at, at, length = pool_at + piece, at + piece, length - piece
+    return pieces
 
 
 def map_populated(fd: int, length: int, offset: int) -> mmap.mmap:
@@ -96,9 +140,13 @@ class PoolMapping:
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # the blocks, for host copies
         self.flat = torch.from_numpy(self.array)
         self.blocks = self.flat.view(info.num_blocks, info.block_size_bytes)
-        self._registered: list[int] = []
-        if torch.cuda.is_available():
-            self._register_cuda()
+        self.chunk_bytes = chunk_bytes(info.block_size_bytes, CUDA_REGISTER_CHUNK)
+        self._cuda_lock = threading.Lock()
+        self._cuda_device: torch.device | None = None  # set once registration was tried
+        self._registered: list[int] = []  # the chunks' addresses, while registered
+        # The last event recorded on each stream that copies to or from this mapping: events of
+        # one stream complete in order, so waiting for these waits for every copy.
+        self._fences: dict[int, torch.cuda.Event] = {}
 
     @classmethod
     def open(cls, info: PoolInfo) -> PoolMapping:
@@ -143,25 +191,65 @@ class PoolMapping:
         start = extent.start * self.block_size
         return self.flat[start : start + extent.count * self.block_size]
 
-    def _register_cuda(self) -> None:
-        cudart = torch.cuda.cudart()
+    def register_cuda(self, device: torch.device) -> bool:
+        """Register the data region with CUDA as pinned host memory, once per mapping (flags 0:
+        on a 64-bit UVA system the pages are then pinned for every device; `device` is the one
+        whose context makes the calls). Returns whether it is registered; a failure is warned
+        about and counted, never raised, and is not retried."""
+        with self._cuda_lock:
+            if self._cuda_device is None:
+                self._cuda_device = device
+                with torch.cuda.device(device):
+                    self._registered = self._register(cuda_runtime())
+            return self.cuda_registered
+
+    def _register(self, runtime: CudaRuntime | None) -> list[int]:
+        if runtime is None:
+            self._registration_failed("libcudart is not loaded in this process")
+            return []
         base = self.flat.data_ptr()
-        size = self.flat.numel()
-        for offset in range(0, size, CUDA_REGISTER_CHUNK):
-            length = min(CUDA_REGISTER_CHUNK, size - offset)
-            error = cudart.cudaHostRegister(base + offset, length, 0)
-            if int(error) != 0:
-                PoolMapping.registrations.failed += 1
-                warnings.warn(
-                    f"cudaHostRegister of pool {self.info.engine_id!r} failed ({error}); copies "
-                    "will run from pageable memory (slower). Raise the memlock limit "
-                    "(ulimit -l / LimitMEMLOCK=infinity) to fix it.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return
-            self._registered.append(base + offset)
+        registered: list[int] = []
+        for offset, length in register_chunks(self.flat.numel(), self.chunk_bytes):
+            error = runtime.cudaHostRegister(base + offset, length, 0)
+            if error == CUDA_SUCCESS:
+                registered.append(base + offset)
+                continue
+            for pointer in registered:
+                runtime.cudaHostUnregister(pointer)
+            # CUDA keeps the failure as its last error, and torch's next kernel launch anywhere
+            # in this process would raise it: take it back now.
+            runtime.cudaGetLastError()
+            hint = (
+                " If the memlock limit is low, raise it (ulimit -l / LimitMEMLOCK=infinity)."
+                if error == CUDA_ERROR_MEMORY_ALLOCATION
+                else ""
+            )
+            self._registration_failed(
+                f"cudaHostRegister of {length} bytes at offset {offset} failed with CUDA error "
+                f"{error}: {runtime.cudaGetErrorString(error)}.{hint}"
+            )
+            return []
         PoolMapping.registrations.registered += 1
+        return registered
+
+    def _registration_failed(self, why: str) -> None:
+        PoolMapping.registrations.failed += 1
+        warnings.warn(
+            f"pool {self.info.engine_id!r} is not registered with CUDA: {why} Copies run from "
+            "pageable memory (slower).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def track(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """`event` was recorded on `stream` after copies to or from this mapping."""
+        self._fences[stream.cuda_stream] = event
+
+    def wait_copies(self) -> None:
+        """Block until every tracked copy has landed (not a device-wide synchronize)."""
+        for event in self._fences.values():
+            event.synchronize()
+        self._fences.clear()
 
     @classmethod
     def close_all(cls) -> None:
@@ -179,11 +267,14 @@ class PoolMapping:
         """Forget this mapping; the pages go when the last tensor view of them does."""
         with PoolMapping._lock:
             PoolMapping._shared.pop((os.getpid(), self.info.path, self.info.pool_uuid), None)
-        if self._registered:
-            torch.cuda.synchronize()  # no copy may still be reading registered pages
-            cudart = torch.cuda.cudart()
-            for pointer in self._registered:
-                cudart.cudaHostUnregister(pointer)
+        self.wait_copies()  # no copy may still use the pages once they are unregistered
+        if self._registered and self._cuda_device is not None:
+            runtime = cuda_runtime()
+            assert runtime is not None  # it registered them
+            with torch.cuda.device(self._cuda_device):
+                for pointer in self._registered:
+                    runtime.cudaHostUnregister(pointer)
+                runtime.cudaGetLastError()  # a failed unregister must not fail a later kernel
             self._registered.clear()
         del self.array, self.flat, self.blocks
         # With tensor views still alive the mapping refuses to close; it then closes when the last

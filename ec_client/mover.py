@@ -2,30 +2,39 @@
 
 One copy per extent (an entry is usually one extent, so one memcpy or one DMA), never a Python
 loop over blocks. On CPU the copies are plain and done when the call returns. On GPU they run on
-the mover's own CUDA stream:
+the mover's two CUDA streams, one per direction, so saves and loads overlap (both PCIe
+directions at once) and a load never queues behind a save that waits for compute:
 
-- save: the stream first waits for the caller's current stream (the encoder's kernels that wrote
-  the tensor), copies device-to-host into the registered pool pages, and records an event; the
-  entry may be committed only once that event has fired (`Transfer.wait` / `done`).
+- save: the save stream first waits for the caller's current stream (the encoder's kernels that
+  wrote the tensor), copies device-to-host into the registered pool pages, and records an event;
+  the entry may be committed only once that event has fired (`Transfer.wait` / `done`). The
+  source is recorded on the save stream, so the allocator cannot hand its memory to someone else
+  before the copy read it.
 - load: host-to-device copies into the output tensor, an event, and the caller's current stream
   waits on that event, so the caller can use the tensor at once with no host sync; the pin may be
-  released only once the event has fired.
+  released only once the event has fired. A new output tensor is allocated on the load stream
+  (so the copy need not wait for anything queued on the caller's stream: memory the allocator
+  recycles there may still be read by queued kernels) and recorded on the caller's stream; a
+  caller-provided `out` may still be in use by the caller's queued work, so the load stream
+  waits for the caller's stream first.
+- A GPU copy never spans two of the mapping's CUDA registrations (they are cut at chunk
+  boundaries, see mapping.split_at).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ec_client.layout import DTYPES
-from ec_client.mapping import PoolMapping
+from ec_client.mapping import PoolMapping, Span, split_at
 from ec_client.types import Extent, TensorSpec
 
 
@@ -55,11 +64,27 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def check_shape(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out is {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()}); "
+            f"expected a contiguous {shape} {dtype}"
+        )
+
+
+class Fence(Protocol):
+    """What a Transfer waits on: a CUDA event (or a test's stand-in for one)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class Transfer:
     """Copies in flight. `event` is None when they are already done (CPU)."""
 
-    event: torch.cuda.Event | None = None
+    event: Fence | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # alive until the copies land
 
     def done(self) -> bool:
@@ -73,32 +98,53 @@ class Transfer:
 
 
 def wait_all(transfers: Iterable[Transfer]) -> None:
-    """Let every transfer land, whatever fails: used before giving back the blocks or pins of a
-    batch that broke, so no copy in flight can touch blocks handed to someone else."""
+    """Wait for every transfer, even when waiting for one raises (then the first error is
+    raised, after the others landed): nothing launched may still be copying when the caller
+    gives its entries or pins back."""
+    error: BaseException | None = None
     for transfer in transfers:
-        with contextlib.suppress(Exception):
+        try:
             transfer.wait()
+        except BaseException as exc:  # raised below, once the others landed
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def cuda_device(device: torch.device | str) -> torch.device:
+    """The device with an index: "cuda" means the current CUDA device, as torch does for
+    allocations, so movers, registrations and caches agree on which device it is."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class TensorMover:
     def __init__(self, mapping: PoolMapping, device: torch.device | str = "cpu") -> None:
         self.mapping = mapping
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.device = cuda_device(device)
+        self.save_stream: torch.cuda.Stream | None = None
+        self.load_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            mapping.register_cuda(self.device)
+            self.save_stream = torch.cuda.Stream(self.device)
+            self.load_stream = torch.cuda.Stream(self.device)
 
     def save(self, tensor: torch.Tensor, extents: Sequence[Extent]) -> Transfer:
         """Start copying `tensor` into `extents` (a non-contiguous tensor is made contiguous)."""
+        self._check_device(tensor, "tensor")
         source = byte_view(tensor.contiguous())
         self._check_room(extents, source.numel())
-        if self.stream is None or tensor.device.type != "cuda":
+        stream = self.save_stream
+        if stream is None:
             self._copy(source, extents, to_pool=True)
             return Transfer()
-        self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             self._copy(source, extents, to_pool=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        source.record_stream(self.stream)  # the allocator must not reuse it before the copy ran
+            event = self._record(stream)
+        source.record_stream(stream)  # the allocator must not reuse it before the copy ran
         return Transfer(event, [source])
 
     def load(
@@ -109,24 +155,31 @@ class TensorMover:
     ) -> tuple[torch.Tensor, Transfer]:
         """Start copying `extents` into `out` (or a new tensor of `spec` on the mover's device)."""
         dtype = torch_dtype(spec.dtype)
-        if out is None:
-            out = torch.empty(spec.shape, dtype=dtype, device=self.device)
-        elif tuple(out.shape) != spec.shape or out.dtype != dtype or not out.is_contiguous():
-            raise ValueError(
-                f"out is {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()}); "
-                f"expected a contiguous {spec.shape} {dtype}"
-            )
-        target = byte_view(out)
-        self._check_room(extents, target.numel())
-        if self.stream is None or out.device.type != "cuda":
+        if out is not None:
+            self._check_device(out, "out")
+            check_shape(out, spec.shape, dtype)
+        stream = self.load_stream
+        if stream is None:
+            if out is None:
+                out = torch.empty(spec.shape, dtype=dtype, device=self.device)
+            target = byte_view(out)
+            self._check_room(extents, target.numel())
             self._copy(target, extents, to_pool=False)
             return out, Transfer()
-        with torch.cuda.stream(self.stream):
+        caller = torch.cuda.current_stream(self.device)
+        if out is None:
+            with torch.cuda.stream(stream):
+                out = torch.empty(spec.shape, dtype=dtype, device=self.device)
+            out.record_stream(caller)  # once freed, reused only after the caller's reads ran
+        else:
+            stream.wait_stream(caller)  # the caller's queued kernels may still use `out`
+            out.record_stream(stream)
+        target = byte_view(out)
+        self._check_room(extents, target.numel())
+        with torch.cuda.stream(stream):
             self._copy(target, extents, to_pool=False)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        out.record_stream(self.stream)
-        torch.cuda.current_stream(out.device).wait_event(event)
+            event = self._record(stream)
+        caller.wait_event(event)
         return out, Transfer(event)
 
     def checksum(self, extents: Sequence[Extent], nbytes: int) -> int:
@@ -141,7 +194,20 @@ class TensorMover:
         if not room - self.mapping.block_size < nbytes <= room:
             raise ValueError(f"{nbytes} bytes do not fit extents of {room} bytes")
 
-    def _spans(self, extents: Sequence[Extent], nbytes: int) -> list[tuple[int, int, int]]:
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        if tensor.device != self.device:
+            raise ValueError(
+                f"{name} is on {tensor.device}; this mover copies between the pool and "
+                f"{self.device}"
+            )
+
+    def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.mapping.track(stream, event)
+        return event
+
+    def _spans(self, extents: Sequence[Extent], nbytes: int) -> list[Span]:
         """(pool offset, tensor offset, length) per extent; the last one cut to nbytes."""
         spans = []
         offset = 0
@@ -163,7 +229,7 @@ class TensorMover:
                 else:
                     host_copy(data[at : at + n], pool[pool_at : pool_at + n])
             return
-        for pool_at, at, n in spans:
+        for pool_at, at, n in split_at(spans, self.mapping.chunk_bytes):
             region, part = self.mapping.flat[pool_at : pool_at + n], tensor_bytes[at : at + n]
             if to_pool:
                 region.copy_(part, non_blocking=True)

@@ -19,6 +19,7 @@ entry is ever visible.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -130,7 +131,8 @@ class Producer:
         except BaseException:
             # Copies already launched must land before their blocks go back to the pool: another
             # writer may get them as soon as the Abort is through.
-            wait_all(w.transfer for w in writes)
+            with contextlib.suppress(Exception):
+                wait_all(w.transfer for w in writes)
             allocated = [r.key for r in results if r.status is Status.ALLOCATED]
             if allocated:
                 self.client.abort(engine_id, allocated)

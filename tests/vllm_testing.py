@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
-from unittest.mock import Mock, patch
+from unittest.mock import patch
 
 import torch
 from vllm.config import VllmConfig
@@ -34,7 +34,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from ec_client.vllm import ECDaemonConnector
-from ec_client.vllm.metadata import ECDaemonConnectorMetadata
+from ec_client.vllm.metadata import ECDaemonConnectorMetadata, WorkerRank
 from ec_client.vllm.offline import (
     ScheduledStep,
     finish_step,
@@ -124,13 +124,7 @@ def _worker_main(conn: Connection) -> None:
                 ec_state.ensure_ec_transfer_shutdown()
                 encoder_cache.clear()
                 config = spec.vllm_config(rank)
-                group = Mock(rank_in_group=0)
-                with (
-                    patch(
-                        "ec_client.vllm.worker.get_tensor_model_parallel_rank", return_value=rank
-                    ),
-                    patch("ec_client.vllm.worker.get_pcp_group", return_value=group),
-                ):
+                with patch("ec_client.vllm.worker.worker_rank", return_value=WorkerRank(0, rank)):
                     ec_state.ensure_ec_transfer_initialized(config)
                 active = ActiveECConnector(config, encoder_cache)
                 conn.send(("ok", None))

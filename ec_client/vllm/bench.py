@@ -43,7 +43,7 @@ from vllm.v1.outputs import ECConnectorOutput
 
 from ec_client.units import parse_size
 from ec_client.vllm.connector import ECDaemonConnector
-from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
+from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import finish_step, image_request, offline_config, schedule_step
 
 
@@ -75,7 +75,7 @@ def ecd_report(meta: ECConnectorMetadata) -> ECConnectorWorkerMetadata | None:
     assert isinstance(meta, ECDaemonConnectorMetadata)
     if not (meta.saves or meta.loads):
         return None
-    loaded = [(order.transfer_id, 0) for order in meta.loads.values()]
+    loaded = [(order.transfer_id, WorkerRank(0, 0)) for order in meta.loads.values()]
     return ECDaemonWorkerMetadata(saved=list(meta.saves), loaded=loaded)
 
 

@@ -55,6 +55,9 @@ class ConnectorConfig:
     wait_s: float
     connect_timeout_s: float
     load_reports: int  # distinct worker ranks that must report a load before its pin goes
+    # Each scheduler hears only its own worker (executor "uni", or "external_launcher", where
+    # every rank is an engine of its own): that worker saves and reports for itself.
+    worker_is_alone: bool
     client_name: str
 
     @classmethod
@@ -91,14 +94,10 @@ class ConnectorConfig:
                 "starting with a letter or digit"
             )
         address = extra.get("ecd_address")
-        # Only the mp executor gathers every rank's output (ECOutputAggregator); the others hand
-        # the scheduler one rank's, so waiting for more reports would hold a pin forever. This
-        # mirrors ECCPUConnector.
-        load_reports = (
-            parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
-            if parallel.distributed_executor_backend == "mp"
-            else 1
-        )
+        # Only the first pipeline stage builds input embeddings, so its TP x PCP workers are the
+        # ones that load; a pin may go once each of them reported its copy landed.
+        loaders = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
+        alone = _worker_is_alone(parallel.distributed_executor_backend, loaders)
         return cls(
             address=str(address) if address else None,
             pool=pool,
@@ -111,7 +110,8 @@ class ConnectorConfig:
             is_consumer=bool(ec.is_ec_consumer),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),
-            load_reports=load_reports,
+            load_reports=1 if alone else loaders,
+            worker_is_alone=alone,
             client_name=f"vllm-{pool}-pid{os.getpid()}",
         )
 
@@ -143,3 +143,31 @@ def _number(extra: dict[str, Any], key: str, default: float) -> float:
     if number < 0:
         raise ValueError(f"{key} must not be negative, got {value!r}")
     return number
+
+
+def _worker_is_alone(backend: object, loaders: int) -> bool:
+    """Whether the executor hands the scheduler one worker's output rather than every worker's.
+
+    MultiprocExecutor and its subclasses (RayExecutorV2 among them) fold every worker's EC
+    output (vLLM's ECOutputAggregator), so the scheduler can wait for each loading worker. Under
+    "uni" and "external_launcher" each scheduler has exactly one worker. Any other executor
+    hands over one rank's output at most: with more than one loading worker, a pin would go
+    while the others may still be copying, so it is refused.
+    """
+    if backend in ("uni", "external_launcher"):
+        return True
+    if backend in ("mp", "ray"):
+        return False
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    executor = resolve_obj_by_qualname(backend) if isinstance(backend, str) else backend
+    if isinstance(executor, type) and issubclass(executor, MultiprocExecutor):
+        return False
+    if loaders == 1:
+        return True
+    raise ValueError(
+        f"ECDaemonConnector cannot tell when all {loaders} tensor/context-parallel workers "
+        f"finished a load with the executor {backend!r}: use distributed_executor_backend "
+        '"mp" or "ray", whose executors report every worker\'s copies'
+    )

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ec_client.types import AcquireResult, Extent, Status, TensorSpec
-from ec_client.vllm.metadata import LoadOrder
+from ec_client.vllm.metadata import LoadOrder, WorkerRank
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Dispatch:
 
     key: str
     requests: set[str]
-    ranks: set[int] = field(default_factory=set)
+    ranks: set[WorkerRank] = field(default_factory=set)
 
 
 class LoadBook:
@@ -161,7 +161,7 @@ class LoadBook:
             self._no_wait.update((request_id, key) for request_id in requests)
         self._wanted.clear()
 
-    def report(self, transfer_id: int, rank: int) -> None:
+    def report(self, transfer_id: int, rank: WorkerRank) -> None:
         """A rank finished a copy. Unknown IDs (late, repeated after completion, or from before
         a restart) change nothing; a rank counts once per transfer."""
         transfer = self._transfers.get(transfer_id)

@@ -11,6 +11,7 @@ Everything here is plain data, pickled by vLLM's executor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorMetadata,
@@ -50,6 +51,15 @@ class ECDaemonConnectorMetadata(ECConnectorMetadata):
     loads: dict[str, LoadOrder] = field(default_factory=dict)
 
 
+class WorkerRank(NamedTuple):
+    """A worker's place in the engine: its pipeline stage, and its rank within that stage's
+    TP x PCP group. No two workers of an engine share one, so a load's reports can be counted
+    per worker whatever the parallelism."""
+
+    pipeline: int
+    tensor: int
+
+
 @dataclass
 class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
     """What workers finished since their last report.
@@ -60,7 +70,7 @@ class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
 
     saved: list[str] = field(default_factory=list)
     failed_saves: list[str] = field(default_factory=list)
-    loaded: list[tuple[int, int]] = field(default_factory=list)
+    loaded: list[tuple[int, WorkerRank]] = field(default_factory=list)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECDaemonWorkerMetadata:
         if not isinstance(other, ECDaemonWorkerMetadata):

@@ -1,16 +1,27 @@
 """WorkerSide: the connector in one vLLM worker process. Maps the pool, copies, reports; it never
-calls the daemon (the scheduler side allocated, pinned and will commit or release).
+calls the daemon on the way (the scheduler side allocated, pinned and will commit or release).
+
+At start it maps the pool and, on a GPU, registers it with CUDA (seconds for a large pool: better
+before serving than in the first step). It learns the pool from a short-lived client, by the same
+create-or-attach OpenPool the scheduler side makes; a daemon not reachable then is no error: the
+pool is mapped on first use, from the step's metadata, and again whenever the daemon recreated it.
+Workers start before the scheduler side, so a worker may create the engine's private pool; it
+drops that pool at shutdown (the scheduler side, which drops it otherwise, may never have run).
 
 Each step (vLLM's V2 model runner order): `begin` with the step's orders, `save_present` for
 ordered saves already in the encoder cache, `load` every ordered load into the encoder cache,
 the encoder runs, `save` each newly encoded output that has an order, then `report`.
 
-- Every rank loads (each needs the embeddings); only rank 0 of the TP x PCP group saves (the
-  outputs are identical on every rank) and reports saves.
-- On GPU the copies run on the mover's CUDA stream: a load makes the compute stream wait on its
-  event, so the forward can use the tensor at once; a save waits for the encoder's kernels. A copy
-  is reported only once its event fired, so the scheduler never commits bytes still in flight nor
-  releases a pin still being read. Unreported copies are reported in a later step.
+- Only the first pipeline stage builds input embeddings, so only its workers load (every one of
+  them: each needs the embeddings) and only its first worker saves (the outputs are identical on
+  every rank) and reports saves; under an executor that hands the scheduler one worker's output
+  ("uni", "external_launcher") that worker saves for itself. Loads are reported per WorkerRank,
+  so the scheduler counts each worker once.
+- On GPU the copies run on the mover's CUDA streams (one per direction): a load makes the
+  compute stream wait on its event, so the forward can use the tensor at once; a save waits for
+  the encoder's kernels. A copy is reported only once its event fired, so the scheduler never
+  commits bytes still in flight nor releases a pin still being read. Unreported copies are
+  reported in a later step.
 - A save order whose output does not match what was allocated (shape, dtype), or that the encoder
   never produced this step, is reported failed and the scheduler aborts it: only bytes of the
   announced shape are ever committed.
@@ -18,16 +29,28 @@ the encoder runs, `save` each newly encoded output that has an order, then `repo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from vllm.distributed.parallel_state import get_pcp_group, get_tensor_model_parallel_rank
+from vllm.distributed.parallel_state import (
+    get_pcp_group,
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+)
 
+from ec_client.client import Client
+from ec_client.errors import EcdError
 from ec_client.mapping import PoolMapping
-from ec_client.mover import TensorMover, Transfer, spec_of
+from ec_client.mover import TensorMover, Transfer, spec_of, wait_all
 from ec_client.types import PoolInfo
-from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
+from ec_client.vllm.config import ConnectorConfig
+from ec_client.vllm.metadata import (
+    ECDaemonConnectorMetadata,
+    ECDaemonWorkerMetadata,
+    WorkerRank,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,11 +59,18 @@ log = logging.getLogger("ec_client.vllm")
 T = TypeVar("T")
 
 
+def worker_rank(tensor_parallel_size: int) -> WorkerRank:
+    """This worker's pipeline stage and its rank within the stage's TP x PCP group."""
+    tensor = get_pcp_group().rank_in_group * tensor_parallel_size
+    return WorkerRank(get_pp_group().rank_in_group, tensor + get_tensor_model_parallel_rank())
+
+
 class WorkerSide:
     def __init__(self, vllm_config: VllmConfig) -> None:
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.rank = get_pcp_group().rank_in_group * tp_size + get_tensor_model_parallel_rank()
-        self.saves = self.rank == 0
+        self.config = config = ConnectorConfig.from_vllm(vllm_config)
+        self.rank = worker_rank(vllm_config.parallel_config.tensor_parallel_size)
+        self.loads = self.rank.pipeline == 0
+        self.saves = self.loads and (config.worker_is_alone or self.rank.tensor == 0)
         self._device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -53,8 +83,34 @@ class WorkerSide:
         self._saved: list[str] = []
         self._failed: list[str] = []
         self._loaded: list[int] = []
+        self._created_private_pool = False
+        if self.loads or self.saves:
+            self._map_at_start()
+
+    def _client(self) -> Client:
+        c = self.config
+        return Client(
+            c.address,
+            name=f"{c.client_name}-worker",
+            connect_timeout_s=c.connect_timeout_s,
+            keepalive=False,  # short-lived: one call
+        )
+
+    def _map_at_start(self) -> None:
+        c = self.config
+        try:
+            with self._client() as client:
+                info = client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
+            # Workers start before the scheduler side: if the engine fails before that exists,
+            # nobody else would drop a private pool this worker created.
+            self._created_private_pool = info.created and c.pool_is_private
+            self._map(info)
+        except EcdError as error:
+            log.warning("pool %s not mapped at start, will be on first use: %s", c.pool, error)
 
     def begin(self, meta: ECDaemonConnectorMetadata) -> None:
+        if not (self.loads or self.saves):
+            return
         self._map(meta.pool)
         if self.saves:
             self._unsaved = set(meta.saves)
@@ -68,6 +124,8 @@ class WorkerSide:
             self.save(meta, encoder_cache, key)
 
     def load(self, meta: ECDaemonConnectorMetadata, encoder_cache: dict[str, torch.Tensor]) -> None:
+        if not self.loads:
+            return  # a later pipeline stage: it never reads input embeddings
         mover = self._map(meta.pool)
         for key, order in meta.loads.items():
             if key in encoder_cache:  # already here: nothing is read from the pool
@@ -110,11 +168,13 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
-        for _, transfer in self._saving + self._loading:
-            transfer.wait()
+        wait_all(transfer for _, transfer in self._saving + self._loading)
         if self._mover is not None:
             self._mover.mapping.close()
             self._mover = None
+        if self._created_private_pool:
+            with contextlib.suppress(EcdError), self._client() as client:
+                client.drop_pool(self.config.pool, force=True)
 
     def _map(self, pool: PoolInfo) -> TensorMover:
         """The mover for this pool; maps it on first use and again if the daemon recreated it."""

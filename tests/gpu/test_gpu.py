@@ -1,41 +1,75 @@
-"""The CUDA path, on a machine with a GPU (skipped elsewhere): `make test-gpu`.
+"""The CUDA path, on a machine with a GPU: `make gpu-check` (or `make test-gpu`).
 
-Proves: saves from GPU and loads to GPU are bit-identical; the mover's stream waits for the
-producer's kernels and the caller's stream waits for loads (no host sync needed to use a loaded
-tensor); commits happen only after the device-to-host copy landed; the pool is registered with
-CUDA. Prints D2H/H2D bandwidth from the registered pool against torch pinned and pageable memory.
+Each ordering test holds a stream busy (torch.cuda._sleep) so that a missing wait would let a
+copy run early, then uses the result without a host sync and compares bytes with torch.equal.
+
+Proves: saves wait for the kernels that produced the tensor, and a Commit is sent only once the
+pool holds the tensor's bytes; the caller's stream waits for a load; a load never overwrites
+memory the caller's queued kernels still read (neither a new output recycled by the allocator
+nor a caller's `out`); loads do not queue behind saves; copies across registration chunk
+boundaries are bit-identical; a failed registration leaves no CUDA error behind; the pool is
+registered; closing a mapping waits for copies in flight.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from ecd_testing import Daemon
 
 from ec_client import Client, Consumer, EntryState, PoolMapping, Producer, PutStatus, TensorMover
-from ec_client.mover import byte_view
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from ec_client import mapping as mapping_module
+from ec_client.cuda_runtime import cuda_runtime
+from ec_client.mover import byte_view, spec_of
+from ec_client.types import Extent
 
 POOL = "gpu"
 BLOCK = 7168
 MiB = 1 << 20
+SLEEP = 400_000_000  # GPU cycles: a few hundred ms, far longer than any copy here
 
 
 @pytest.fixture
-def client(daemon: Daemon) -> Client:
+def client(daemon: Daemon) -> Iterator[Client]:
     with daemon.client(name="gpu") as c:
         c.open_pool(POOL, BLOCK, 200 * MiB // BLOCK * BLOCK)
-        yield c  # type: ignore[misc]
+        yield c
 
 
-def test_the_pool_mapping_is_registered_with_cuda(client: Client) -> None:
-    mapping = PoolMapping.open(client.pool_info(POOL))
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    """nbytes of random bytes on the CPU, distinct per seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+def mapping_of(client: Client) -> PoolMapping:
+    return PoolMapping.open(client.pool_info(POOL))
+
+
+def ready(endpoint_user: Producer | Consumer) -> TensorMover:
+    """Its CUDA mover, made now: registering the pool (host calls that may wait for the device)
+    must not happen while a test holds a stream busy."""
+    return endpoint_user.endpoint.mover("cuda")
+
+
+def cache_block(stream: torch.cuda.Stream | None, nbytes: int) -> None:
+    """Leave a free block of nbytes in the allocator's cache for `stream`, so the next
+    allocation of that size there reuses it instead of calling cudaMalloc (which may wait for
+    the device)."""
+    assert stream is not None
+    with torch.cuda.stream(stream):
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def test_a_cuda_mover_registers_the_pool(client: Client) -> None:
+    mapping = mapping_of(client)
+    failed = PoolMapping.registrations.failed
+    TensorMover(mapping, "cuda")
     assert mapping.cuda_registered
-    assert PoolMapping.registrations.failed == 0
+    assert PoolMapping.registrations.failed == failed
 
 
 @pytest.mark.parametrize(
@@ -49,75 +83,167 @@ def test_gpu_save_and_gpu_load_are_bit_identical(client: Client, dtype: torch.dt
     assert torch.equal(byte_view(loaded), byte_view(tensor))
 
 
-def test_a_save_waits_for_the_kernels_that_produced_the_tensor(client: Client) -> None:
-    base = torch.randn(4096, 4096, device="cuda")
-    tensor = base @ base  # still running when the save is issued
-    Producer(client, POOL).put("matmul", tensor)
-    expected = tensor.cpu()
-    loaded = Consumer(client, POOL).get("matmul")
+def test_a_save_waits_for_the_kernels_that_produce_the_tensor(client: Client) -> None:
+    expected = pattern(8 * MiB, 1)
+    tensor = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    source = expected.cuda()
+    producer = Producer(client, POOL)
+    ready(producer)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    tensor.copy_(source)  # queued behind the sleep: the tensor is all zeros until then
+    assert producer.put("produced", tensor) is PutStatus.STORED
+    loaded = Consumer(client, POOL).get("produced")
     assert loaded is not None and torch.equal(loaded, expected)
 
 
-def test_the_callers_stream_is_ordered_after_a_load(client: Client) -> None:
-    cpu = torch.arange(64 * MiB // 4, dtype=torch.float32)
-    Producer(client, POOL).put("ordered", cpu)
-    handle = Consumer(client, POOL).get_many_async(["ordered"], device="cuda")
-    loaded = handle.wait()["ordered"]
-    assert loaded is not None
-    total = loaded.sum()  # on the current stream, no host sync before it
-    assert total.item() == cpu.sum().item()
+def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = pattern(16 * MiB, 2)
+    tensor = torch.zeros(16 * MiB, dtype=torch.uint8, device="cuda")
+    source = expected.cuda()
+    torch.cuda.synchronize()
+    mapping = mapping_of(client)
+    allocated: list[Extent] = []
+    at_commit: list[torch.Tensor] = []
+    real_allocate, real_commit = client.allocate, client.commit
 
+    def allocate(*args: Any) -> Any:
+        results = real_allocate(*args)
+        allocated.extend(results[0].extents)
+        return results
 
-def test_a_commit_happens_only_after_the_copy_landed(client: Client) -> None:
+    def commit(*args: Any) -> Any:
+        at_commit.append(torch.cat([mapping.region(x).clone() for x in allocated])[: 16 * MiB])
+        return real_commit(*args)
+
+    monkeypatch.setattr(client, "allocate", allocate)
+    monkeypatch.setattr(client, "commit", commit)
     producer = Producer(client, POOL)
-    tensor = torch.randn(8192, 3584, device="cuda", dtype=torch.bfloat16)
+    ready(producer)
+    torch.cuda._sleep(SLEEP)
+    tensor.copy_(source)
     handle = producer.put_many_async({"late": tensor})
     assert client.lookup(POOL, ["late"])[0].state is EntryState.PENDING
     handle.wait()
-    assert handle.done()
+    assert len(at_commit) == 1 and torch.equal(at_commit[0], expected)
     assert client.lookup(POOL, ["late"])[0].state is EntryState.READY
 
 
-def _gbs(nbytes: int, copy: object, runs: int = 10) -> float:
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        copy()  # type: ignore[operator]
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return nbytes / statistics.median(times) / 1e9
+def test_the_callers_stream_waits_for_a_load(client: Client) -> None:
+    expected = pattern(32 * MiB, 3)
+    Producer(client, POOL).put("ordered", expected)
+    expected_gpu = expected.cuda()
+    [hit] = client.acquire(POOL, ["ordered"])
+    assert hit.spec is not None
+    mover = ready(Consumer(client, POOL))
+    cache_block(mover.load_stream, 32 * MiB)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(mover.load_stream):
+        torch.cuda._sleep(SLEEP)  # the copy queues behind this
+    loaded, transfer = mover.load(hit.extents, hit.spec)
+    same = torch.equal(loaded, expected_gpu)  # on the caller's stream, no host sync before it
+    transfer.wait()
+    client.release([hit.lease_id])
+    assert same
 
 
-def test_print_bandwidth_of_registered_pool_memory_against_pinned_and_pageable(
+def test_a_new_load_output_never_takes_memory_the_callers_queued_kernels_still_read(
     client: Client,
 ) -> None:
-    size = 64 * MiB
-    mapping = PoolMapping.open(client.pool_info(POOL))
+    Producer(client, POOL).put("fresh", pattern(32 * MiB, 4))
+    consumer = Consumer(client, POOL)
+    ready(consumer)
+    stale = torch.full((8 * MiB,), 1.0, device="cuda")  # 32 MiB, as large as the entry
+    cache_block(torch.cuda.current_stream(), 32 * MiB)  # for `doubled`
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    doubled = stale * 2  # reads `stale` once the sleep is over
+    del stale  # its memory is free again for the caller's stream at once
+    loaded = consumer.get("fresh", device="cuda")
+    assert loaded is not None
+    assert torch.equal(doubled, torch.full((8 * MiB,), 2.0, device="cuda"))
+
+
+def test_a_load_into_out_waits_for_the_callers_queued_work_on_it(client: Client) -> None:
+    expected = pattern(8 * MiB, 5)
+    Producer(client, POOL).put("into", expected)
+    out = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+    consumer = Consumer(client, POOL)
+    ready(consumer)
+    cache_block(torch.cuda.current_stream(), 8 * MiB)  # for the clone
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    before = out.clone()  # queued: must still see the ones
+    assert consumer.get("into", device="cuda", out=out) is out
+    assert torch.equal(before, torch.ones_like(before))
+    assert torch.equal(out, expected.cuda())
+
+
+def test_a_load_does_not_queue_behind_a_save_waiting_for_compute(client: Client) -> None:
+    mapping = mapping_of(client)
     mover = TensorMover(mapping, "cuda")
-    region = mapping.flat[:size]
-    device = torch.empty(size, dtype=torch.uint8, device="cuda")
-    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    pageable = torch.empty(size, dtype=torch.uint8)
-    pageable.fill_(1)
-    rows = {
-        "pool (registered)": (
-            _gbs(size, lambda: region.copy_(device, non_blocking=True)),
-            _gbs(size, lambda: device.copy_(region, non_blocking=True)),
-        ),
-        "torch pinned": (
-            _gbs(size, lambda: pinned.copy_(device, non_blocking=True)),
-            _gbs(size, lambda: device.copy_(pinned, non_blocking=True)),
-        ),
-        "torch pageable": (
-            _gbs(size, lambda: pageable.copy_(device)),
-            _gbs(size, lambda: device.copy_(pageable)),
-        ),
-    }
-    print(f"\n64 MiB copies, GB/s (median of 10), registered={mapping.cuda_registered}")
-    print(f"{'memory':<20} {'D2H':>8} {'H2D':>8}")
-    for name, (d2h, h2d) in rows.items():
-        print(f"{name:<20} {d2h:>8.1f} {h2d:>8.1f}")
-    assert mover.stream is not None
-    registered_h2d, pinned_h2d = rows["pool (registered)"][1], rows["torch pinned"][1]
-    assert registered_h2d > 0.5 * pinned_h2d, "registered pool memory copies like pageable memory"
+    entry = 4 * MiB // BLOCK
+    source = torch.zeros(entry * BLOCK, dtype=torch.uint8, device="cuda")
+    mapping.region(Extent(entry, entry)).copy_(pattern(entry * BLOCK, 6))
+    cache_block(mover.load_stream, entry * BLOCK)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4 * SLEEP)  # the compute stream is busy
+    compute_done = torch.cuda.Event()
+    compute_done.record()
+    saving = mover.save(source, [Extent(0, entry)])  # waits for the compute stream
+    _, loading = mover.load([Extent(entry, entry)], spec_of(source))
+    while not loading.done():
+        assert not compute_done.query(), "the load waited for the compute stream"
+    assert not compute_done.query()
+    saving.wait()
+
+
+def test_copies_across_registration_chunks_are_bit_identical(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mapping_module, "CUDA_REGISTER_CHUNK", MiB)  # 14 MiB chunks: the least
+    tensor = pattern(32 * MiB, 7).cuda()  # over three chunks
+    Producer(client, POOL).put("chunks", tensor)
+    assert mapping_of(client).cuda_registered
+    loaded = Consumer(client, POOL).get("chunks", device="cuda")
+    assert loaded is not None and torch.equal(loaded, tensor)
+
+
+def test_a_failed_registration_leaves_no_cuda_error_for_the_next_kernel(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mapping_module, "CUDA_REGISTER_CHUNK", MiB)
+    mapping = mapping_of(client)
+    torch.cuda.init()
+    runtime = cuda_runtime()
+    assert runtime is not None, "libcudart is not loaded in this process"
+    second_chunk = mapping.flat.data_ptr() + mapping.chunk_bytes
+    assert runtime.cudaHostRegister(second_chunk, mapping.chunk_bytes, 0) == 0
+    try:
+        with pytest.warns(RuntimeWarning, match="already"):
+            registered = mapping.register_cuda(torch.device("cuda", torch.cuda.current_device()))
+        assert not registered
+        assert torch.equal(torch.ones(4, device="cuda") + 1, torch.full((4,), 2.0, device="cuda"))
+        Producer(client, POOL).put("pageable", pattern(MiB, 8).cuda())
+        loaded = Consumer(client, POOL).get("pageable", device="cuda")
+        assert loaded is not None and torch.equal(loaded.cpu(), pattern(MiB, 8))
+    finally:
+        runtime.cudaHostUnregister(second_chunk)
+
+
+def test_an_unindexed_cuda_device_shares_the_current_devices_mover(client: Client) -> None:
+    endpoint = Consumer(client, POOL).endpoint
+    assert endpoint.mover("cuda") is endpoint.mover(f"cuda:{torch.cuda.current_device()}")
+
+
+def test_closing_a_mapping_waits_for_copies_in_flight(client: Client) -> None:
+    mapping = mapping_of(client)
+    mover = TensorMover(mapping, "cuda")
+    assert mover.load_stream is not None
+    with torch.cuda.stream(mover.load_stream):
+        torch.cuda._sleep(SLEEP)
+    _, transfer = mover.load([Extent(0, 16)], spec_of(torch.empty(16 * BLOCK, dtype=torch.uint8)))
+    mapping.close()
+    assert transfer.done()

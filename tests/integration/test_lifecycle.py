@@ -117,7 +117,7 @@ def test_pool_files_stay_after_a_graceful_stop(daemon: Daemon) -> None:
 def test_a_step_applies_its_parts_in_order_in_one_call(daemon: Daemon) -> None:
     with daemon.client(name="engine") as c:
         c.open_pool(POOL, BLOCK, 8 * BLOCK)
-        [old] = c.allocate(POOL, [AllocateItem("old", (BLOCK,), "uint8")])
+        c.allocate(POOL, [AllocateItem("old", (BLOCK,), "uint8")])
         c.commit(POOL, ["old"])
         [pin] = c.acquire(POOL, ["old"])
         c.allocate(POOL, [AllocateItem("mine", (BLOCK,), "uint8")])

@@ -14,6 +14,8 @@ import pytest
 import torch
 from ecd_testing import run_python
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm_testing import WIDTH, EngineSpec
 
 from ec_client.vllm import ECDaemonConnector
@@ -61,8 +63,39 @@ def test_the_default_pool_is_named_like_vllms_region_and_is_private() -> None:
     assert not config(pool="node-pool").pool_is_private
 
 
-def test_loads_wait_for_every_tp_rank_with_the_multiprocess_executor() -> None:
-    assert config(tp=2).load_reports == 2
+def config_on(backend: object, tp: int = 2) -> ConnectorConfig:
+    vllm_config = EngineSpec(ADDRESS, tp=tp).vllm_config()
+    vllm_config.parallel_config.distributed_executor_backend = backend  # type: ignore[assignment]
+    return ConnectorConfig.from_vllm(vllm_config)
+
+
+class GatheringExecutor(MultiprocExecutor):
+    """An out-of-tree executor built on vLLM's multiprocess one: it folds every worker's output."""
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray", GatheringExecutor])
+def test_loads_wait_for_every_tp_rank_when_the_executor_gathers_every_workers_output(
+    backend: object,
+) -> None:
+    c = config_on(backend)
+    assert (c.load_reports, c.worker_is_alone) == (2, False)
+
+
+@pytest.mark.parametrize("backend", ["uni", "external_launcher"])
+def test_a_scheduler_with_one_worker_of_its_own_waits_for_that_worker_alone(
+    backend: str,
+) -> None:
+    c = config_on(backend)
+    assert (c.load_reports, c.worker_is_alone) == (1, True)
+
+
+def test_an_executor_that_hides_the_other_workers_copies_is_refused_with_tp() -> None:
+    with pytest.raises(ValueError, match="cannot tell when all 2"):
+        config_on(Executor)
+
+
+def test_any_executor_will_do_with_one_worker() -> None:
+    assert config_on(Executor, tp=1).load_reports == 1
 
 
 def test_roles_map_to_producer_and_consumer() -> None:

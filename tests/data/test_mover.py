@@ -1,0 +1,156 @@
+"""TensorMover on the CPU, and what Producer and Consumer do with copies still in flight.
+
+GPU copies finish after the call that launched them; here a launched copy is made "in flight"
+by giving its Transfer an event stand-in that records when it is waited for.
+
+Proves: a mover refuses tensors on another device than its own; a batch that fails part-way
+waits for the copies it launched before it aborts its entries or releases its pins (a late copy
+would land in blocks handed to someone else, or read blocks being rewritten); a failed wait does
+not stop the others from being waited for first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from ecd_testing import Daemon
+
+from ec_client import Client, Consumer, EcdError, EntryState, Producer
+from ec_client.mapping import PoolMapping
+from ec_client.mover import TensorMover, Transfer
+from ec_client.types import Extent, TensorSpec
+
+POOL = "mover"
+BLOCK = 4096
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Client:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 256 * BLOCK)
+        yield c  # type: ignore[misc]
+
+
+class InFlight:
+    """An event stand-in: not fired until waited for; the wait is logged, and may fail."""
+
+    def __init__(self, name: str, log: list[str], fails: bool = False) -> None:
+        self.name, self.log, self.fails = name, log, fails
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.log.append(f"landed {self.name}")
+        if self.fails:
+            raise RuntimeError(f"CUDA error while copying {self.name}")
+
+
+def launches(
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+    log: list[str],
+    refused: str | None = "2",
+    failing: Sequence[str] = (),
+) -> None:
+    """TensorMover.`method` copies for real, then reports its copy as still in flight. Copies
+    are named by call number; the `refused` one raises before copying, the `failing` ones fail
+    when waited for."""
+    real: Callable[..., Any] = getattr(TensorMover, method)
+    calls: list[int] = []
+
+    def launch(self: TensorMover, *args: Any) -> Any:
+        calls.append(1)
+        name = str(len(calls))
+        if name == refused:
+            raise ValueError(f"copy {name} cannot start")
+        result = real(self, *args)
+        fence = InFlight(name, log, fails=name in failing)
+        if isinstance(result, Transfer):
+            return Transfer(fence)
+        return result[0], Transfer(fence)
+
+    monkeypatch.setattr(TensorMover, method, launch)
+
+
+def logging_calls(client: Client, method: str, log: list[str]) -> None:
+    real = getattr(client, method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        log.append(method)
+        return real(*args, **kwargs)
+
+    setattr(client, method, call)
+
+
+def test_a_mover_refuses_a_tensor_on_another_device(client: Client) -> None:
+    mover = TensorMover(PoolMapping.open(client.pool_info(POOL)), "cpu")
+    with pytest.raises(ValueError, match="on meta"):
+        mover.save(torch.empty(16, device="meta"), [Extent(0, 1)])
+    spec = TensorSpec((16,), "float32", 64)
+    with pytest.raises(ValueError, match="on meta"):
+        mover.load([Extent(0, 1)], spec, out=torch.empty(16, device="meta"))
+
+
+def test_a_put_that_fails_part_way_aborts_only_after_its_launched_copies_landed(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[str] = []
+    launches(monkeypatch, "save", log)
+    logging_calls(client, "abort", log)
+    tensors = {k: torch.full((1024,), i) for i, k in enumerate(["a", "b", "c"])}
+    with pytest.raises(ValueError, match="copy 2 cannot"):
+        Producer(client, POOL).put_many_async(tensors)
+    assert log == ["landed 1", "abort"]
+    assert [r.state for r in client.lookup(POOL, list(tensors))] == [EntryState.ABSENT] * 3
+
+
+def test_a_get_that_fails_part_way_releases_only_after_its_launched_copies_landed(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Producer(client, POOL).put_many({k: torch.full((1024,), 7) for k in ["a", "b", "c"]})
+    log: list[str] = []
+    launches(monkeypatch, "load", log)
+    logging_calls(client, "release", log)
+    with pytest.raises(ValueError, match="copy 2 cannot"):
+        Consumer(client, POOL).get_many_async(["a", "b", "c"])
+    assert log == ["landed 1", "release"]
+    assert client.stats(POOL).pools[0].pins == 0
+
+
+def test_a_failed_save_copy_is_aborted_after_the_batchs_other_copies_landed(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[str] = []
+    launches(monkeypatch, "save", log, refused=None, failing=["1"])
+    logging_calls(client, "abort", log)
+    producer = Producer(client, POOL)
+    handle = producer.put_many_async({k: torch.zeros(1024) for k in ["a", "b", "c"]})
+    with pytest.raises(EcdError, match="copying 1") as failed:
+        handle.wait(10)
+    assert failed.value.code == grpc.StatusCode.DATA_LOSS
+    assert log == ["landed 1", "landed 2", "landed 3", "abort"]
+    # The copies that landed are committed: one bad copy does not sink the others.
+    states = [r.state for r in client.lookup(POOL, ["a", "b", "c"])]
+    assert states == [EntryState.ABSENT, EntryState.READY, EntryState.READY]
+    assert producer.failed_commits == 1
+
+
+def test_a_failed_load_copy_releases_the_pins_only_after_the_batchs_other_copies_landed(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Producer(client, POOL).put_many({k: torch.zeros(1024) for k in ["a", "b", "c"]})
+    client.settle(10)
+    log: list[str] = []
+    launches(monkeypatch, "load", log, refused=None, failing=["1"])
+    logging_calls(client, "release", log)
+    handle = Consumer(client, POOL).get_many_async(["a", "b", "c"])
+    client.settle(10)  # the release runs in the background once the copies landed
+    assert log == ["landed 1", "landed 2", "landed 3", "release"]
+    with pytest.raises(RuntimeError, match="copying 1"):
+        handle.wait()
+    assert client.stats(POOL).pools[0].pins == 0
