@@ -40,6 +40,7 @@ from ec_client._connection import Options, TLSFiles, shared_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
+from ec_client.owed import Owed, send_parcel
 from ec_client.ready_view import ReadyView
 from ec_client.types import (
     AcquireResult,
@@ -122,10 +123,12 @@ class Client:
         token: str | None = None,
         tls: TLSFiles | None = None,
         keepalive: bool = True,
+        linger_s: float = 0.001,
     ) -> None:
         """Connect within connect_timeout_s and open a session. `role` limits what the session
         may do (see Role); `token` defaults to ECD_TOKEN or ECD_TOKEN_FILE, `tls` to
-        ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY."""
+        ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY. `linger_s`: how long what is owed (commits of
+        puts, releases of gets) waits for a call to ride on before it goes alone (see `owed`)."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls
         )
@@ -138,6 +141,7 @@ class Client:
         self._background: ThreadPoolExecutor | None = None
         self._last_job: Future[Any] | None = None
         self._views: dict[str, ReadyView] = {}
+        self.owed = Owed(send_parcel(lambda call: self._run(call)), linger_s)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -185,6 +189,7 @@ class Client:
         with contextlib.suppress(TimeoutError):
             self.settle(settle_timeout_s)
         self._closed.set()
+        self.owed.close()
         for view in self._views.values():
             view.close()
         if self._background is not None:
@@ -206,8 +211,9 @@ class Client:
         return future
 
     def settle(self, timeout_s: float | None = None) -> None:
-        """Wait until every job handed to `later` so far has run (TimeoutError if not within
-        timeout_s). Costs nothing when none is outstanding."""
+        """Send everything owed now, and wait until it and every job handed to `later` so far
+        have been answered (TimeoutError if not within timeout_s)."""
+        self.owed.flush(timeout_s)
         last = self._last_job
         if last is not None and not last.done():
             # Jobs run in order: the last one done means every earlier one is.
@@ -315,17 +321,23 @@ class Client:
         """Release, Commit, Abort, Acquire (without waiting) and Allocate in one round trip, in
         that order (releases and aborts free space first; commits are visible to the acquires;
         the acquires pin their entries before the allocations could evict them). Each part's
-        results are what its own call answers."""
-        return self._run(
-            _wire.step(
-                engine_id,
-                releases,
-                _wire.commit_items(commits, checksums),
-                aborts,
-                acquires,
-                _wire.allocate_items(allocates),
-            )
+        results are what its own call answers. It also carries what this client owes the pool
+        (see `owed`); the results returned are those of the parts given here."""
+        parcel = self.owed.take(engine_id)
+        call = _wire.step(
+            engine_id,
+            parcel.release_ids() + list(releases),
+            parcel.commit_items() + _wire.commit_items(commits, checksums),
+            parcel.abort_keys() + list(map(key_bytes, aborts)),
+            acquires,
+            _wire.allocate_items(allocates),
         )
+        try:
+            result = self._run(call)
+        except EcdError as error:
+            parcel.fail(error)
+            raise
+        return parcel.settle(result)
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         """State (ABSENT, PENDING, READY), size and pins of each key; pins nothing."""

@@ -8,13 +8,15 @@ written after wait_ms) as None. Steps of a get:
 1. Misses without a round trip: the client follows the pool's READY keys (ReadyView, fed by
    Watch), so a key it does not know is answered None at once, without asking the daemon. While
    the view is not synced (starting, or the daemon away) every key is asked; with wait_ms every
-   key is asked too, since the daemon is what waits (for a key PENDING or not there yet).
-2. One Acquire pins the hits (the round trip), then their copies out of the pool are launched.
-3. The pins are released on the client's background thread once the copies have landed, never
-   before: the entry cannot be evicted or overwritten while it is being read.
-
-Before a get, this client's own puts are committed (it waits for its background commits), so a
-client always reads its own writes.
+   key is asked too, since the daemon is what waits (for a key PENDING or not there yet). A key
+   another client committed a moment ago (the event's trip, well under a millisecond on one
+   node) may still be such a miss: pass wait_ms to ask the daemon.
+2. One Step pins the hits (the round trip; it also carries what the client owes the pool, its
+   own Commits first, so a client always reads its own writes), then their copies out of the
+   pool are launched.
+3. The pins are owed back from then on (ec_client.owed): released with the client's next Step to
+   the pool, or alone once it has been quiet for `linger_s`, and never before the copies landed:
+   the entry cannot be evicted or overwritten while it is being read.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
 from ec_client.mover import TensorMover, Transfer, wait_all
-from ec_client.types import AcquireResult, Key, Status, key_bytes
+from ec_client.owed import Debt
+from ec_client.types import AcquireResult, Key, LeaseResult, Status, key_bytes
 
 log = logging.getLogger("ec_client")
 
@@ -107,13 +110,17 @@ class Consumer:
         wait_ms: int = 0,
         out: dict[Key, torch.Tensor] | None = None,
     ) -> GetHandle:
-        """Acquire the keys that may be there in one RPC and launch their copies."""
+        """Acquire the keys that may be there in one round trip and launch their copies; their
+        pins are owed back from then on, and go as soon as the copies landed."""
+        engine_id = self.endpoint.engine_id
         tensors: dict[Key, torch.Tensor | None] = {key: None for key in keys}
-        self.client.settle()  # read our own writes: their commits first
         asked = self._worth_asking(keys, wait_ms)
         if not asked:
             return GetHandle(tensors, [])
-        results = self.client.acquire(self.endpoint.engine_id, asked, wait_ms)
+        if wait_ms:  # the daemon waits: an Acquire of its own, what is owed goes its own way
+            results = self.client.acquire(engine_id, asked, wait_ms)
+        else:
+            results = self.client.step(engine_id, acquires=asked).acquires
         reads: list[_Read] = []
         try:
             error = item_errors("Acquire", results)
@@ -135,32 +142,41 @@ class Consumer:
         if self.verify:
             self._verify(reads)  # waits for the copies; releases even if it raises
         tensors.update({r.key: r.tensor for r in reads})
-        if reads:
-            self.client.later(lambda: self._release_landed(reads))
+        self.client.owed.releases(
+            engine_id,
+            [Debt(self._released, r.transfer, lease_id=r.result.lease_id) for r in reads],
+        )
         return GetHandle(tensors, reads)
 
     def _worth_asking(self, keys: Sequence[Key], wait_ms: int) -> list[Key]:
         """The keys to Acquire: all of them unless the view is synced and no wait is asked for,
-        in which case only those it has READY (the rest are misses, with no round trip)."""
+        in which case only those it has READY, and those whose Commit this client still owes
+        (the same Step carries the Commit first: a client reads its own writes). The rest are
+        misses, answered with no round trip."""
+        owed = self.client.owed.commits_owed(self.endpoint.engine_id)
+        if any(not owed[k] for k in map(key_bytes, keys) if k in owed):
+            self.client.settle()  # a write of ours still being copied: let it land and commit
+            owed = {}
         view = self._view
         if view is None or wait_ms or not view.synced:
             return list(keys)
-        return [key for key in keys if view.has(key_bytes(key))]
+        return [key for key in keys if (k := key_bytes(key)) in owed or view.has(k)]
 
-    def _release_landed(self, reads: Sequence[_Read]) -> None:
-        try:
-            wait_all(r.transfer for r in reads)
-        finally:
-            self._release([r.result.lease_id for r in reads])
+    def _released(self, answer: LeaseResult | EcdError) -> None:
+        error = answer if isinstance(answer, EcdError) else item_errors("Release", [answer])
+        if error is not None:  # the pin goes with the session's lease all the same
+            self.failed_releases += 1
+            log.warning("ecd: release of a pin failed: %s", error)
 
     def _release(self, lease_ids: list[int]) -> None:
+        """Release at once (a batch that broke: its copies have landed or never started)."""
         if not lease_ids:
             return
         try:
             error = item_errors("Release", self.client.release(lease_ids))
         except EcdError as exc:
             error = exc
-        if error is not None:  # the pins go with the session's lease all the same
+        if error is not None:
             self.failed_releases += len(lease_ids)
             log.warning("ecd: release of %d pin(s) failed: %s", len(lease_ids), error)
 

@@ -52,6 +52,7 @@ class ReadyView:
         self._reattach = reattach
         self._lock = threading.Lock()
         self._ready: set[bytes] = set()
+        self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._synced = threading.Event()
         self._closed = threading.Event()
         self._stream: Stream | None = None
@@ -75,11 +76,13 @@ class ReadyView:
         """This process committed `key` itself: known READY before the event comes back."""
         with self._lock:
             self._ready.add(key)
+            self._added.add(key)
 
     def discard(self, key: bytes) -> None:
         """An Acquire found `key` gone before the event came."""
         with self._lock:
             self._ready.discard(key)
+            self._added.discard(key)
 
     def close(self) -> None:
         self._closed.set()
@@ -108,6 +111,8 @@ class ReadyView:
 
     def _follow(self) -> bool:
         """Follow one Watch stream until it ends; returns whether it got as far as SYNCED."""
+        with self._lock:
+            self._added.clear()
         stream = self._client.open_watch(self._engine_id, snapshot=True)
         with self._lock:
             self._stream = stream
@@ -119,10 +124,13 @@ class ReadyView:
                 snapshot.add(event.key)
             elif event.type is EventType.SYNCED:
                 with self._lock:
-                    self._ready = snapshot
+                    # A key committed here after the stream opened may be missing from the
+                    # snapshot, its event still to come: the client must read its own writes.
+                    self._ready = snapshot | self._added
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
-                self.add(event.key)
+                with self._lock:
+                    self._ready.add(event.key)
             elif event.type in _GONE:
                 self.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:

@@ -77,14 +77,20 @@ def launches(
     monkeypatch.setattr(TensorMover, method, launch)
 
 
-def logging_calls(client: Client, method: str, log: list[str]) -> None:
-    real = getattr(client, method)
+def logging_rpcs(client: Client, monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
+    """Log "abort" and "release" when a call carrying them goes to the daemon, on its own or
+    as a part of a Step (where a client's owed aborts and releases ride)."""
+    real = client._run
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        log.append(method)
-        return real(*args, **kwargs)
+    def run(call: Any) -> Any:
+        if call.method in ("Abort", "Release"):
+            log.append(call.method.lower())
+        elif call.method == "Step":
+            request = call.build(client.session_id)
+            log.extend(part for part in ("abort", "release") if getattr(request, part + "s"))
+        return real(call)
 
-    setattr(client, method, call)
+    monkeypatch.setattr(client, "_run", run)
 
 
 def test_a_mover_refuses_a_tensor_on_another_device(client: Client) -> None:
@@ -101,7 +107,7 @@ def test_a_put_that_fails_part_way_aborts_only_after_its_launched_copies_landed(
 ) -> None:
     log: list[str] = []
     launches(monkeypatch, "save", log)
-    logging_calls(client, "abort", log)
+    logging_rpcs(client, monkeypatch, log)
     tensors = {k: torch.full((1024,), i) for i, k in enumerate(["a", "b", "c"])}
     with pytest.raises(ValueError, match="copy 2 cannot"):
         Producer(client, POOL).put_many_async(tensors)
@@ -115,7 +121,7 @@ def test_a_get_that_fails_part_way_releases_only_after_its_launched_copies_lande
     Producer(client, POOL).put_many({k: torch.full((1024,), 7) for k in ["a", "b", "c"]})
     log: list[str] = []
     launches(monkeypatch, "load", log)
-    logging_calls(client, "release", log)
+    logging_rpcs(client, monkeypatch, log)
     with pytest.raises(ValueError, match="copy 2 cannot"):
         Consumer(client, POOL).get_many_async(["a", "b", "c"])
     assert log == ["landed 1", "release"]
@@ -127,7 +133,7 @@ def test_a_failed_save_copy_is_aborted_after_the_batchs_other_copies_landed(
 ) -> None:
     log: list[str] = []
     launches(monkeypatch, "save", log, refused=None, failing=["1"])
-    logging_calls(client, "abort", log)
+    logging_rpcs(client, monkeypatch, log)
     producer = Producer(client, POOL)
     handle = producer.put_many_async({k: torch.zeros(1024) for k in ["a", "b", "c"]})
     with pytest.raises(EcdError, match="copying 1") as failed:
@@ -147,7 +153,7 @@ def test_a_failed_load_copy_releases_the_pins_only_after_the_batchs_other_copies
     client.settle(10)
     log: list[str] = []
     launches(monkeypatch, "load", log, refused=None, failing=["1"])
-    logging_calls(client, "release", log)
+    logging_rpcs(client, monkeypatch, log)
     handle = Consumer(client, POOL).get_many_async(["a", "b", "c"])
     client.settle(10)  # the release runs in the background once the copies landed
     assert log == ["landed 1", "landed 2", "landed 3", "release"]

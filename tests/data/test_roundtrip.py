@@ -59,6 +59,7 @@ def test_an_entry_spread_over_several_extents_reads_back_whole(client: Client) -
     row = torch.zeros(BLOCK // 2, dtype=torch.bfloat16)
     fillers = {f"fill-{i}": row.expand(100, -1).contiguous() for i in range(20)}  # 100 blocks each
     assert set(producer.put_many(fillers).values()) == {PutStatus.STORED}
+    producer.flush()  # committed (evictable) before the evictions
     client.evict(POOL, [f"fill-{i}" for i in range(0, 20, 2)])  # ten 100-block holes
     free_tail = client.stats(POOL).pools[0].largest_free_extent
     wide = random_tensor((free_tail + 150, BLOCK // 4), torch.float32)  # fits no single hole
@@ -101,6 +102,7 @@ def test_put_many_and_get_many_use_one_rpc_each_way(client: Client) -> None:
     loaded = Consumer(client, POOL).get_many([*tensors, "absent"])
     assert loaded["absent"] is None
     assert all(same_bits(loaded[k], t) for k, t in tensors.items())  # type: ignore[arg-type]
+    client.settle()  # the pins go back in the background, once the copies landed
     after = client.stats(POOL).pools[0]
     assert (after.commits - before.commits, after.hits - before.hits) == (8, 8)
     assert after.pins == 0
@@ -118,7 +120,9 @@ def test_putting_a_cached_key_answers_exists_and_keeps_the_first_bytes(client: C
 def test_a_full_pool_of_pinned_entries_answers_no_space(daemon: Daemon) -> None:
     with daemon.client() as c:
         c.open_pool("tiny", 1024, 8 * 1024)
-        Producer(c, "tiny").put("pinned", torch.zeros(8 * 1024, dtype=torch.uint8))
+        producer = Producer(c, "tiny")
+        producer.put("pinned", torch.zeros(8 * 1024, dtype=torch.uint8))
+        producer.flush()
         c.acquire("tiny", ["pinned"])
         assert (
             Producer(c, "tiny").put("more", torch.zeros(10, dtype=torch.uint8))

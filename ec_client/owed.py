@@ -1,0 +1,305 @@
+"""What a client owes the daemon with nobody waiting for it: the Commit of a put once its copy
+landed, the Release of a get once its copy landed, the Abort of a copy that failed.
+
+DESIGN §12: a put or a get waits on one round trip, so these never get one of their own on the
+caller's time. They ride on the client's next Step to the same pool (the next put's Allocate, the
+next get's Acquire: one round trip carries everything owed then), or, once the pool has been quiet
+for `linger_s`, a background thread sends them in a Step of their own. Nothing is sent before the
+copy it depends on has landed: a Commit never exposes bytes still in flight, a Release never lets
+an entry go while it is still being read.
+
+Each debt carries `settle`, called once with its answer (an ItemResult / LeaseResult) or with the
+EcdError that kept it from the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ec_client import _wire
+from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client.errors import EcdError
+from ec_client.types import StepResult
+
+Settle = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
+
+
+class Copy(Protocol):
+    """A copy in flight (mover.Transfer), without importing torch here."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+@dataclass
+class Debt:
+    """One thing owed: of the entry `key` (commit, abort) or the pin `lease_id` (release).
+    `copy` must land before it is sent; `checksum`, for commits, is computed once it has."""
+
+    settle: Settle
+    copy: Copy | None = None
+    key: bytes = b""
+    lease_id: int = 0
+    checksum: Callable[[], int] | None = None
+
+    def landed(self) -> bool:
+        try:
+            return self.copy is None or self.copy.done()
+        except Exception:  # a failed copy has landed as far as it ever will: its wait says how
+            return True
+
+
+@dataclass
+class Parcel:
+    """The debts one Step carries, in the order of its parts. `delivered` is told once the
+    Step is answered (or failed), so the keys it commits stop counting as in transit."""
+
+    releases: list[Debt] = field(default_factory=list)
+    commits: list[Debt] = field(default_factory=list)
+    aborts: list[Debt] = field(default_factory=list)
+    delivered: Callable[[Parcel], None] = lambda parcel: None
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.commits or self.aborts)
+
+    def release_ids(self) -> list[int]:
+        return [d.lease_id for d in self.releases]
+
+    def commit_items(self) -> list[pb.CommitItem]:
+        return [
+            pb.CommitItem(key=d.key, checksum=d.checksum() if d.checksum else 0)
+            for d in self.commits
+        ]
+
+    def abort_keys(self) -> list[bytes]:
+        return [d.key for d in self.aborts]
+
+    def settle(self, result: StepResult) -> StepResult:
+        """Hand each debt its answer; returns the rest of the Step's answers (the caller's)."""
+        parts = (
+            (self.releases, result.releases),
+            (self.commits, result.commits),
+            (self.aborts, result.aborts),
+        )
+        for debts, answers in parts:
+            for debt, answer in zip(debts, answers, strict=False):
+                debt.settle(answer)
+        self.delivered(self)
+        return StepResult(
+            result.releases[len(self.releases) :],
+            result.commits[len(self.commits) :],
+            result.aborts[len(self.aborts) :],
+            result.acquires,
+            result.allocates,
+        )
+
+    def fail(self, error: EcdError) -> None:
+        for debt in self.releases + self.commits + self.aborts:
+            debt.settle(error)
+        self.delivered(self)
+
+
+@dataclass
+class _Pool:
+    """What is owed to one pool (the releases of pins taken from it too: any Step of the session
+    could carry those, but this way each pool's debts wait for that pool's traffic alone)."""
+
+    releases: list[Debt] = field(default_factory=list)
+    commits: list[Debt] = field(default_factory=list)
+    aborts: list[Debt] = field(default_factory=list)
+    last_step: float = 0.0  # when a Step to this pool last went out
+    in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
+
+    def owing(self) -> bool:
+        return bool(self.releases or self.commits or self.aborts)
+
+
+class Owed:
+    def __init__(
+        self,
+        send: Callable[[str, Parcel], None],
+        linger_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """send(engine_id, parcel): a Step carrying the parcel alone (the background's way)."""
+        self._send = send
+        self._linger_s = linger_s
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._pools: dict[str, _Pool] = {}
+        self._sending = 0  # parcels taken by the background thread and not yet answered
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ---- what the client owes ----------------------------------------------------------------
+
+    def commits(self, engine_id: str, debts: Sequence[Debt]) -> None:
+        self._owe(lambda: self._pool(engine_id).commits.extend(debts))
+
+    def aborts(self, engine_id: str, debts: Sequence[Debt]) -> None:
+        self._owe(lambda: self._pool(engine_id).aborts.extend(debts))
+
+    def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
+        self._owe(lambda: self._pool(engine_id).releases.extend(debts))
+
+    def commits_owed(self, engine_id: str) -> dict[bytes, bool]:
+        """The keys whose Commit is still owed to the pool (PENDING until it goes), each with
+        whether its copy has landed (so that it can ride on the next Step)."""
+        with self._lock:
+            pool = self._pools.get(engine_id)
+            if pool is None:
+                return {}
+            # A commit on its way is not visible yet either: whoever waits for it must settle.
+            owed = dict.fromkeys(pool.in_transit, False)
+            owed.update((d.key, d.landed()) for d in pool.commits)
+            return owed
+
+    # ---- paying ------------------------------------------------------------------------------
+
+    def take(self, engine_id: str, wait: bool = False) -> Parcel:
+        """What a Step to this pool should carry now: every debt whose copy landed (with wait,
+        every debt, once its copy has landed). The caller sends it and settles it."""
+        with self._lock:
+            pool = self._pool(engine_id)
+            pool.last_step = self._clock()
+            parcel = Parcel(
+                _split(pool.releases, wait),
+                _split(pool.commits, wait),
+                _split(pool.aborts, wait),
+                lambda delivered: self._delivered(pool, delivered),
+            )
+            pool.in_transit.update(d.key for d in parcel.commits)
+        return self._landed(parcel)
+
+    @staticmethod
+    def _landed(parcel: Parcel) -> Parcel:
+        """Wait for the parcel's copies (landed already, unless taken with wait). A commit
+        whose copy failed becomes an abort: its bytes must never be exposed. A pin goes back
+        whatever its copy did (the reader learns of a failed copy from its own handle)."""
+        for debt in parcel.releases:
+            if debt.copy is not None:
+                with contextlib.suppress(Exception):
+                    debt.copy.wait()
+        for debt in list(parcel.commits):
+            try:
+                if debt.copy is not None:
+                    debt.copy.wait()
+            except Exception as exc:  # a device error surfaces on the copy's event
+                debt.settle(EcdError.copy_failed(debt.key, exc))
+                parcel.commits.remove(debt)
+                parcel.aborts.append(Debt(settle=_ignore, key=debt.key))
+        return parcel
+
+    def _delivered(self, pool: _Pool, parcel: Parcel) -> None:
+        with self._lock:
+            # aborts too: a commit whose copy failed left as an abort
+            pool.in_transit.difference_update(d.key for d in parcel.commits + parcel.aborts)
+            self._lock.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Send everything owed now, from the caller's thread, and wait for what the background
+        thread is sending (TimeoutError past timeout_s)."""
+        with self._lock:
+            engine_ids = [e for e, p in self._pools.items() if p.owing()]
+        for engine_id in engine_ids:
+            parcel = self.take(engine_id, wait=True)
+            if parcel:
+                self._send(engine_id, parcel)
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        with self._lock:
+            while self._sending or any(p.in_transit for p in self._pools.values()):
+                left = None if deadline is None else deadline - self._clock()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"Steps owed to the daemon still running after {timeout_s} s"
+                    )
+                self._lock.wait(left)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # ---- the background thread ----------------------------------------------------------------
+
+    def _owe(self, add: Callable[[], None]) -> None:
+        with self._lock:
+            add()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ecd-owed", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        """Send what is owed to pools quiet for linger_s, until closed."""
+        while True:
+            with self._lock:
+                while not self._closed and not self._owing():
+                    self._lock.wait()
+                if self._closed:
+                    return
+                quiet = self._clock() - self._linger_s
+                due = [e for e, p in self._pools.items() if p.owing() and p.last_step <= quiet]
+                if due:
+                    self._sending += 1
+            if not due:
+                time.sleep(self._linger_s)
+                continue
+            try:
+                for engine_id in due:
+                    parcel = self.take(engine_id, wait=True)
+                    if parcel:
+                        self._send(engine_id, parcel)
+            finally:
+                with self._lock:
+                    self._sending -= 1
+                    self._lock.notify_all()
+
+    def _owing(self) -> bool:
+        return any(p.owing() for p in self._pools.values())
+
+    def _pool(self, engine_id: str) -> _Pool:
+        pool = self._pools.get(engine_id)
+        if pool is None:
+            pool = self._pools[engine_id] = _Pool()
+        return pool
+
+
+def _ignore(answer: object) -> None:
+    """For debts whose outcome nobody needs (the abort of a failed copy: if it does not reach
+    the daemon, the producer's lease aborts the entry all the same)."""
+
+
+def _split(debts: list[Debt], all_of_them: bool) -> list[Debt]:
+    """Remove and return the debts ready to go (all of them, or those whose copy landed)."""
+    ready: list[Debt] = []
+    waiting: list[Debt] = []
+    for debt in debts:
+        (ready if all_of_them or debt.landed() else waiting).append(debt)
+    debts[:] = waiting
+    return ready
+
+
+def send_parcel(
+    run: Callable[[_wire.Call[StepResult]], StepResult],
+) -> Callable[[str, Parcel], None]:
+    """The background's send: a Step of the parcel alone, through the client's call rules."""
+
+    def send(engine_id: str, parcel: Parcel) -> None:
+        call = _wire.step(
+            engine_id, parcel.release_ids(), parcel.commit_items(), parcel.abort_keys()
+        )
+        try:
+            parcel.settle(run(call))
+        except EcdError as error:
+            parcel.fail(error)
+
+    return send
