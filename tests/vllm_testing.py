@@ -276,9 +276,19 @@ class Engine:
         return finish_step(self.connector, merged.ec_connector_output if merged else None)
 
     def step(self, *requests: Request) -> StepResult:
+        """One whole step. The daemon's answers to the Steps it sent in the background arrive
+        while the workers run and before the next step, as they do when a step takes longer
+        than a round trip (answered()); tests of answers still on their way step by hand."""
         step = self.schedule(requests)
         replies = self.run(step)
-        return StepResult(step, replies, self.finish(replies))
+        self.answered()
+        failed = self.finish(replies)
+        self.answered()
+        return StepResult(step, replies, failed)
+
+    def answered(self) -> None:
+        """Wait until the daemon answered every Step the scheduler side sent."""
+        self.scheduler.client.settle(10)
 
     def admit(self, req: Request, max_steps: int = 3) -> tuple[int, StepResult]:
         """Step with `req` until it gets past ensure_cache_available; returns how many steps it

@@ -1,29 +1,40 @@
-"""python -m ec_client.vllm.bench: the scheduler side's cost per step, ecd against ECCPUConnector.
+"""python -m ec_client.vllm.bench: the scheduler side's cost, ecd against ECCPUConnector.
 
 The scheduler side is the part of a connector that runs inside vLLM's scheduler loop, so its
 cost is paid by every request of the engine. This drives one engine's scheduler side through the
-calls vLLM makes (ec_client.vllm.offline) with no workers: their reports are made up, every copy
-done at once. The sequence: `--items` requests of one image each arrive in one step, a fraction
-of them (`--hits`) already cached and the rest new; then steps follow until nothing is owed.
-Per step it records the RPCs made, by kind, and the microseconds spent in the connector's calls
-(ensure_cache_available, has_cache_item, update_state_after_alloc, build_connector_meta,
-take_unavailable_requests, update_connector_output, request_finished), and prints medians over
-`--runs`.
+calls vLLM makes (ec_client.vllm.offline) with pretend workers: their reports are made up, every
+copy done at once, and each step's forward pass takes `--step-ms` (a sleep: the daemon's answers
+to background Steps arrive meanwhile, as in an engine). Two arrival patterns:
 
-ECCPUConnector runs the same sequence through its own scheduler side (in-process bookkeeping
-over a /dev/shm region, no daemon) for comparison.
+- burst: `--items` requests of one image each arrive in one step, a fraction of them (`--hits`)
+  already cached and the rest new; then steps follow until nothing is owed.
+- trickle: one request with a cached image arrives at every step, `--items / 8` of them.
+
+Per step it records the Steps (RPCs) sent and the microseconds spent in the connector's calls
+(ensure_cache_available, has_cache_item, update_state_after_alloc, build_connector_meta,
+take_unavailable_requests, update_connector_output, request_finished), time blocked on the
+daemon included. From those and the step time it derives each request's time to first token as
+far as the connector decides it: a request arriving at a step's start gets its first token at the
+end of the step that schedules it, each step lasting its scheduler time plus the forward pass.
+
+ECCPUConnector runs the same sequences through its own scheduler side (in-process bookkeeping
+over a /dev/shm region, no daemon) for comparison. `--pins` lists the ECDaemonConnector pin
+modes to compare (`ecd_pins`: first, ahead, every).
 
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
+With `--json`, one line: {"ecd": {"scheduler_us", "held_steps", "held_requests", "rpcs"},
+"eccpu": {"scheduler_us"}} for the burst with the default pin mode (medians over `--runs`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +51,10 @@ from vllm.distributed.ec_transfer.ec_connector.cpu.common import (
 )
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
 
 from ec_client.units import parse_size
+from ec_client.vllm.config import PIN_MODES
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import finish_step, image_request, offline_config, schedule_step
@@ -49,8 +62,12 @@ from ec_client.vllm.offline import finish_step, image_request, offline_config, s
 
 @dataclass
 class StepCost:
-    micros: float
+    """One step as the scheduler thread lived it."""
+
+    micros: float  # in the connector's calls, time blocked on the daemon included
     rpcs: Counter[str] = field(default_factory=Counter)
+    scheduled: set[str] = field(default_factory=set)  # request IDs the step scheduled
+    arrived: set[str] = field(default_factory=set)  # request IDs that arrived at its start
 
 
 @dataclass(frozen=True)
@@ -60,11 +77,7 @@ class Workload:
     rows: int
     width: int
     capacity: int
-
-    def keys(self, run: str) -> tuple[list[str], list[str]]:
-        """(keys cached before the step, keys of the step's requests: the cached ones first)."""
-        cached = [f"{run}-hit-{i}" for i in range(self.hits)]
-        return cached, cached + [f"{run}-miss-{i}" for i in range(self.items - self.hits)]
+    step_s: float
 
 
 Report = Callable[[ECConnectorMetadata], ECConnectorWorkerMetadata | None]
@@ -93,36 +106,79 @@ def rpc_counts(connector: ECConnectorBase) -> Counter[str]:
     return Counter()
 
 
-def drive(connector: ECConnectorBase, keys: list[str], rows: int, report: Report) -> list[StepCost]:
-    """One request per key in the first step, held-back ones again in later steps, until
-    nothing is held and nothing owed; the cost of each step. A scheduled request finishes in
-    its step (one output token)."""
-    waiting = [image_request(f"req-{uuid.uuid4().hex[:8]}-{key}", [key], rows) for key in keys]
+def drive(
+    connector: ECConnectorBase, arrivals: Sequence[list[Request]], report: Report, step_s: float
+) -> list[StepCost]:
+    """`arrivals[i]` arrive at step i; held-back requests come again at later steps; steps go on
+    until nothing is held and nothing owed. A scheduled request finishes in its step (one
+    output token). Returns the cost of each step."""
+    waiting: list[Request] = []
     costs: list[StepCost] = []
-    for _ in range(10):
-        if not waiting and not connector.has_pending_push_work():
+    for i in range(len(arrivals) + 20):
+        new = arrivals[i] if i < len(arrivals) else []
+        waiting += new
+        if i >= len(arrivals) and not waiting and not connector.has_pending_push_work():
             return costs
         rpcs = rpc_counts(connector)
         started = time.perf_counter()
         step = schedule_step(connector, waiting)
         scheduled = time.perf_counter()
         worker_meta = report(step.metadata)  # the workers' time: not the scheduler's
+        time.sleep(step_s)  # the forward pass
         output = ECConnectorOutput(ec_connector_worker_meta=worker_meta) if worker_meta else None
         resumed = time.perf_counter()
         finish_step(connector, output)
+        done = {r.request_id for r in waiting if r.request_id not in step.held}
         for request in waiting:
-            if request.request_id not in step.held:
+            if request.request_id in done:
                 connector.request_finished(request)
         finished = time.perf_counter()
         waiting = [r for r in waiting if r.request_id in step.held]
         micros = (scheduled - started + finished - resumed) * 1e6
-        costs.append(StepCost(micros, rpc_counts(connector) - rpcs))
-    raise RuntimeError("the sequence did not settle in 10 steps")
+        arrived = {r.request_id for r in new}
+        costs.append(StepCost(micros, rpc_counts(connector) - rpcs, done, arrived))
+    raise RuntimeError("the sequence did not settle")
 
 
-def one_run(connector_name: str, workload: Workload, address: str | None) -> list[StepCost]:
+@dataclass(frozen=True)
+class Outcome:
+    """One run, as the connector's share of the requests' time sees it."""
+
+    scheduler_us: float  # all steps together
+    held_steps: int  # the most steps any request was held back
+    held_requests: int  # requests held back at least one step
+    rpcs: int
+    ttft_cached_ms: float  # mean time to first token, requests with a cached image
+    ttft_new_ms: float  # the same, requests with a new image
+
+
+def outcome(costs: list[StepCost], cached: set[str], step_s: float) -> Outcome:
+    ends: list[float] = []
+    now = 0.0
+    for cost in costs:
+        now += cost.micros / 1e6 + step_s
+        ends.append(now)
+    starts = [end - (cost.micros / 1e6 + step_s) for end, cost in zip(ends, costs, strict=True)]
+    arrival = {r: i for i, cost in enumerate(costs) for r in cost.arrived}
+    first = {r: i for i, cost in reversed(list(enumerate(costs))) for r in cost.scheduled}
+    ttft = {r: (ends[first[r]] - starts[arrival[r]]) * 1e3 for r in arrival}
+    held = [first[r] - arrival[r] for r in arrival]
+    new = [t for r, t in ttft.items() if r not in cached]
+    return Outcome(
+        scheduler_us=sum(c.micros for c in costs),
+        held_steps=max(held, default=0),
+        held_requests=sum(1 for h in held if h),
+        rpcs=sum(sum(c.rpcs.values()) for c in costs),
+        ttft_cached_ms=statistics.mean(t for r, t in ttft.items() if r in cached),
+        ttft_new_ms=statistics.mean(new) if new else 0.0,
+    )
+
+
+def one_run(
+    connector_name: str, workload: Workload, pattern: str, address: str | None, pins: str
+) -> Outcome:
     run = uuid.uuid4().hex[:8]
-    extra: dict[str, Any] = {"ec_cpu_bytes": workload.capacity}
+    extra: dict[str, Any] = {"ec_cpu_bytes": workload.capacity, "ecd_pins": pins}
     if address:
         extra["ecd_address"] = address
     config = offline_config(
@@ -134,25 +190,29 @@ def one_run(connector_name: str, workload: Workload, address: str | None) -> lis
     )
     connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
     report = ecd_report if isinstance(connector, ECDaemonConnector) else eccpu_report
+
+    def requests(keys: list[str]) -> list[Request]:
+        return [image_request(f"req-{run}-{key}", [key], workload.rows) for key in keys]
+
     try:
-        cached, requested = workload.keys(run)
-        drive(connector, cached, workload.rows, report)  # fill the cache: not measured
-        return drive(connector, requested, workload.rows, report)
+        hits = workload.hits if pattern == "burst" else workload.items // 8
+        cached = [f"{run}-hit-{i}" for i in range(hits)]
+        drive(connector, [requests(cached)], report, workload.step_s)  # fill: not measured
+        if pattern == "burst":
+            new = [f"{run}-miss-{i}" for i in range(workload.items - hits)]
+            arrivals = [requests(cached + new)]
+        else:
+            arrivals = [requests([key]) for key in cached]
+        costs = drive(connector, arrivals, report, workload.step_s)
+        return outcome(costs, {f"req-{run}-{key}" for key in cached}, workload.step_s)
     finally:
         connector.shutdown()
 
 
-def summarize(name: str, runs: list[list[StepCost]]) -> None:
-    steps = min(len(r) for r in runs)
-    print(f"{name}: {steps} steps, median of {len(runs)} runs")
-    for i in range(steps):
-        micros = statistics.median(r[i].micros for r in runs)
-        rpcs = runs[0][i].rpcs
-        kinds = ", ".join(f"{k} {n}" for k, n in sorted(rpcs.items())) or "none"
-        print(f"  step {i + 1}: {micros:9.0f} us   RPCs: {kinds}")
-    total = statistics.median(sum(s.micros for s in r) for r in runs)
-    rpcs_total = sum(sum(s.rpcs.values()) for s in runs[0])
-    print(f"  all steps: {total:9.0f} us   {rpcs_total} RPCs")
+def median_outcome(outcomes: list[Outcome]) -> Outcome:
+    return Outcome(
+        *(statistics.median(getattr(o, f) for o in outcomes) for f in Outcome.__annotations__)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,18 +226,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=3584, help="embedding width (bf16)")
     parser.add_argument("--capacity", default="512MiB", help="pool size")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--step-ms", default="10", help="forward-pass time(s), comma-separated")
+    parser.add_argument("--pins", default=",".join(PIN_MODES), help="ecd_pins modes to compare")
+    parser.add_argument("--patterns", default="burst,trickle", help="burst, trickle")
     parser.add_argument("--no-eccpu", action="store_true", help="skip ECCPUConnector")
+    parser.add_argument("--json", action="store_true", help="print one JSON line (see above)")
     args = parser.parse_args(argv)
     hits = round(args.items * args.hits)
-    workload = Workload(args.items, hits, args.rows, args.width, parse_size(args.capacity))
+    capacity = parse_size(args.capacity)
+    step_times = [float(s) for s in args.step_ms.split(",")]
+    patterns = args.patterns.split(",")
+    contenders = [("ECDaemonConnector", pins) for pins in args.pins.split(",")]
+    contenders += [] if args.no_eccpu else [("ECCPUConnector", "-")]
+    results: dict[tuple[str, str, str, float], Outcome] = {}
+    for name, pins in contenders:
+        warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
+        one_run(name, warm, "burst", args.address, pins if pins != "-" else "first")
+        for step_ms in step_times:
+            workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
+            for pattern in patterns:
+                runs = [
+                    one_run(name, workload, pattern, args.address, pins if pins != "-" else "first")
+                    for _ in range(args.runs)
+                ]
+                results[(name, pins, pattern, step_ms)] = median_outcome(runs)
+    if args.json:
+        print(json.dumps(summary(results, step_times[0])))
+        return
     print(
-        f"{args.items} requests x 1 image ({hits} cached, {args.items - hits} new), "
-        f"{args.rows} x {args.width} bf16 each"
+        f"burst: {args.items} requests x 1 image ({hits} cached, {args.items - hits} new); "
+        f"trickle: {args.items // 8} requests x 1 cached image, one a step; "
+        f"{args.rows} x {args.width} bf16 each; medians of {args.runs} runs"
     )
-    names = ["ECDaemonConnector"] + ([] if args.no_eccpu else ["ECCPUConnector"])
-    for name in names:
-        one_run(name, workload, args.address)  # warm-up: imports, first pool
-        summarize(name, [one_run(name, workload, args.address) for _ in range(args.runs)])
+    print(
+        f"{'connector':18} {'pins':6} {'pattern':8} {'step ms':>7} {'sched us':>9} "
+        f"{'held':>4} {'held req':>8} {'RPCs':>5} {'TTFT cached ms':>14} {'TTFT new ms':>11}"
+    )
+    for (name, pins, pattern, step_ms), o in results.items():
+        print(
+            f"{name:18} {pins:6} {pattern:8} {step_ms:7.0f} {o.scheduler_us:9.0f} "
+            f"{o.held_steps:4.0f} {o.held_requests:8.0f} {o.rpcs:5.0f} "
+            f"{o.ttft_cached_ms:14.2f} {o.ttft_new_ms:11.2f}"
+        )
+
+
+def summary(results: dict[tuple[str, str, str, float], Outcome], step_ms: float) -> dict[str, Any]:
+    """The JSON line: the burst at the first step time, the default pin mode against ECCPU."""
+    ecd = results[("ECDaemonConnector", PIN_MODES[0], "burst", step_ms)]
+    line: dict[str, Any] = {
+        "ecd": {
+            "scheduler_us": round(ecd.scheduler_us),
+            "held_steps": ecd.held_steps,
+            "held_requests": ecd.held_requests,
+            "rpcs": ecd.rpcs,
+        }
+    }
+    eccpu = results.get(("ECCPUConnector", "-", "burst", step_ms))
+    if eccpu is not None:
+        line["eccpu"] = {"scheduler_us": round(eccpu.scheduler_us)}
+    return line
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ Keys of `ec_connector_extra_config`:
   pool yet (another engine may be encoding it), before encoding it itself. Default 0.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon is unreachable. Default 2.
+- `ecd_pins`: when a request's cached items are pinned (see scheduler.py). `first` (default):
+  the first such request of a scheduler step has them pinned at once, by one round trip on the
+  scheduler thread, and is not held back; the others of that step have theirs pinned in the
+  background and wait one step. `ahead`: always in the background (no round trip on the
+  scheduler thread; every request with cached items waits one step). `every`: every such request
+  at once (no request waits a step; one round trip each on the scheduler thread).
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from ec_client.units import parse_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+PIN_MODES = ("first", "ahead", "every")  # the first is the default
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class ConnectorConfig:
     is_producer: bool
     is_consumer: bool
     wait_s: float
+    pins: str  # "first", "ahead" or "every": see `ecd_pins`
     connect_timeout_s: float
     load_reports: int  # distinct worker ranks that must report a load before its pin goes
     # Each scheduler hears only its own worker (executor "uni", or "external_launcher", where
@@ -109,6 +119,7 @@ class ConnectorConfig:
             is_producer=bool(ec.is_ec_producer),
             is_consumer=bool(ec.is_ec_consumer),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
+            pins=_choice(extra, "ecd_pins", PIN_MODES),
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),
             load_reports=1 if alone else loaders,
             worker_is_alone=alone,
@@ -130,6 +141,13 @@ def _size(extra: dict[str, Any], key: str) -> int:
     if size <= 0:
         raise ValueError(f"{key} must be positive, got {value!r}")
     return size
+
+
+def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
+    value = extra.get(key, allowed[0])
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    return str(value)
 
 
 def _number(extra: dict[str, Any], key: str, default: float) -> float:

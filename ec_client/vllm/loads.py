@@ -6,13 +6,16 @@ forward pass raises "Encoder cache miss" (vllm/v1/worker/gpu/mm/encoder_runner.p
 whole engine down; a stand-in tensor would instead compute, and prefix-cache, the request's KV
 from wrong embeddings. The decision cannot be taken back when the step's metadata is built, and
 `take_unavailable_requests` is read only after the step ran. So the connector answers True only
-for entries it already holds a pin on, taken in an earlier step:
+for entries it already holds a pin on:
 
     admit (ensure_cache_available): a key the pool has READY but we hold no pin on is *wanted*;
-        the request waits one step.
-    flush (build_connector_meta): one Acquire for every wanted key -> Pin, or *missed*.
+        the request is held back, unless the scheduler side pins it at once (see scheduler.py:
+        a synchronous Step, within a per-step budget).
+    flush (build_connector_meta): the still-wanted keys are *acquiring*: one Step pins them in
+        the background, its answer taken before the next step -> Pin, or *missed*.
     next step: admit passes, has_cache_item is True, dispatch mints a transfer ID.
-    workers report the transfer ID from every rank -> the pin is released (one Release a step).
+    workers report the transfer ID from every rank -> the pin is owed back (released with the
+        next Step).
 
 A missed key (evicted between the view's READY and the Acquire) is encoded by its request
 instead, and that request is not held back for that key again, so nothing waits forever. Nor is
@@ -65,6 +68,7 @@ class LoadBook:
         self._next_transfer_id = 0
         self._step: dict[str, LoadOrder] = {}  # this step's dispatches, one per key
         self._wanted: dict[str, set[str]] = {}  # key -> requests waiting for its pin
+        self._acquiring: dict[str, set[str]] = {}  # the same, its Acquire on its way
         self._no_wait: set[tuple[str, str]] = set()  # (request, key): missed, or scheduled
         self._absent_since: dict[tuple[str, str], float] = {}  # (request, key) -> first seen
         self._by_request: defaultdict[str, set[str]] = defaultdict(set)  # for forget()
@@ -92,6 +96,9 @@ class LoadBook:
             pin = self._pins.get(key)
             if pin is not None:
                 pin.holders.add(request_id)
+            elif key in self._acquiring:
+                self._acquiring[key].add(request_id)
+                admitted = False
             elif key in self._wanted or ready(key):
                 self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
@@ -132,8 +139,19 @@ class LoadBook:
 
     # ---- what the daemon and the workers answered ----------------------------------------------
 
-    def wanted(self) -> list[str]:
-        return list(self._wanted)
+    def wanted(self, request_id: str | None = None) -> list[str]:
+        """The keys wanted (by this request, or by any): READY, no pin, no Acquire on its way."""
+        if request_id is None:
+            return list(self._wanted)
+        return [key for key, requests in self._wanted.items() if request_id in requests]
+
+    def take_wanted(self) -> list[str]:
+        """The keys wanted now, whose Acquire the caller sends: they are acquiring from now on
+        (their requests stay held) until `acquired` or `give_up` answers them."""
+        keys = list(self._wanted)
+        self._acquiring.update(self._wanted)
+        self._wanted.clear()
+        return keys
 
     def acquired(
         self,
@@ -145,9 +163,10 @@ class LoadBook:
         or of a shape this engine cannot use). A pin that is not usable is released."""
         missing = []
         for key, result in zip(keys, results, strict=True):
-            requests = self._wanted.pop(key, set())
+            requests = self._wanted.pop(key, set()) | self._acquiring.pop(key, set())
             if result.status is Status.HIT and result.spec is not None and usable(result.spec):
                 self._pins[key] = Pin(result.lease_id, result.extents, result.spec, requests)
+                self._release_if_unused(key)  # its requests may have gone meanwhile
                 continue
             if result.status is Status.HIT:
                 self._releases.append(result.lease_id)
@@ -155,11 +174,12 @@ class LoadBook:
             missing.append(key)
         return missing
 
-    def give_up_wanted(self) -> None:
-        """No Acquire can be made (the daemon is away): the waiting requests encode instead."""
-        for key, requests in self._wanted.items():
+    def give_up(self, keys: Iterable[str] | None = None) -> None:
+        """No pin for these keys (by default every wanted one): the daemon is away, or their
+        Acquire failed. Their waiting requests encode instead."""
+        for key in list(self._wanted) if keys is None else keys:
+            requests = self._wanted.pop(key, set()) | self._acquiring.pop(key, set())
             self._no_wait.update((request_id, key) for request_id in requests)
-        self._wanted.clear()
 
     def report(self, transfer_id: int, rank: WorkerRank) -> None:
         """A rank finished a copy. Unknown IDs (late, repeated after completion, or from before
@@ -186,6 +206,8 @@ class LoadBook:
             waiting.discard(request_id)
             if not waiting:
                 del self._wanted[key]
+        # An Acquire on its way stays recorded, holders or not: its pin must be released.
+        self._acquiring.get(key, set()).discard(request_id)
 
     def forget(self, request_id: str) -> None:
         for key in self._by_request.pop(request_id, ()):
@@ -204,14 +226,15 @@ class LoadBook:
         """The daemon lost our pins (it restarted, or the pool was dropped). Forget them and the
         releases owed; return the requests whose copies may have raced an eviction: they fail."""
         failed = {r for transfer in self._transfers.values() for r in transfer.requests}
+        self.give_up(list(self._acquiring))
         self._pins.clear()
         self._transfers.clear()
         self._releases.clear()
         return failed
 
     def busy(self) -> bool:
-        """Copies not yet reported, pins to take or releases owed."""
-        return bool(self._transfers or self._wanted or self._releases)
+        """Copies not yet reported, pins to take or on their way, or releases owed."""
+        return bool(self._transfers or self._wanted or self._acquiring or self._releases)
 
     def _release_if_unused(self, key: str) -> None:
         pin = self._pins[key]

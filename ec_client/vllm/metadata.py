@@ -44,11 +44,17 @@ class LoadOrder:
 @dataclass
 class ECDaemonConnectorMetadata(ECConnectorMetadata):
     """One step's orders. `pool` is sent every step (a few hundred bytes) so a worker maps the
-    pool on first use and remaps when the daemon recreated it (new UUID), with no handshake."""
+    pool on first use and remaps when the daemon recreated it (new UUID), with no handshake.
+
+    `save_intents` are outputs to be saved whose entries are still being allocated: the saving
+    worker keeps them (a reference to the tensor) until a later step's `saves` orders their copy
+    or `cancelled` says they will not be saved (see saves.py)."""
 
     pool: PoolInfo
     saves: dict[str, SaveOrder] = field(default_factory=dict)
     loads: dict[str, LoadOrder] = field(default_factory=dict)
+    save_intents: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)
 
 
 class WorkerRank(NamedTuple):

@@ -1,14 +1,22 @@
-"""SaveBook: the scheduler side's saves of freshly encoded outputs, plan to commit (no RPCs).
+"""SaveBook: the scheduler side's saves of freshly encoded outputs, from plan to commit (no RPCs).
 
-    planned   an input was scheduled for encoding this step (update_state_after_alloc)
-    copying   Allocate answered ALLOCATED: a PENDING entry, the order went to the saving rank
-    landed    that rank reported the copy done: commit at the next flush
-    failed    the copy failed or never happened: abort at the next flush
+    planned     an input was scheduled for encoding this step (update_state_after_alloc)
+    allocating  its Allocate is on its way (in the step's background Step): the step's metadata
+                names it a save *intent*, so the saving worker keeps the encoder's output
+    ordered     Allocate answered ALLOCATED: the next step's metadata orders the copy into the
+                PENDING entry's extents (the worker copies the output it kept)
+    copying     the order went out; the saving rank copies
+    landed      that rank reported the copy done: commit at once (update_connector_output)
+    failed      the copy failed or never happened: abort with the next Step
 
-A key is in at most one state. Only the saving rank's report moves a key out of `copying`, so an
-entry is committed only after its bytes landed. Allocate answering EXISTS (already cached),
-PENDING (another engine is writing it) or NO_SPACE (everything is pinned or being written) means
-no save: the item is simply not cached by us.
+Allocate answering EXISTS (already cached), PENDING (another engine is writing it), NO_SPACE or an
+error, or its Step failing, *cancels* the intent: the next metadata tells the worker to drop the
+output it kept. A key is in at most one state. Only the saving rank's report moves a key out of
+`copying`, so an entry is committed only after its bytes landed.
+
+Why intents: the Allocate's answer cannot be waited for on the scheduler thread (DESIGN §12), and
+the extents are not known before it; the worker keeps the output (a reference to the GPU tensor)
+one step longer instead, so nothing is lost while the answer travels.
 """
 
 from __future__ import annotations
@@ -25,31 +33,57 @@ log = logging.getLogger("ec_client.vllm")
 class SaveBook:
     def __init__(self) -> None:
         self._planned: dict[str, TensorSpec] = {}
+        self._allocating: dict[str, TensorSpec] = {}
+        self._ordered: dict[str, SaveOrder] = {}
+        self._cancelled: set[str] = set()
         self._copying: set[str] = set()
         self._landed: list[str] = []
         self._failed: list[str] = []
 
     def plan(self, key: str, spec: TensorSpec) -> None:
-        if key in self._planned or key in self._copying or key in self._landed:
+        if key in self._planned or key in self._allocating or key in self._ordered:
+            return
+        if key in self._copying or key in self._landed:
             return
         self._planned[key] = spec
 
     def take_planned(self) -> dict[str, TensorSpec]:
+        """The step's planned saves, whose Allocate the caller sends: allocating from now on."""
         planned, self._planned = self._planned, {}
+        self._allocating.update(planned)
         return planned
 
-    def allocated(
-        self, planned: dict[str, TensorSpec], results: Sequence[AllocateResult]
-    ) -> dict[str, SaveOrder]:
-        """Record one Allocate of `planned`; returns the orders for the saving rank."""
-        orders = {}
-        for (key, spec), result in zip(planned.items(), results, strict=True):
+    def allocated(self, keys: Sequence[str], results: Sequence[AllocateResult]) -> None:
+        """The answer to an Allocate of `keys`: orders for the next metadata, the rest
+        cancelled."""
+        for key, result in zip(keys, results, strict=True):
+            spec = self._allocating.pop(key, None)
+            if spec is None:
+                continue  # voided meanwhile
             if result.status is Status.ALLOCATED:
-                self._copying.add(key)
-                orders[key] = SaveOrder(result.extents, spec)
-            elif result.status.is_error:
+                self._ordered[key] = SaveOrder(result.extents, spec)
+                continue
+            if result.status.is_error:
                 log.warning("ecd refused to allocate %s: %s", key, result.message)
-        return orders
+            self._cancelled.add(key)
+
+    def give_up(self, keys: Iterable[str]) -> None:
+        """Their Allocate did not reach the daemon: nothing is saved, the intents cancelled."""
+        for key in keys:
+            if self._allocating.pop(key, None) is not None:
+                self._cancelled.add(key)
+
+    def take_orders(self) -> tuple[dict[str, SaveOrder], set[str]]:
+        """For this step's metadata: the copies to make now (copying from now on), and the
+        intents that will not be saved."""
+        orders, self._ordered = self._ordered, {}
+        cancelled, self._cancelled = self._cancelled, set()
+        self._copying.update(orders)
+        return orders, cancelled
+
+    def intents(self) -> set[str]:
+        """The saves whose Allocate is on its way: the worker keeps their outputs."""
+        return set(self._allocating)
 
     def report(self, saved: Iterable[str], failed: Iterable[str]) -> None:
         """The saving rank's report. Keys not being copied (a report from before a restart, or a
@@ -73,16 +107,27 @@ class SaveBook:
         return failed
 
     def requeue(self, landed: Iterable[str] = (), failed: Iterable[str] = ()) -> None:
-        """A Commit or Abort did not reach the daemon: try again at the next flush."""
+        """A Commit or Abort did not reach the daemon: send it again with the next Step."""
         self._landed.extend(landed)
         self._failed.extend(failed)
 
     def void(self) -> None:
         """The daemon dropped our PENDING entries (it restarted, our session ended, or the pool
-        was dropped): nothing left to commit or abort."""
+        was dropped): nothing left to commit or abort; every intent and order is cancelled."""
+        self._cancelled.update(self._allocating, self._ordered)
+        self._allocating.clear()
+        self._ordered.clear()
         self._copying.clear()
         self._landed.clear()
         self._failed.clear()
 
     def busy(self) -> bool:
-        return bool(self._copying or self._landed or self._failed)
+        return bool(
+            self._planned
+            or self._allocating
+            or self._ordered
+            or self._cancelled
+            or self._copying
+            or self._landed
+            or self._failed
+        )

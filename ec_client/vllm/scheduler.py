@@ -1,25 +1,31 @@
 """SchedulerSide: the connector in vLLM's scheduler process, the only part that calls the daemon.
 
-Per step, vLLM calls: ensure_cache_available and has_cache_item (answered from local state: no
-round trip), update_state_after_alloc (bookkeeping), build_connector_meta (the one place that
-calls the daemon), then, after the workers ran, take_unavailable_requests and
-update_connector_output (bookkeeping again). build_connector_meta runs every step, even when
-nothing was scheduled and the workers reported nothing (update_connector_output is skipped
-then), so it is where everything owed to the daemon is sent, one batched RPC per kind, in this
-order:
+The scheduler thread waits on no round trip in steady state (DESIGN §12): everything owed to the
+daemon and asked of it goes in a Step (one RPC: Release, Commit, Abort, Acquire, Allocate, in that
+order) sent from the client's background thread, and its answer is taken on the scheduler thread
+at its next call into the connector, before anything depends on it. Per step:
 
-    Commit   saves whose copies the saving rank reported landed
-    Abort    saves whose copies failed or never happened
-    Release  pins no request needs any more and every rank has reported
-    Acquire  pins for the keys requests are waiting on (see loads.py)
-    Allocate entries for the outputs encoded this step
+    ensure_cache_available   from local state (the ready view, the pins held): no round trip,
+        except that the first request of a step with cached items nobody pinned yet has them
+        pinned at once, by a synchronous Step (`ecd_pins`, "first"): one round trip on the
+        scheduler thread per step at most, so a lone request is never held back; the other
+        requests of that step have their items pinned in the background and wait one step
+        (see loads.py).
+    has_cache_item, update_state_after_alloc   bookkeeping.
+    build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
+        for the wanted items, entries for this step's new outputs. The metadata orders the
+        workers' copies: loads out of pins held, saves into entries allocated by an earlier
+        step's Step (this step's outputs are save *intents*: the worker keeps them until their
+        order comes, see saves.py).
+    update_connector_output  the workers' report: landed saves are committed at once, in a
+        background Step, so a just-saved item can be a hit at the next step.
 
-Releases and aborts come before Allocate so their space is free for it; Acquire comes before
-Allocate so this step's allocations can never evict an entry about to be loaded (the eviction
+Releases and aborts come before the Allocate so their space is free for it; Acquire comes before
+Allocate so a step's allocations can never evict an entry about to be loaded (the eviction
 hazard ECCPUConnector has within a step).
 
 The daemon is an optimisation, never a dependency of a request: while it is unreachable (the
-Watch stream is down) the connector calls nothing, answers every has_cache_item with False and
+Watch stream is down) the connector sends nothing, answers every has_cache_item with False and
 saves nothing, so requests are encoded as if there were no cache. When our session is new (the
 daemon restarted, or our lease ran out) or the pool was recreated, everything held in the old one
 is void: its pins and PENDING entries are gone, and requests whose loads were in flight fail
@@ -31,9 +37,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections import Counter, deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
@@ -44,14 +52,18 @@ from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import tensor_nbytes
 from ec_client.ready_view import ReadyView
-from ec_client.types import AllocateItem, Role, TensorSpec
+from ec_client.types import (
+    AllocateItem,
+    ItemResult,
+    LeaseResult,
+    Role,
+    Status,
+    StepResult,
+    TensorSpec,
+)
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.loads import LoadBook
-from ec_client.vllm.metadata import (
-    ECDaemonConnectorMetadata,
-    ECDaemonWorkerMetadata,
-    SaveOrder,
-)
+from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
 from ec_client.vllm.saves import SaveBook
 
 if TYPE_CHECKING:
@@ -61,7 +73,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("ec_client.vllm")
-T = TypeVar("T")
 
 CALL_TIMEOUT_S = 10.0
 
@@ -69,6 +80,22 @@ CALL_TIMEOUT_S = 10.0
 class PoolRefused(RuntimeError):
     """The daemon will not give this engine the pool: another model, dtype, embedding width,
     vLLM version or capacity already owns that name."""
+
+
+@dataclass
+class Sent:
+    """What one background Step carried, to read its answer against; `generation` is the one
+    it was sent in (an answer from another is void, see `_absorb`)."""
+
+    generation: tuple[str, str]
+    releases: list[int] = field(default_factory=list)
+    commits: list[str] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    acquires: list[str] = field(default_factory=list)
+    allocates: dict[str, TensorSpec] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.commits or self.aborts or self.acquires or self.allocates)
 
 
 class SchedulerSide:
@@ -99,7 +126,10 @@ class SchedulerSide:
             raise
         self.loads = LoadBook(config.load_reports)
         self.saves = SaveBook()
-        self.rpcs: Counter[str] = Counter()  # RPCs made, by kind (for `python -m ...bench`)
+        self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
+        self.blocked_s = 0.0  # scheduler-thread time spent waiting on the daemon, in all
+        self._pinned_now = False  # this step made its synchronous pin (ecd_pins "first")
+        self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
         self._unavailable: set[str] = set()
         self._generation = self._current_generation()
         self._no_width: set[str] = set()  # modalities already warned about
@@ -116,12 +146,22 @@ class SchedulerSide:
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self.config.is_consumer or not request.mm_features:
             return True
+        self._absorb()
         needed = [
             f.identifier
             for f in request.mm_features
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
         wait_s = self.config.wait_s if self.view.synced else 0.0
+        admitted = self.loads.admit(
+            request.request_id, needed, self._ready, time.monotonic(), wait_s
+        )
+        if admitted or not self._may_pin_now():
+            return admitted
+        wanted = self.loads.wanted(request.request_id)
+        if not wanted:
+            return False  # held for another reason (waiting for an item not in the pool)
+        self._pin_now(wanted)
         return self.loads.admit(request.request_id, needed, self._ready, time.monotonic(), wait_s)
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -139,22 +179,31 @@ class SchedulerSide:
                 self.saves.plan(key, spec)
 
     def build_connector_meta(self) -> ECDaemonConnectorMetadata:
-        self._check_generation()
-        saves: dict[str, SaveOrder] = {}
+        self._absorb()
+        self._pinned_now = False  # the next step's admissions may pin at once again
         if self.view.synced:
-            self._commit_and_abort()
-            self._release()
-            self._acquire()
-            saves = self._allocate()
+            self._send(
+                "flush",
+                releases=self.loads.take_releases(),
+                commits=self.saves.take_landed(),
+                aborts=self.saves.take_failed(),
+                acquires=self.loads.take_wanted(),
+                allocates=self.saves.take_planned(),
+            )
         else:  # the daemon is away: waiting requests encode, and this step saves nothing
-            self.loads.give_up_wanted()
+            self.loads.give_up()
             self.saves.take_planned()
+        saves, cancelled = self.saves.take_orders()
         return ECDaemonConnectorMetadata(
-            pool=self.client.pool_info(self.config.pool), saves=saves, loads=self.loads.take_step()
+            pool=self.client.pool_info(self.config.pool),
+            saves=saves,
+            loads=self.loads.take_step(),
+            save_intents=self.saves.intents(),
+            cancelled=cancelled,
         )
 
     def take_unavailable_requests(self) -> set[str]:
-        self._check_generation()
+        self._absorb()
         unavailable, self._unavailable = self._unavailable, set()
         return unavailable
 
@@ -162,9 +211,17 @@ class SchedulerSide:
         meta = output.ec_connector_worker_meta
         if not isinstance(meta, ECDaemonWorkerMetadata):
             return
+        self._absorb()
         self.saves.report(meta.saved, meta.failed_saves)
         for transfer_id, rank in meta.loaded:
             self.loads.report(transfer_id, rank)
+        if self.view.synced:  # commit what landed at once: a hit for the very next step
+            self._send(
+                "report",
+                releases=self.loads.take_releases(),
+                commits=self.saves.take_landed(),
+                aborts=self.saves.take_failed(),
+            )
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         self.loads.drop_holder(request.request_id, request.mm_features[index].identifier)
@@ -174,10 +231,12 @@ class SchedulerSide:
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """Keep the engine stepping while something is owed to the daemon or not yet reported by
-        the workers. Not while the daemon is away: nothing could be sent, and an idle engine
-        would spin; whatever is owed goes with the first step after it is back."""
-        return self.view.synced and (self.loads.busy() or self.saves.busy())
+        """Keep the engine stepping while something is owed to the daemon, on its way, or not
+        yet reported by the workers. Not while the daemon is away: nothing could be sent, and
+        an idle engine would spin; whatever is owed goes with the first step after it is
+        back."""
+        self._absorb()
+        return self.view.synced and bool(self.loads.busy() or self.saves.busy() or self._sent)
 
     def shutdown(self) -> None:
         """Closing the session makes the daemon abort our PENDING entries and release our pins.
@@ -188,60 +247,118 @@ class SchedulerSide:
                 self.client.drop_pool(self.config.pool, force=True)
         self.client.close()
 
-    # ---- the flush ------------------------------------------------------------------------------
+    # ---- Steps -----------------------------------------------------------------------------------
 
-    def _commit_and_abort(self) -> None:
-        landed = self.saves.take_landed()
-        if landed:
-            results = self._call("commit", lambda: self.client.commit(self.config.pool, landed))
-            if results is None:
-                self.saves.requeue(landed=landed)
-            else:
-                for key, result in zip(landed, results, strict=True):
-                    if not result.status.is_error:
-                        self.view.add(key.encode())
-        failed = self.saves.take_failed()
-        if failed:
-            aborted = self._call("abort", lambda: self.client.abort(self.config.pool, failed))
-            if aborted is None:
-                self.saves.requeue(failed=failed)
-
-    def _release(self) -> None:
-        leases = self.loads.take_releases()
-        if leases and self._call("release", lambda: self.client.release(leases)) is None:
-            self.loads.requeue_releases(leases)
-
-    def _acquire(self) -> None:
-        wanted = self.loads.wanted()
-        if not wanted:
+    def _send(
+        self,
+        why: str,
+        releases: list[int] = (),  # type: ignore[assignment]
+        commits: list[str] = (),  # type: ignore[assignment]
+        aborts: list[str] = (),  # type: ignore[assignment]
+        acquires: list[str] = (),  # type: ignore[assignment]
+        allocates: dict[str, TensorSpec] | None = None,
+    ) -> None:
+        """One Step from the background thread, if there is anything to send."""
+        sent = Sent(
+            self._generation,
+            list(releases),
+            list(commits),
+            list(aborts),
+            list(acquires),
+            allocates or {},
+        )
+        if not sent:
             return
-        results = self._call("acquire", lambda: self.client.acquire(self.config.pool, wanted))
-        if results is None:
-            self.loads.give_up_wanted()
-            return
-        for key in self.loads.acquired(wanted, results, self._loadable):
-            self.view.discard(key.encode())
+        items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in sent.allocates.items()]
+        pool = self.config.pool
+        self.rpcs[why] += 1
+        future = self.client.later(
+            lambda: self.client.step(
+                pool,
+                releases=sent.releases,
+                commits=sent.commits,
+                aborts=sent.aborts,
+                acquires=sent.acquires,
+                allocates=items,
+            )
+        )
+        self._sent.append((future, sent))
 
-    def _allocate(self) -> dict[str, SaveOrder]:
-        planned = self.saves.take_planned()
-        if not planned:
-            return {}
-        items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in planned.items()]
-        results = self._call("allocate", lambda: self.client.allocate(self.config.pool, items))
-        return {} if results is None else self.saves.allocated(planned, results)
-
-    def _call(self, kind: str, rpc: Callable[[], T]) -> T | None:
-        """One RPC. A failure is logged and answered with None (the caller retries next step or
-        goes without); a restart it revealed is absorbed before the caller records the answer,
-        so the answer lands in the new generation, not voided with the old."""
-        self.rpcs[kind] += 1
-        try:
-            result: T | None = rpc()
-        except EcdError as error:
-            log.warning("ecd %s failed, the cache is skipped this step: %s", kind, error)
-            result = None
+    def _absorb(self) -> None:
+        """Take the answers of the background Steps that have come, in the order they were
+        sent (each one's answer is applied before anything reads what it changes)."""
         self._check_generation()
-        return result
+        while self._sent and self._sent[0][0].done():
+            future, sent = self._sent.popleft()
+            try:
+                result = future.result()
+            except EcdError as error:
+                self._lost(sent, error)
+                continue
+            if sent.generation != self._generation:
+                self._void_answer(result)
+            else:
+                self._apply(sent, result)
+
+    def _apply(self, sent: Sent, result: StepResult) -> None:
+        for key, answer in zip(sent.commits, result.commits, strict=True):
+            if answer.status.is_error:
+                log.warning("ecd refused to commit %s: %s", key, answer.message)
+            else:
+                self.view.add(key.encode())
+        self._log_refused("abort", zip(sent.aborts, result.aborts, strict=True))
+        self._log_refused("release", zip(sent.releases, result.releases, strict=True))
+        for key in self.loads.acquired(sent.acquires, result.acquires, self._loadable):
+            self.view.discard(key.encode())
+        self.saves.allocated(list(sent.allocates), result.allocates)
+
+    def _lost(self, sent: Sent, error: EcdError) -> None:
+        """The Step did not reach the daemon: owed things are owed again, asked things go
+        without (the requests encode, the outputs are not saved)."""
+        log.warning("ecd Step failed, the cache is skipped this step: %s", error)
+        if sent.generation == self._generation:
+            self.loads.requeue_releases(sent.releases)
+            self.saves.requeue(landed=sent.commits, failed=sent.aborts)
+        self.loads.give_up(sent.acquires)
+        self.saves.give_up(sent.allocates)
+
+    def _void_answer(self, result: StepResult) -> None:
+        """An answer from a daemon that restarted meanwhile, or to a recreated pool: what the
+        Step took in the new session (pins, PENDING entries) nobody here will use: give it back."""
+        leases = [r.lease_id for r in result.acquires if r.status is Status.HIT]
+        allocated = [r.key.decode() for r in result.allocates if r.status is Status.ALLOCATED]
+        self._send("void", releases=leases, aborts=allocated)
+
+    def _log_refused(
+        self, what: str, answers: Iterable[tuple[object, ItemResult | LeaseResult]]
+    ) -> None:
+        for item, answer in answers:
+            if answer.status.is_error and answer.status is not Status.NOT_FOUND:
+                log.warning("ecd refused to %s %s: %s", what, item, answer.message)
+
+    # ---- pins at once --------------------------------------------------------------------------
+
+    def _may_pin_now(self) -> bool:
+        pins = self.config.pins
+        return self.view.synced and (pins == "every" or (pins == "first" and not self._pinned_now))
+
+    def _pin_now(self, keys: list[str]) -> None:
+        """Pin a request's cached items by a synchronous Step: the one round trip a step's
+        scheduler thread may wait on, so the request is not held back a step."""
+        self.rpcs["pin"] += 1
+        self._pinned_now = True
+        started = time.perf_counter()
+        try:
+            acquired = self.client.step(self.config.pool, acquires=keys).acquires
+        except EcdError as error:
+            log.warning("ecd pin failed, the items are encoded: %s", error)
+            self.loads.give_up(keys)
+            return
+        finally:
+            self.blocked_s += time.perf_counter() - started
+        self._check_generation()
+        for key in self.loads.acquired(keys, acquired, self._loadable):
+            self.view.discard(key.encode())
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -8,9 +8,11 @@ pool is mapped on first use, from the step's metadata, and again whenever the da
 Workers start before the scheduler side, so a worker may create the engine's private pool; it
 drops that pool at shutdown (the scheduler side, which drops it otherwise, may never have run).
 
-Each step (vLLM's V2 model runner order): `begin` with the step's orders, `save_present` for
-ordered saves already in the encoder cache, `load` every ordered load into the encoder cache,
-the encoder runs, `save` each newly encoded output that has an order, then `report`.
+Each step (vLLM's V2 model runner order): `begin` with the step's orders, `save_present` copies
+the ordered saves (outputs of an earlier step, kept since or still in the encoder cache), `load`
+every ordered load into the encoder cache, the encoder runs, `save` keeps each newly encoded
+output the step names a save intent (its order comes with a later step, once the scheduler
+knows where it goes), then `report`.
 
 - Only the first pipeline stage builds input embeddings, so only its workers load (every one of
   them: each needs the embeddings) and only its first worker saves (the outputs are identical on
@@ -22,9 +24,11 @@ the encoder runs, `save` each newly encoded output that has an order, then `repo
   the encoder's kernels. A copy is reported only once its event fired, so the scheduler never
   commits bytes still in flight nor releases a pin still being read. Unreported copies are
   reported in a later step.
-- A save order whose output does not match what was allocated (shape, dtype), or that the encoder
-  never produced this step, is reported failed and the scheduler aborts it: only bytes of the
-  announced shape are ever committed.
+- A save order whose output does not match what was allocated (shape, dtype), or whose output
+  is gone (neither kept nor in the encoder cache), is reported failed and the scheduler aborts
+  it: only bytes of the announced shape are ever committed.
+- Kept outputs are references to the encoder's tensors: an intent holds its output's GPU memory
+  one step longer than vLLM would (until its order or its cancellation comes), no more.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class WorkerSide:
         )
         self._mover: TensorMover | None = None
         self._unsaved: set[str] = set()  # this step's save orders not carried out yet
+        self._intents: set[str] = set()  # this step's save intents: outputs to keep
+        self._kept: dict[str, torch.Tensor] = {}  # outputs kept for an order still to come
         self._saving: list[tuple[str, Transfer]] = []
         self._loading: list[tuple[int, Transfer]] = []
         self._saved: list[str] = []
@@ -114,14 +120,19 @@ class WorkerSide:
         self._map(meta.pool)
         if self.saves:
             self._unsaved = set(meta.saves)
+            self._intents = meta.save_intents
+            for key in meta.cancelled:
+                self._kept.pop(key, None)
+            for key in self._unsaved & self._kept.keys():  # launch the copies at once
+                self._save(meta, key, self._kept.pop(key))
 
     def save_present(
         self, meta: ECDaemonConnectorMetadata, encoder_cache: dict[str, torch.Tensor]
     ) -> None:
-        """Ordered saves whose output is already in the encoder cache (encoded in an earlier
-        step): vLLM will not call save_caches for them."""
+        """Ordered saves whose output was not kept but is still in the encoder cache: vLLM
+        will not call save_caches for them."""
         for key in self._unsaved & encoder_cache.keys():
-            self.save(meta, encoder_cache, key)
+            self._save(meta, key, encoder_cache[key])
 
     def load(self, meta: ECDaemonConnectorMetadata, encoder_cache: dict[str, torch.Tensor]) -> None:
         if not self.loads:
@@ -138,11 +149,16 @@ class WorkerSide:
     def save(
         self, meta: ECDaemonConnectorMetadata, encoder_cache: dict[str, torch.Tensor], key: str
     ) -> None:
-        if key not in self._unsaved:
-            return  # not ordered (cached already, no space, or not the saving rank)
+        """A newly encoded output: kept if the step names it a save intent (its entry is being
+        allocated), copied at once if it is ordered already."""
+        if key in self._intents:
+            self._kept[key] = encoder_cache[key]
+        elif key in self._unsaved:
+            self._save(meta, key, encoder_cache[key])
+
+    def _save(self, meta: ECDaemonConnectorMetadata, key: str, tensor: torch.Tensor) -> None:
         self._unsaved.discard(key)
         order = meta.saves[key]
-        tensor = encoder_cache[key]
         if spec_of(tensor) != order.spec:
             log.warning(
                 "not saving %s: output is %s, %s was allocated", key, spec_of(tensor), order.spec
@@ -168,6 +184,7 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
+        self._kept.clear()
         wait_all(transfer for _, transfer in self._saving + self._loading)
         if self._mover is not None:
             self._mover.mapping.close()

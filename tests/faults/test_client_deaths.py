@@ -228,9 +228,9 @@ def test_a_consumer_killed_holding_pins_releases_them_within_one_lease(
     with survivor(shared) as c:
         free_before = c.stats(POOL).pools[0].free_blocks
         tensors = {k: make_tensor(k, 4 * rng.randrange(1, 65536)) for k in keys}
-        assert set(Producer(c, POOL, checksum=True).put_many(tensors).values()) == {
-            PutStatus.STORED
-        }
+        producer = Producer(c, POOL, checksum=True)
+        assert set(producer.put_many(tensors).values()) == {PutStatus.STORED}
+        producer.flush()  # visible to the other process
         victim = interpreters.take().run(
             READER,
             **pool_of(shared),

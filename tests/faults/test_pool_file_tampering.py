@@ -53,7 +53,9 @@ def tampered() -> Iterator[Daemon]:
 def fill(client: Client, pool: str) -> PoolInfo:
     info = client.open_pool(pool, BLOCK, CAPACITY)
     tensors = {k: make_tensor(k, (i + 1) * 5000) for i, k in enumerate(KEYS)}
-    Producer(client, pool, checksum=True).put_many(tensors)
+    producer = Producer(client, pool, checksum=True)
+    producer.put_many(tensors)
+    producer.flush()  # READY for every client before the tampering begins
     return info
 
 

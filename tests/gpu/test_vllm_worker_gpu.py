@@ -51,6 +51,7 @@ class CudaWorker:
         with self.active.maybe_get_output(scheduler_output) as output:
             self.encoder_cache.update({k: v for k, v in encode.items() if k in step.encode})
         finish_step(engine.connector, None if output.is_empty() else output)
+        engine.answered()  # a step outlasts the daemon's round trips
         return step.load
 
     def close(self) -> None:

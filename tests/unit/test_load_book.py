@@ -117,7 +117,7 @@ def test_unknown_transfer_reports_change_nothing() -> None:
 def test_giving_up_on_wanted_keys_lets_their_requests_encode() -> None:
     book = LoadBook(1)
     book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
-    book.give_up_wanted()
+    book.give_up()
     assert book.wanted() == []
     assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
 
@@ -136,3 +136,38 @@ def test_releases_that_did_not_reach_the_daemon_are_sent_again() -> None:
     releases = book.take_releases()
     book.requeue_releases(releases)
     assert book.take_releases() == [7]
+
+
+def test_a_key_whose_acquire_is_on_its_way_keeps_its_requests_held_and_is_not_asked_twice() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.take_wanted() == ["k"]
+    assert not book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.wanted() == [] and book.take_wanted() == []
+    book.acquired(["k"], [hit("k", 3)], lambda spec: True)
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    assert book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0)
+
+
+def test_a_pin_that_arrives_after_its_requests_went_is_released() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    book.take_wanted()
+    book.forget("r1")
+    book.acquired(["k"], [hit("k", 5)], lambda spec: True)
+    assert not book.pinned("k") and book.take_releases() == [5]
+
+
+def test_an_acquire_that_failed_lets_its_requests_encode() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    book.give_up(book.take_wanted())
+    assert not book.busy()
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+
+
+def test_the_wanted_keys_of_one_request() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["a", "b"], ready("a", "b"), now=0.0, wait_s=0.0)
+    book.admit("r2", ["b", "c"], ready("b", "c"), now=0.0, wait_s=0.0)
+    assert book.wanted("r1") == ["a", "b"] and sorted(book.wanted()) == ["a", "b", "c"]

@@ -1,5 +1,6 @@
-"""SaveBook alone (the vLLM scheduler side's saves): planned -> copying -> landed or failed, and
-only the saving rank's report moves a save forward."""
+"""SaveBook alone (the vLLM scheduler side's saves): planned -> allocating (an intent the worker
+keeps the output for) -> ordered or cancelled -> copying -> landed or failed; only the saving
+rank's report moves a save forward."""
 
 from __future__ import annotations
 
@@ -21,18 +22,52 @@ def copying_book(*keys: str) -> SaveBook:
     book = SaveBook()
     for key in keys:
         book.plan(key, SPEC)
-    planned = book.take_planned()
+    planned = list(book.take_planned())
     book.allocated(planned, [allocated(k) for k in planned])
+    book.take_orders()
     return book
 
 
-def test_a_planned_save_is_ordered_once_allocated() -> None:
+def test_a_planned_save_is_an_intent_until_its_allocate_answers() -> None:
     book = SaveBook()
     book.plan("k", SPEC)
-    planned = book.take_planned()
-    orders = book.allocated(planned, [allocated("k")])
-    assert orders["k"].extents == (Extent(3, 1),) and orders["k"].spec == SPEC
+    assert book.take_planned() == {"k": SPEC}
+    assert book.intents() == {"k"}
+    assert book.take_orders() == ({}, set())  # nothing to order before the answer
     assert book.busy()
+
+
+def test_an_allocated_intent_is_ordered_with_the_next_metadata() -> None:
+    book = SaveBook()
+    book.plan("k", SPEC)
+    book.allocated(list(book.take_planned()), [allocated("k")])
+    orders, cancelled = book.take_orders()
+    assert orders["k"].extents == (Extent(3, 1),) and orders["k"].spec == SPEC
+    assert cancelled == set() and book.intents() == set()
+    assert book.take_orders() == ({}, set())  # ordered once
+
+
+def test_exists_pending_no_space_and_errors_cancel_the_intent() -> None:
+    book = SaveBook()
+    for key in ("a", "b", "c", "d"):
+        book.plan(key, SPEC)
+    planned = list(book.take_planned())
+    results = [
+        answered("a", Status.EXISTS),
+        answered("b", Status.PENDING),
+        answered("c", Status.NO_SPACE),
+        answered("d", Status.INVALID_ARGUMENT),
+    ]
+    book.allocated(planned, results)
+    assert book.take_orders() == ({}, {"a", "b", "c", "d"})
+    assert not book.busy()
+
+
+def test_an_allocate_that_never_reached_the_daemon_cancels_its_intents() -> None:
+    book = SaveBook()
+    book.plan("k", SPEC)
+    book.give_up(list(book.take_planned()))
+    assert book.take_orders() == ({}, {"k"})
 
 
 def test_a_key_planned_twice_is_saved_once() -> None:
@@ -40,20 +75,8 @@ def test_a_key_planned_twice_is_saved_once() -> None:
     book.plan("k", SPEC)
     book.plan("k", SPEC)
     assert list(book.take_planned()) == ["k"]
-
-
-def test_exists_pending_and_no_space_order_nothing() -> None:
-    book = SaveBook()
-    for key in ("a", "b", "c"):
-        book.plan(key, SPEC)
-    planned = book.take_planned()
-    results = [
-        answered("a", Status.EXISTS),
-        answered("b", Status.PENDING),
-        answered("c", Status.NO_SPACE),
-    ]
-    assert book.allocated(planned, results) == {}
-    assert not book.busy()
+    book.plan("k", SPEC)  # its allocation is on its way: not planned again
+    assert book.take_planned() == {}
 
 
 def test_a_reported_copy_is_committed_and_a_failed_one_aborted() -> None:
@@ -79,9 +102,16 @@ def test_a_commit_that_did_not_reach_the_daemon_is_sent_again() -> None:
     assert book.take_landed() == ["k"]
 
 
-def test_voiding_forgets_every_unfinished_save() -> None:
-    book = copying_book("a", "b")
-    book.report(saved=["a"], failed=[])
+def test_voiding_forgets_every_unfinished_save_and_cancels_every_intent_and_order() -> None:
+    book = copying_book("copying")
+    book.report(saved=["copying"], failed=[])
+    book.plan("ordered", SPEC)
+    book.plan("allocating", SPEC)
+    planned = list(book.take_planned())
+    book.allocated(["ordered"], [allocated("ordered")])
+    assert set(planned) == {"ordered", "allocating"}
     book.void()
-    assert not book.busy()
     assert book.take_landed() == []
+    assert book.take_orders() == ({}, {"ordered", "allocating"})
+    book.allocated(["allocating"], [allocated("allocating")])  # a late answer: ignored
+    assert book.take_orders() == ({}, set()) and not book.busy()

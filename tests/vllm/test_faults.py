@@ -19,7 +19,7 @@ ITEM_BYTES = ROWS * WIDTH * 2
 def test_an_item_evicted_before_its_pin_was_taken_is_encoded_instead(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
-    e = engine()
+    e = engine(extra={"ecd_pins": "ahead"})
     e.save("r0", "img-a")
     r1 = request("r1", "img-a")
     assert not e.connector.ensure_cache_available(r1, 0)  # the pool has it: wait for a pin
@@ -38,7 +38,8 @@ def test_this_steps_allocations_never_evict_an_item_pinned_for_loading(
     _, result = e.admit(request("r1", "img-a", "img-new"))  # load one, encode the other
     assert result.step.load == {"img-a"} and result.step.encode == {"img-new": ROWS}
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
-    assert not result.step.metadata.saves  # NO_SPACE: the pinned entry stayed
+    # NO_SPACE: the pinned entry stayed, and the output kept for saving is let go.
+    assert e.schedule().metadata.cancelled == {"img-new"}
     with daemon.client() as c:
         assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.READY
 
@@ -49,8 +50,9 @@ def test_a_daemon_restart_fails_only_the_requests_whose_loads_were_in_flight(
     e = engine(pool="durable")
     e.save("r0", "img-a")
     r1 = request("r1", "img-a")
-    e.step(r1)
-    replies = e.run(e.schedule([r1, request("r2", "img-b")]))
+    step = e.schedule([r1, request("r2", "img-b")])  # r1 loads, r2 encodes
+    assert step.load == {"img-a"}
+    replies = e.run(step)
     epoch = e.scheduler.client.boot_epoch
     daemon.restart()  # SIGKILL, then a new daemon re-adopts the pool's READY entries
     wait_until(lambda: e.scheduler.client.boot_epoch != epoch)
@@ -83,7 +85,8 @@ def test_a_worker_killed_mid_save_leaves_nothing_pending_once_its_engine_stops(
 ) -> None:
     producer = engine(role="ec_producer", pool="shared")
     consumer = engine(role="ec_consumer", pool="shared")
-    producer.schedule([request("p1", "img-a")])  # allocated: PENDING in the daemon
+    producer.schedule([request("p1", "img-a")])
+    producer.answered()  # allocated: PENDING in the daemon
     producer.workers[0].kill()  # before it copied anything
     result = consumer.step(request("c1", "img-a"))
     assert result.step.encode == {"img-a": ROWS}  # not waited for, not loaded: encoded
@@ -105,9 +108,7 @@ def test_a_worker_killed_mid_load_leaves_no_pin_once_its_engine_stops(
 ) -> None:
     e = engine(pool="shared")
     e.save("r0", "img-a")
-    r1 = request("r1", "img-a")
-    e.step(r1)  # pinned for r1
-    step = e.schedule([r1])  # the load is ordered...
+    step = e.schedule([request("r1", "img-a")])  # pinned, and the load is ordered...
     assert step.load == {"img-a"}
     e.workers[0].kill()  # ...and its worker dies before reporting it
     e.close()

@@ -1,9 +1,10 @@
 """One ec_both engine (scheduler here, one worker process) driven in vLLM's per-step call order.
 
-Proves: an encoded item is saved and committed only after the worker reported its copy; a later
-request loads it bit-identical instead of encoding it; the pin is taken before the scheduler is
-told "load" and released once the load is reported; a step costs at most one RPC of each kind
-and a miss costs none.
+Proves: an encoded output is kept by the worker until its entry is allocated, copied the next
+step, and committed only after the worker reported its copy; a later request loads it
+bit-identical instead of encoding it, without waiting a step (its pin is taken at once, before
+the scheduler is told "load"), or one step later with `ecd_pins: ahead`; the pin goes once the
+load is reported; a step costs at most one RPC of each purpose and a miss costs none.
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ def test_an_encoded_item_is_committed_only_after_the_worker_reported_its_copy(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine()
-    step = e.schedule([request("r1", "img-a")])
-    assert step.encode == {"img-a": 16} and "img-a" in step.metadata.saves
+    first = e.schedule([request("r1", "img-a")])
+    assert first.encode == {"img-a": 16}
+    assert first.metadata.save_intents == {"img-a"} and not first.metadata.saves
+    e.finish(e.run(first))  # the worker kept the output: its entry is being allocated
+    e.answered()
     with daemon.client() as c:
         assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.PENDING
-        e.finish(e.run(step))  # the worker copied and reported it
+        second = e.schedule()
+        assert set(second.metadata.saves) == {"img-a"}  # the order comes with the next step
+        replies = e.run(second)  # the worker copied what it kept, and reports it
+        assert replies[0].saved_here == ["img-a"]
         assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.PENDING
-        e.step()  # the next step's flush commits
+        e.finish(replies)  # the report: committed at once
+        e.answered()
         assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.READY
     assert not e.connector.has_pending_push_work()
 
@@ -37,7 +45,7 @@ def test_an_item_saved_in_one_step_is_loaded_bit_identical_in_a_later_step(
     held, result = e.admit(request("r2", "img-a"))
     assert result.step.load == {"img-a"} and not result.step.encode
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
-    assert held == 1  # one step to take the pin
+    assert held == 0  # pinned at once: not held back
 
 
 def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_after_the_load(
@@ -45,16 +53,37 @@ def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_afte
 ) -> None:
     e = engine()
     e.save("r1", "img-a")
-    r2 = request("r2", "img-a")
     with daemon.client() as c:
-        first = e.step(r2)
-        assert first.step.held == {"r2"}
-        assert c.stats(e.pool).pools[0].pins == 1  # pinned, and only now may it be promised
-        second = e.step(r2)
-        assert second.step.load == {"img-a"}
+        step = e.schedule([request("r2", "img-a")])
+        assert step.load == {"img-a"} and not step.held
+        assert c.stats(e.pool).pools[0].pins == 1  # pinned before it was promised
+        replies = e.run(step)
         assert c.stats(e.pool).pools[0].pins == 1  # held while the load is unreported
-        e.settle()
+        e.finish(replies)
+        e.answered()
         assert c.stats(e.pool).pools[0].pins == 0
+
+
+def test_with_pins_ahead_a_request_waits_one_step_for_its_pin(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(extra={"ecd_pins": "ahead"})
+    e.save("r1", "img-a")
+    rpcs = e.scheduler.rpcs.copy()
+    held, result = e.admit(request("r2", "img-a"))
+    assert held == 1 and result.step.load == {"img-a"}
+    assert "pin" not in e.scheduler.rpcs - rpcs  # never a round trip on the scheduler thread
+
+
+def test_only_the_first_request_of_a_step_is_pinned_at_once(engine: EngineFactory) -> None:
+    e = engine()
+    e.step(*[request(f"seed-{i}", f"img-{i}") for i in range(3)])
+    e.settle()
+    step = e.schedule([request(f"r{i}", f"img-{i}") for i in range(3)])
+    assert step.held == {"r1", "r2"} and step.load == {"img-0"}
+    e.finish(e.run(step))
+    e.answered()
+    assert e.schedule([request(f"r{i}", f"img-{i}") for i in (1, 2)]).load == {"img-1", "img-2"}
 
 
 def test_a_miss_costs_no_round_trip(engine: EngineFactory) -> None:
@@ -66,7 +95,7 @@ def test_a_miss_costs_no_round_trip(engine: EngineFactory) -> None:
     assert sum(e.scheduler.rpcs.values()) == before
 
 
-def test_a_step_makes_at_most_one_rpc_of_each_kind_however_many_images(
+def test_a_step_makes_at_most_one_rpc_of_each_purpose_however_many_images(
     engine: EngineFactory,
 ) -> None:
     e = engine()
@@ -80,13 +109,14 @@ def test_a_step_makes_at_most_one_rpc_of_each_kind_however_many_images(
         waiting = [r for r in waiting if r.request_id in result.step.held]
         per_step.append(e.scheduler.rpcs - before)
     assert all(count == 1 for step in per_step for count in step.values()), per_step
-    assert {"commit", "release", "acquire", "allocate"} <= per_step[2].keys(), per_step
+    # a pin at once, the step's flush (pins, allocations, releases), the report's commits
+    assert {"pin", "flush", "report"} <= per_step[2].keys(), per_step
 
 
 def test_a_request_finished_before_its_load_gives_its_pin_back(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
-    e = engine()
+    e = engine(extra={"ecd_pins": "ahead"})
     e.save("r1", "img-a")
     r2 = request("r2", "img-a")
     e.step(r2)  # held back: the pin is taken for it

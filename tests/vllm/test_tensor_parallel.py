@@ -1,14 +1,14 @@
 """TP=2: two worker processes, one per rank, their outputs folded by vLLM's ECOutputAggregator.
 
-Proves: only rank 0 saves, every rank loads; a load's pin is held until both ranks reported its
-transfer ID; a rank repeating its report, or a late report of an earlier load of the same item,
-releases nothing.
+Proves: only rank 0 saves (and keeps outputs for saving), every rank loads; a load's pin is held
+until both ranks reported its transfer ID; a rank repeating its report, or a late report of an
+earlier load of the same item, releases nothing.
 """
 
 from __future__ import annotations
 
 from ecd_testing import Daemon
-from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
+from vllm_testing import Engine, EngineFactory, WorkerReply, digest, encoder_output, request
 
 
 def pins(daemon: Daemon, e: Engine) -> int:
@@ -25,7 +25,8 @@ def cached_engine(engine: EngineFactory) -> Engine:
 
 def test_only_rank_0_saves_and_every_rank_loads(engine: EngineFactory) -> None:
     e = engine(tp=2)
-    saved = e.step(request("r1", "img-a"))
+    e.step(request("r1", "img-a"))  # encoded; its entry is being allocated
+    saved = e.step()  # the order: rank 0 copies what it kept
     assert [r.saved_here for r in saved.replies] == [["img-a"], []]
     e.settle()
     _, loaded = e.admit(request("r2", "img-a"))
@@ -33,18 +34,26 @@ def test_only_rank_0_saves_and_every_rank_loads(engine: EngineFactory) -> None:
     assert [r.loaded for r in loaded.replies] == [{"img-a": expected}] * 2
 
 
+def loading(e: Engine, request_id: str = "r1") -> list[WorkerReply]:
+    """A step that loads img-a (pinned at once), run on both ranks, not yet reported."""
+    step = e.schedule([request(request_id, "img-a")])
+    assert step.load == {"img-a"}
+    return e.run(step)
+
+
+def reported(e: Engine, replies: list[WorkerReply]) -> None:
+    e.finish(replies)
+    e.answered()
+
+
 def test_a_load_pin_is_held_until_both_ranks_reported(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = cached_engine(engine)
-    r1 = request("r1", "img-a")
-    e.step(r1)  # held back while the pin is taken
-    rank0, rank1 = e.run(e.schedule([r1]))
-    e.finish([rank0])
-    e.step()  # a flush: nothing to release yet
+    rank0, rank1 = loading(e)
+    reported(e, [rank0])
     assert pins(daemon, e) == 1
-    e.finish([rank1])
-    e.step()
+    reported(e, [rank1])
     assert pins(daemon, e) == 0
 
 
@@ -52,12 +61,9 @@ def test_a_rank_repeating_its_report_does_not_release_the_pin(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = cached_engine(engine)
-    r1 = request("r1", "img-a")
-    e.step(r1)
-    rank0, _ = e.run(e.schedule([r1]))
-    e.finish([rank0])
-    e.finish([rank0])
-    e.step()
+    rank0, _ = loading(e)
+    reported(e, [rank0])
+    reported(e, [rank0])
     assert pins(daemon, e) == 1
 
 
@@ -65,16 +71,11 @@ def test_a_late_report_of_an_earlier_load_does_not_release_a_newer_pin(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = cached_engine(engine)
-    r1, r2 = request("r1", "img-a"), request("r2", "img-a")
-    e.step(r1)
-    first = e.run(e.schedule([r1]))
-    e.finish(first)
-    e.step(r2)  # the first pin is released, a new one taken for r2
-    second = e.run(e.schedule([r2]))
+    first = loading(e, "r1")
+    reported(e, first)  # the first pin is released
+    second = loading(e, "r2")  # a new one taken for r2
     assert second[0].loaded and pins(daemon, e) == 1
-    e.finish(first)  # the earlier load's reports, again
-    e.step()
+    reported(e, first)  # the earlier load's reports, again
     assert pins(daemon, e) == 1
-    e.finish(second)
-    e.step()
+    reported(e, second)
     assert pins(daemon, e) == 0

@@ -10,6 +10,7 @@ whatever their pipeline stage.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from unittest.mock import patch
 
@@ -81,12 +82,32 @@ def test_a_worker_that_cannot_reach_the_daemon_at_start_maps_the_pool_on_first_u
 ) -> None:
     e = engine(workers=False)
     w = worker(EngineSpec(UNREACHABLE, instance_id=e.spec.instance_id, extra=QUICK))
-    metadata = e.schedule([request("r1", "img-a")]).metadata
-    assert isinstance(metadata, ECDaemonConnectorMetadata)
-    w.begin(metadata)
-    w.save(metadata, {"img-a": encoder_output("img-a")}, "img-a")
+    first = e.schedule([request("r1", "img-a")]).metadata
+    assert isinstance(first, ECDaemonConnectorMetadata)
+    w.begin(first)
+    w.save(first, {"img-a": encoder_output("img-a")}, "img-a")  # kept: allocation on its way
+    assert w.report() is None
+    e.answered()
+    second = e.schedule().metadata
+    assert isinstance(second, ECDaemonConnectorMetadata)
+    w.begin(second)  # the order: the kept output is copied
     report = w.report()
     assert report is not None and report.saved == ["img-a"]
+
+
+def test_a_cancelled_intent_lets_the_kept_output_go(engine: EngineFactory) -> None:
+    e = engine(workers=False)
+    w = worker(e.spec)
+    output = encoder_output("img-a")
+    intent = ECDaemonConnectorMetadata(
+        pool=e.scheduler.client.pool_info(e.pool), save_intents={"img-a"}
+    )
+    w.begin(intent)
+    w.save(intent, {"img-a": output}, "img-a")
+    kept = sys.getrefcount(output)
+    w.begin(ECDaemonConnectorMetadata(pool=intent.pool, cancelled={"img-a"}))
+    assert sys.getrefcount(output) == kept - 1  # no longer kept
+    assert w.report() is None
 
 
 def test_a_worker_of_a_later_pipeline_stage_neither_loads_nor_saves(daemon: Daemon) -> None:
