@@ -265,11 +265,16 @@ def mooncake_engine() -> Any:
 class MooncakeTransport:
     """Mooncake Transfer Engine, P2P handshake: the endpoint is `host:port` of the engine's
     handshake listener (a random port in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 by
-    default; the data port is another one); both listen on every interface.
+    default; the data port is another one). Both listen on every interface and authenticate
+    nobody: whoever reaches them can read and write every registered region.
 
-    Reads are the engine's asynchronous reads, submitted and polled on a worker thread: its
-    synchronous read busy-polls (1.5-1.7 cores busy during a TCP read here, and slower). A first
-    read from a peer also connects and handshakes on that thread.
+    Reads are the engine's asynchronous reads, submitted and polled on a worker thread (its
+    synchronous read busy-polls: 1.5-1.7 cores busy during a TCP read here, and slower). How long
+    until a hopeless read is over (0.3.13.post1, TCP): a killed peer fails it within ~25 ms; a
+    peer that stops answering mid-transfer, after MC_TCP_PROGRESS_TIMEOUT_SEC without progress
+    (30 s); a first read from a peer whose handshake port accepts but never answers waits 60 s
+    (fixed in the engine) before it even starts. A worker busy with such a read is not free for
+    others: `max_reads` bounds them.
     """
 
     def __init__(

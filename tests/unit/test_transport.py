@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ecd_testing import run_python
 from hypothesis import given
 from hypothesis import strategies as st
 from peer_testing import DATA_OFFSET, data_of, needs_mooncake, pool_file
@@ -30,6 +31,12 @@ from ec_daemon.transport import (
 )
 
 BLOCK = 4096
+
+
+def test_the_daemon_loads_the_mooncake_engine_only_when_it_makes_a_mooncake_transport() -> None:
+    done = run_python("import sys, ec_daemon.transport; assert 'mooncake' not in sys.modules")
+    assert done.returncode == 0, done.stderr
+
 
 # ---- planning ------------------------------------------------------------------------------------
 
