@@ -63,7 +63,7 @@ class Source:
 
     def close(self) -> None:
         self.proc.kill()
-        self.proc.wait()
+        self.proc.communicate(timeout=30)  # reaps it and closes the pipes
 
 
 @pytest.fixture(scope="module")
