@@ -3,21 +3,22 @@ holds (DESIGN §13). Pure: no I/O, no clock of its own; `peer_follower` feeds it
 Watch streams (a snapshot of READY keys, then commit, evict, abort, delete and drop events).
 
 What it knows is a hint for routing a local miss to a peer, never a promise: the pull pins the
-entry on the peer (Acquire) before it reads, and a peer that no longer has it answers MISS.
-So a key is kept as its 64-bit hash rather than its bytes. A collision (odds about n / 2**64 per
-lookup, n the keys known) names a peer that lacks the key: one remote miss, never wrong bytes.
+entry on the peer (Acquire) before it reads, and a peer that no longer has it answers MISS. Keys
+are kept as bytes, although 64-bit hashes would take ~77 B whatever the key's length, because the
+daemon will also tell its own watchers (the vLLM connector's ready view) which keys its peers
+hold, and take them back one by one when a peer is lost.
 
-Scale. Memory is about 80 bytes per (peer, READY key), whatever the key's length (measured:
-~77-78 B, hashes in a set; the key bytes themselves would cost ~139 B for a 64-byte mm_hash hex
-digest, ~331 B for a 256-byte key): 8 peers of 65,536 entries each ~40 MB, 32 peers ~165 MB.
-Events: every commit and eviction anywhere reaches every other daemon, so with N daemons each
-making r events/s, each daemon applies (N - 1) x r events/s and the fleet N x (N - 1) x r; a
-peer that restarts or reconnects sends its whole snapshot again. Applying them is mostly gRPC
-and protobuf: a follower took in a 50,000-key snapshot at 7,000-10,000 events/s here (2 cores
-shared with the peer daemon), so 1,000 events/s costs a daemon about a tenth of a core. Beyond
-a few million (peer, key) pairs, or a few thousand events/s per daemon, a directory service
-(sharded by key, fed by the same Watch streams) should answer `holders` instead: it is the one
-question the pull asks, so it is the seam where that service plugs in.
+Scale. Memory is about 170 bytes per (peer, READY key) for a 64-byte key such as an mm_hash hex
+digest (measured in a follower: 168 B; ~330 B for a 256-byte key): 8 peers of 65,536 entries each
+~90 MB, 32 peers ~350 MB. Events: every commit and eviction anywhere reaches every other daemon,
+so with N daemons each making r events/s, each daemon applies (N - 1) x r events/s and the fleet
+N x (N - 1) x r; a peer that restarts or reconnects sends its whole snapshot again. Applying them
+is mostly gRPC and protobuf: a follower took in a 50,000-key snapshot at 7,000-10,000 events/s
+here (2 cores shared with the peer daemon), so 1,000 events/s costs a daemon about a tenth of a
+core. Beyond about a million (peer, key) pairs (~170 MB), or a few thousand events/s per
+daemon, a directory service (sharded by key, fed by the same Watch streams) should answer
+`holders` instead: it is the one question the pull asks, so it is the seam where that service
+plugs in.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class _Peer:
     state: PeerState = PeerState.CONNECTING
     boot_epoch: str = ""
     error: str = ""
-    pools: dict[str, set[int]] = field(default_factory=dict)  # engine_id -> hashes of READY keys
+    pools: dict[str, set[bytes]] = field(default_factory=dict)  # engine_id -> READY keys
 
     def forget(self) -> None:
         self.pools.clear()
@@ -140,9 +141,9 @@ class PeerDirectory:
         elif event.type is EventType.POOL_DROPPED:
             peer.pools.pop(event.engine_id, None)
         elif event.type in _ADDS:
-            peer.pools.setdefault(event.engine_id, set()).add(hash(event.key))
+            peer.pools.setdefault(event.engine_id, set()).add(event.key)
         elif event.type in _REMOVES and event.engine_id in peer.pools:
-            peer.pools[event.engine_id].discard(hash(event.key))
+            peer.pools[event.engine_id].discard(event.key)
 
     def broken(self, address: str, why: str) -> None:
         """Its stream ended or its connection failed: what it held is unknown until it resyncs."""
@@ -154,11 +155,8 @@ class PeerDirectory:
 
     def holders(self, engine_id: str, key: bytes) -> list[str]:
         """Addresses of the peers known to hold `key` READY in their pool `engine_id`."""
-        digest = hash(key)
         return [
-            address
-            for address, peer in self._peers.items()
-            if digest in peer.pools.get(engine_id, ())
+            address for address, peer in self._peers.items() if key in peer.pools.get(engine_id, ())
         ]
 
     def views(self) -> list[PeerView]:
