@@ -206,6 +206,5 @@ class PeerSet:
         tasks = list(self._followers.values())
         for task in tasks:
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._followers.clear()
