@@ -5,20 +5,34 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install proto run test test-gpu gpu-wheels gpu-check test-faults test-fuzz test-load bench \
-	lint format clean
+.PHONY: install native-libs proto run test test-gpu gpu-wheels gpu-check test-faults test-fuzz \
+	test-load bench lint format clean
 
-install: $(STAMP)
+install: $(STAMP) native-libs
 
 # torch first, pinned: a bare torch requirement with no torch installed would pull a CUDA build.
 $(STAMP): pyproject.toml requirements-vllm.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,mooncake]'
 	$(PY) -m pip install --quiet --no-deps vllm==0.33.0
 	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
 	touch $@
+
+# The Mooncake transfer engine (the mooncake extra) loads the system's RDMA library, libibverbs1.
+# Idempotent: installed with apt-get when missing and make runs as root; otherwise only said (the
+# tests that need the engine then skip, saying why).
+native-libs:
+	@if { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
+	elif [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make: installing libibverbs1 for the Mooncake transfer engine" >&2; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; \
+	else \
+		echo "make: libibverbs1 is missing (apt-get install libibverbs1 as root):" \
+			"the Mooncake tests will skip" >&2; \
+	fi
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
@@ -26,7 +40,7 @@ proto: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/ecd serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) native-libs
 	sh deploy/ci/install-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -69,7 +83,7 @@ gpu-check:
 # their own targets run them in full. -m "slow or not slow" lifts the deselection.
 # Fault injection: 50 trials of each randomized fault kind, the slow ones too (4 GiB warm
 # restart); ECD_FAULT_SEED=N replays, ECD_FAULT_JSON=FILE keeps the tally and figures.
-test-faults: $(STAMP)
+test-faults: $(STAMP) native-libs
 	ECD_FAULT_TRIALS=$${ECD_FAULT_TRIALS:-50} $(PY) -m pytest tests/faults -m "slow or not slow" $(PYTEST_ARGS)
 
 # Hostile input: the long hypothesis profile, over 10,000 cases; ECD_FUZZ_JSON=FILE keeps counts.
