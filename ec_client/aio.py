@@ -160,10 +160,10 @@ class AsyncClient:
             _wire.step(
                 engine_id,
                 releases,
-                _wire.commit_items(commits, checksums),
+                _wire.commit_pairs(commits, checksums),
                 aborts,
                 acquires,
-                _wire.allocate_items(allocates),
+                allocates,
             )
         )
 

@@ -327,10 +327,10 @@ class Client:
         call = _wire.step(
             engine_id,
             parcel.release_ids() + list(releases),
-            parcel.commit_items() + _wire.commit_items(commits, checksums),
+            parcel.commit_pairs() + _wire.commit_pairs(commits, checksums),
             parcel.abort_keys() + list(map(key_bytes, aborts)),
             acquires,
-            _wire.allocate_items(allocates),
+            allocates,
         )
         try:
             result = self._run(call)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ec_client import _wire
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.errors import EcdError
 from ec_client.types import StepResult
 
@@ -71,11 +70,8 @@ class Parcel:
     def release_ids(self) -> list[int]:
         return [d.lease_id for d in self.releases]
 
-    def commit_items(self) -> list[pb.CommitItem]:
-        return [
-            pb.CommitItem(key=d.key, checksum=d.checksum() if d.checksum else 0)
-            for d in self.commits
-        ]
+    def commit_pairs(self) -> list[tuple[bytes, int]]:
+        return [(d.key, d.checksum() if d.checksum else 0) for d in self.commits]
 
     def abort_keys(self) -> list[bytes]:
         return [d.key for d in self.aborts]
@@ -295,7 +291,7 @@ def send_parcel(
 
     def send(engine_id: str, parcel: Parcel) -> None:
         call = _wire.step(
-            engine_id, parcel.release_ids(), parcel.commit_items(), parcel.abort_keys()
+            engine_id, parcel.release_ids(), parcel.commit_pairs(), parcel.abort_keys()
         )
         try:
             parcel.settle(run(call))

@@ -94,9 +94,10 @@ class Extent:
         return self.start + self.count
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TensorSpec:
-    """Shape and dtype of a stored tensor, so a consumer can rebuild it without the model."""
+    """Shape and dtype of a stored tensor, so a consumer can rebuild it without the model.
+    Slotted, not frozen: built per item on the hot path (see ItemResult); never changed."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -132,7 +133,12 @@ class PoolInfo:
     created: bool
 
 
-@dataclass(frozen=True)
+# The results of item calls are built once per item on both sides of every hot-path call, so
+# they are plain slotted dataclasses: a frozen one costs four times as much to build (measured:
+# 0.66 against 0.15 us). Treat them as values all the same.
+
+
+@dataclass(slots=True)
 class ItemResult:
     """One item's answer to a batched call: its status and, for errors, what was wrong."""
 
@@ -141,12 +147,12 @@ class ItemResult:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AllocateResult(ItemResult):
     extents: tuple[Extent, ...]  # ALLOCATED: where to write, in order
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AcquireResult(ItemResult):
     """On HIT: the pin's lease (release it once the bytes are read), where the bytes are, and
     what they hold; zero and empty otherwise."""
@@ -157,7 +163,7 @@ class AcquireResult(ItemResult):
     checksum: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LeaseResult:
     """Release's answer for one lease (pins are named by lease, not by key)."""
 
@@ -177,7 +183,7 @@ class StepResult:
     allocates: list[AllocateResult]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LookupResult:
     key: bytes
     state: EntryState

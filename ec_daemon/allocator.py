@@ -25,7 +25,7 @@ class ExtentAllocator:
         self._by_start: SortedDict = SortedDict()  # start -> count
         self._by_size: SortedList = SortedList()  # (count, start)
         self.free_blocks = 0
-        self._insert(Extent(0, num_blocks))
+        self._insert(0, num_blocks)
 
     @classmethod
     def with_used(cls, num_blocks: int, used: list[Extent]) -> ExtentAllocator:
@@ -59,9 +59,9 @@ class ExtentAllocator:
         i = self._by_size.bisect_left((count, -1))
         if i < len(self._by_size):
             run_count, run_start = self._by_size[i]
-            self._remove(Extent(run_start, run_count))
+            self._remove(run_start, run_count)
             if run_count > count:
-                self._insert(Extent(run_start + count, run_count - count))
+                self._insert(run_start + count, run_count - count)
             return [Extent(run_start, count)]
         chosen: list[Extent] = []
         remaining = count
@@ -84,11 +84,11 @@ class ExtentAllocator:
         run = Extent(*self._by_start.peekitem(i))
         if extent.end > run.end:
             raise ValueError(f"{extent} is not free")
-        self._remove(run)
+        self._remove(run.start, run.count)
         if run.start < extent.start:
-            self._insert(Extent(run.start, extent.start - run.start))
+            self._insert(run.start, extent.start - run.start)
         if extent.end < run.end:
-            self._insert(Extent(extent.end, run.end - extent.end))
+            self._insert(extent.end, run.end - extent.end)
 
     def free(self, extents: list[Extent] | tuple[Extent, ...]) -> None:
         """Return extents to the pool, merging each with free neighbours."""
@@ -102,7 +102,7 @@ class ExtentAllocator:
                 if prev.end > start:
                     raise ValueError(f"double free: {extent} overlaps free {prev}")
                 if prev.end == start:
-                    self._remove(prev)
+                    self._remove(prev.start, prev.count)
                     start = prev.start
             j = self._by_start.bisect_left(extent.start)
             if j < len(self._by_start):
@@ -110,9 +110,9 @@ class ExtentAllocator:
                 if nxt.start < end:
                     raise ValueError(f"double free: {extent} overlaps free {nxt}")
                 if nxt.start == end:
-                    self._remove(nxt)
+                    self._remove(nxt.start, nxt.count)
                     end = nxt.end
-            self._insert(Extent(start, end - start))
+            self._insert(start, end - start)
 
     def free_runs(self) -> list[Extent]:
         return [Extent(start, count) for start, count in self._by_start.items()]
@@ -126,12 +126,14 @@ class ExtentAllocator:
             assert a.end < b.start, f"free runs {a} and {b} touch or overlap"
         assert all(e.start >= 0 and e.end <= self.num_blocks for e in runs)
 
-    def _insert(self, extent: Extent) -> None:
-        self._by_start[extent.start] = extent.count
-        self._by_size.add((extent.count, extent.start))
-        self.free_blocks += extent.count
+    # Runs as plain (start, count) here: an Extent per run costs as much as the index update.
 
-    def _remove(self, extent: Extent) -> None:
-        del self._by_start[extent.start]
-        self._by_size.remove((extent.count, extent.start))
-        self.free_blocks -= extent.count
+    def _insert(self, start: int, count: int) -> None:
+        self._by_start[start] = count
+        self._by_size.add((count, start))
+        self.free_blocks += count
+
+    def _remove(self, start: int, count: int) -> None:
+        del self._by_start[start]
+        self._by_size.remove((count, start))
+        self.free_blocks -= count

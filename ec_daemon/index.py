@@ -33,7 +33,7 @@ from ec_daemon.allocator import ExtentAllocator
 from ec_daemon.eviction import EvictionPolicy
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     key: bytes
     spec: TensorSpec
@@ -54,7 +54,7 @@ class Entry:
         return sum(e.count for e in self.extents)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Outcome:
     """The result of one item: a status, a message for errors, and the entry where one applies."""
 

@@ -6,6 +6,7 @@ batch fails alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
@@ -15,7 +16,6 @@ from ec_client.layout import (
     MAX_COMPAT_KEY_BYTES,
     MAX_KEY_BYTES,
     MAX_NDIM,
-    tensor_nbytes,
 )
 from ec_client.types import TensorSpec
 from ec_daemon.errors import Code, CoreError
@@ -61,25 +61,22 @@ def key_problem(key: bytes) -> str | None:
 
 def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
     """The validated spec of an Allocate item, or a message saying what is wrong with it."""
-    problem = key_problem(key)
-    if problem:
-        return problem
-    if spec.dtype not in DTYPES:
-        return f"unknown dtype {spec.dtype!r}: expected one of {', '.join(DTYPES)}"
-    shape = tuple(spec.shape)
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        return key_problem(key) or ""
+    dtype, nbytes, shape = spec.dtype, spec.nbytes, tuple(spec.shape)
+    itemsize = DTYPES.get(dtype)
+    if itemsize is None:
+        return f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}"
     if not 1 <= len(shape) <= MAX_NDIM:
         return f"shape {list(shape)} has {len(shape)} dimensions: expected 1 to {MAX_NDIM}"
-    if any(d <= 0 for d in shape):
+    if min(shape) <= 0:
         return f"shape {list(shape)} has a dimension that is not positive"
-    if spec.nbytes <= 0:
-        return f"nbytes {spec.nbytes} must be positive"
-    expected = tensor_nbytes(shape, spec.dtype)
-    if spec.nbytes != expected:
-        return (
-            f"nbytes {spec.nbytes} disagrees with shape {list(shape)} of {spec.dtype}: "
-            f"expected {expected}"
-        )
-    return TensorSpec(shape, spec.dtype, spec.nbytes)
+    if nbytes <= 0:
+        return f"nbytes {nbytes} must be positive"
+    expected = math.prod(shape) * itemsize[1]
+    if nbytes != expected:
+        return f"nbytes {nbytes} disagrees with shape {list(shape)} of {dtype}: expected {expected}"
+    return TensorSpec(shape, dtype, nbytes)
 
 
 def pool_request(block_size_bytes: int, capacity_bytes: int, compat_key: str) -> None:

@@ -228,16 +228,18 @@ class AllocateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
-    __slots__ = ("key", "status", "message", "extents")
+    __slots__ = ("key", "status", "message", "extents", "runs")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     status: ItemStatus
     message: str
     extents: _containers.RepeatedCompositeFieldContainer[Extent]
-    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., message: _Optional[str] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
+    runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., message: _Optional[str] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("boot_epoch", "results")
@@ -314,7 +316,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResult(_message.Message):
-    __slots__ = ("key", "status", "message", "lease_id", "extents", "tensor", "checksum")
+    __slots__ = ("key", "status", "message", "lease_id", "extents", "tensor", "checksum", "runs")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +324,7 @@ class AcquireResult(_message.Message):
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     status: ItemStatus
     message: str
@@ -329,7 +332,8 @@ class AcquireResult(_message.Message):
     extents: _containers.RepeatedCompositeFieldContainer[Extent]
     tensor: TensorSpec
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., message: _Optional[str] = ..., lease_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., message: _Optional[str] = ..., lease_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., checksum: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
     __slots__ = ("boot_epoch", "results")
