@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ec_client import AllocateItem, Client, Role
+from ec_client import AllocateItem, Client, Role, StepResult
 from ec_client.types import Extent, Key
 from ec_client.units import format_size, parse_size
 
@@ -143,6 +143,76 @@ def bench_control(client: Client, runs: int, iterations: int, report: Report) ->
         },
     )
     client.drop_pool(POOL, force=True)
+
+
+# ---- per-item costs ------------------------------------------------------------------------------
+
+
+def client_costs(items: int, rounds: int) -> dict[str, float]:
+    """Microseconds per item the client spends on a Step carrying one batch of Allocate, Commit,
+    Acquire or Release: building the request, serializing it, parsing the daemon's reply (made
+    up here, as the daemon packs it). Medians over rounds."""
+    from ec_client import _wire
+    from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+
+    keys = [f"img-{i:04d}-0123456789abcdef" for i in range(items)]
+    rows, width = 256, 3584
+    spec = pb.TensorSpec(shape=[rows, width], dtype="bfloat16", nbytes=rows * width * 2)
+    replies = {
+        "Allocate": pb.StepReply(
+            allocates=[
+                pb.AllocateResult(key=k.encode(), status=pb.ITEM_ALLOCATED, runs=[i * rows, rows])
+                for i, k in enumerate(keys)
+            ]
+        ),
+        "Commit": pb.StepReply(
+            commits=[pb.ItemResult(key=k.encode(), status=pb.ITEM_OK) for k in keys]
+        ),
+        "Acquire": pb.StepReply(
+            acquires=[
+                pb.AcquireResult(
+                    key=k.encode(), status=pb.ITEM_HIT, lease_id=i + 1, runs=[i * rows, rows]
+                )
+                for i, k in enumerate(keys)
+            ]
+        ),
+        "Release": pb.StepReply(
+            releases=[pb.LeaseResult(lease_id=i + 1, status=pb.ITEM_OK) for i in range(items)]
+        ),
+    }
+    for result in replies["Acquire"].acquires:
+        result.tensor.CopyFrom(spec)
+    serialized = {name: reply.SerializeToString() for name, reply in replies.items()}
+    calls: dict[str, Callable[[], _wire.Call[StepResult]]] = {
+        "Allocate": lambda: _wire.step(
+            "pool", allocates=[AllocateItem(k, (rows, width), "bfloat16") for k in keys]
+        ),
+        "Commit": lambda: _wire.step("pool", commits=_wire.commit_pairs(keys, None)),
+        "Acquire": lambda: _wire.step("pool", acquires=keys),
+        "Release": lambda: _wire.step("pool", releases=range(1, items + 1)),
+    }
+    costs = {}
+    for name, make in calls.items():
+        samples = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            call = make()
+            call.build("session").SerializeToString()
+            call.parse(pb.StepReply.FromString(serialized[name]))
+            samples.append((time.perf_counter() - started) / items)
+        costs[name] = statistics.median(samples) * 1e6
+    return costs
+
+
+def bench_costs(daemon: dict[str, float], items: int, rounds: int, report: Report) -> None:
+    """The daemon's and the client's microseconds per item, side by side (`daemon`: measured
+    in process by ec_daemon.costs)."""
+    client = client_costs(items, rounds)
+    for name, micros in client.items():
+        report.add(
+            "costs",
+            {"op": f"{name} x{items}", "daemon_us_item": daemon[name], "client_us_item": micros},
+        )
 
 
 # ---- latency of one put, get, miss ---------------------------------------------------------------
@@ -368,6 +438,10 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
 
 
 SECTIONS = {
+    "costs": (
+        "Per item, in process: the daemon's handlers and the client's build + parse (medians)",
+        ["op", "daemon_us_item", "client_us_item"],
+    ),
     "latency": (
         "One entry at a time: put, get and a miss, against a health check (medians of runs)",
         ["op", "p50_us", "p99_us", "p50_vs_health", "p99_vs_health"],
@@ -410,24 +484,32 @@ def render(report: Report) -> str:
     return "\n\n".join(parts)
 
 
-def run(address: str, args: Any) -> Report:
-    report = Report({})
+def run(address: str, args: Any, report: Report | None = None) -> Report:
+    """The suites that need a daemon, added to `report` (which may hold in-process figures)."""
+    report = report or Report({})
     suites = set(args.suite.split(","))
-    with Client(address, name="ecd-bench", role=Role.BOTH) as client:
-        if suites & {"latency", "all"}:
-            size = parse_size(args.load_size)
-            bench_latency(client, args.runs, args.iterations, size, report)
-        if suites & {"control", "all"}:
-            bench_control(client, args.runs, args.iterations, report)
-        if suites & {"data", "all"}:
-            sizes = [parse_size(s) for s in args.sizes.split(",")]
-            bench_data(client, sizes, args.runs, args.batch, report)
-        if suites & {"load", "all"}:
-            counts = [int(n) for n in args.processes.split(",")]
-            bench_load(address, client, counts, parse_size(args.load_size), args.seconds, report)
-        if suites & {"handoff", "all"}:
-            bench_handoff(address, client, args.iterations, report)
+    if suites & {"latency", "control", "data", "load", "handoff", "all"}:
+        with Client(address, name="ecd-bench", role=Role.BOTH) as client:
+            _daemon_suites(address, client, suites, args, report)
     print(render(report))
     if args.output:
         Path(args.output).write_text(json.dumps(report.sections, indent=2))
     return report
+
+
+def _daemon_suites(
+    address: str, client: Client, suites: set[str], args: Any, report: Report
+) -> None:
+    if suites & {"latency", "all"}:
+        size = parse_size(args.load_size)
+        bench_latency(client, args.runs, args.iterations, size, report)
+    if suites & {"control", "all"}:
+        bench_control(client, args.runs, args.iterations, report)
+    if suites & {"data", "all"}:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        bench_data(client, sizes, args.runs, args.batch, report)
+    if suites & {"load", "all"}:
+        counts = [int(n) for n in args.processes.split(",")]
+        bench_load(address, client, counts, parse_size(args.load_size), args.seconds, report)
+    if suites & {"handoff", "all"}:
+        bench_handoff(address, client, args.iterations, report)

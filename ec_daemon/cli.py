@@ -201,13 +201,18 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ec_client import bench
+    from ec_daemon import costs
     from ec_daemon.spawn import spawned_daemon
 
+    report = bench.Report({})
+    if {"costs", "all"} & set(args.suite.split(",")):  # in process: no daemon needed
+        daemon = costs.measure(args.batch * 4, args.iterations * 2)
+        bench.bench_costs(daemon, args.batch * 4, args.iterations * 2, report)
     if not args.spawn:
-        bench.run(args.address or default_target(), args)
+        bench.run(args.address or default_target(), args, report)
         return 0
     with spawned_daemon("--max-bytes", "4GiB", "--log-level", "warning", prefix="ecd-bench-") as a:
-        bench.run(a, args)
+        bench.run(a, args, report)
     return 0
 
 
