@@ -215,13 +215,22 @@ def commit(
     return Call("Commit", build, lambda reply: item_results(reply.results))
 
 
-def abort(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
+def keyed(method: str, engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
+    """Abort, Evict or Delete: a batch of keys of one pool, an ItemResult each."""
+    request_type = getattr(pb, f"{method}Request")
     raw = keys(keys_)
-    return Call(
-        "Abort",
-        lambda sid: pb.AbortRequest(session_id=sid, engine_id=engine_id, keys=raw),
-        lambda reply: item_results(reply.results),
-    )
+
+    def build(sid: str) -> Any:
+        request = request_type(engine_id=engine_id, keys=raw)
+        if "session_id" in request_type.DESCRIPTOR.fields_by_name:
+            request.session_id = sid
+        return request
+
+    return Call(method, build, lambda reply: item_results(reply.results))
+
+
+def abort(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
+    return keyed("Abort", engine_id, keys_)
 
 
 def acquire(
@@ -295,21 +304,11 @@ def lookup(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.LookupResu
 
 
 def evict(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
-    raw = keys(keys_)
-    return Call(
-        "Evict",
-        lambda _: pb.EvictRequest(engine_id=engine_id, keys=raw),
-        lambda reply: item_results(reply.results),
-    )
+    return keyed("Evict", engine_id, keys_)
 
 
 def delete(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
-    raw = keys(keys_)
-    return Call(
-        "Delete",
-        lambda _: pb.DeleteRequest(engine_id=engine_id, keys=raw),
-        lambda reply: item_results(reply.results),
-    )
+    return keyed("Delete", engine_id, keys_)
 
 
 def list_entries(

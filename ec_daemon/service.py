@@ -348,38 +348,30 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AllocateReply:
-        engine_id = validate.engine_id(request.engine_id)
-        validate.batch(len(request.items), self.limits)
-        keys = [item.key for item in request.items]
-        checked = checked_specs(request.items)
-        results = per_item(
-            keys,
-            checked,
-            lambda items: self.store.allocate(request.session_id, engine_id, items),
-            invalid_allocate,
-        )
         reply = pb.AllocateReply(boot_epoch=self.epoch)
-        for r in results:
-            put_allocate_result(reply.results.add(), r, packed=False)
+        self._batch(
+            request.engine_id,
+            [item.key for item in request.items],
+            lambda: checked_specs(request.items),
+            lambda engine_id, items: self.store.allocate(request.session_id, engine_id, items),
+            invalid_allocate,
+            lambda r: put_allocate_result(reply.results.add(), r, packed=False),
+        )
         return reply
 
     @rpc
     async def Commit(
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CommitReply:
-        engine_id = validate.engine_id(request.engine_id)
-        validate.batch(len(request.items), self.limits)
-        keys = [item.key for item in request.items]
-        checked = checked_commits(request.items)
-        results = per_item(
-            keys,
-            checked,
-            lambda items: self.store.commit(request.session_id, engine_id, items),
-            invalid_item,
-        )
         reply = pb.CommitReply(boot_epoch=self.epoch)
-        for r in results:
-            put_item_result(reply.results.add(), r)
+        self._batch(
+            request.engine_id,
+            [item.key for item in request.items],
+            lambda: checked_commits(request.items),
+            lambda engine_id, items: self.store.commit(request.session_id, engine_id, items),
+            invalid_item,
+            lambda r: put_item_result(reply.results.add(), r),
+        )
         return reply
 
     @rpc
@@ -418,15 +410,32 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         run: Callable[[str, list[bytes]], list[api.ItemResult]],
         into: Any,
     ) -> None:
-        """A batch of keys against one pool: validate, run the valid ones, put the results
-        `into` the reply's repeated field, in order."""
+        """A batch of keys against one pool, answered with ItemResults `into` the reply."""
+        self._batch(
+            engine_id,
+            keys,
+            lambda: checked_keys(keys),
+            run,
+            invalid_item,
+            lambda r: put_item_result(into.add(), r),
+        )
+
+    def _batch(
+        self,
+        engine_id: str,
+        keys: Sequence[bytes],
+        check: Callable[[], Sequence[T | str]],
+        run: Callable[[str, list[T]], list[R]],
+        invalid: Callable[[bytes, str], R],
+        put: Callable[[R], None],
+    ) -> None:
+        """A batch of items against one pool: check the pool's name and the batch's size (the
+        whole call fails on those), then each item (one failing alone), run the valid ones, and
+        `put` every result into the reply in the items' order."""
         engine_id = validate.engine_id(engine_id)
         validate.batch(len(keys), self.limits)
-        results = per_item(
-            keys, checked_keys(keys), lambda valid: run(engine_id, valid), invalid_item
-        )
-        for result in results:
-            put_item_result(into.add(), result)
+        for result in per_item(keys, check(), lambda valid: run(engine_id, valid), invalid):
+            put(result)
 
     @rpc
     async def Acquire(

@@ -358,15 +358,9 @@ class Store:
     @staticmethod
     def _entry_info(entry: Entry, now: float) -> api.EntryInfo:
         since = entry.committed_at if entry.state is api.EntryState.READY else entry.created_at
+        e = entry
         return api.EntryInfo(
-            key=entry.key,
-            state=entry.state,
-            spec=entry.spec,
-            extents=entry.extents,
-            pins=entry.pins,
-            producer=entry.producer,
-            checksum=entry.checksum,
-            age_s=now - since,
+            e.key, e.state, e.spec, e.extents, e.pins, e.producer, e.checksum, now - since
         )
 
     # ---- observation ---------------------------------------------------------------------------
