@@ -19,7 +19,7 @@ end of the step that schedules it, each step lasting its scheduler time plus the
 
 ECCPUConnector runs the same sequences through its own scheduler side (in-process bookkeeping
 over a /dev/shm region, no daemon) for comparison. `--pins` lists the ECDaemonConnector pin
-modes to compare (`ecd_pins`: first, ahead, every).
+modes to compare (`ecd_pins`: auto, ahead, every).
 
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
 With `--json`, one line: {"ecd": {"scheduler_us", "held_steps", "held_requests", "rpcs"},
@@ -54,10 +54,10 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from ec_client.units import parse_size
-from ec_client.vllm.config import PIN_MODES
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import finish_step, image_request, offline_config, schedule_step
+from ec_client.vllm.pins import MODES as PIN_MODES
 
 
 @dataclass
@@ -241,12 +241,14 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, str, str, float], Outcome] = {}
     for name, pins in contenders:
         warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
-        one_run(name, warm, "burst", args.address, pins if pins != "-" else "first")
+        one_run(name, warm, "burst", args.address, pins if pins != "-" else PIN_MODES[0])
         for step_ms in step_times:
             workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
             for pattern in patterns:
                 runs = [
-                    one_run(name, workload, pattern, args.address, pins if pins != "-" else "first")
+                    one_run(
+                        name, workload, pattern, args.address, pins if pins != "-" else PIN_MODES[0]
+                    )
                     for _ in range(args.runs)
                 ]
                 results[(name, pins, pattern, step_ms)] = median_outcome(runs)

@@ -17,12 +17,13 @@ Keys of `ec_connector_extra_config`:
   pool yet (another engine may be encoding it), before encoding it itself. Default 0.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon is unreachable. Default 2.
-- `ecd_pins`: when a request's cached items are pinned (see scheduler.py). `first` (default):
-  the first such request of a scheduler step has them pinned at once, by one round trip on the
-  scheduler thread, and is not held back; the others of that step have theirs pinned in the
-  background and wait one step. `ahead`: always in the background (no round trip on the
-  scheduler thread; every request with cached items waits one step). `every`: every such request
-  at once (no request waits a step; one round trip each on the scheduler thread).
+- `ecd_pins`: when a request's cached items are pinned (see pins.py): `auto` (default) pins the
+  first such request of a scheduler step at once, by one round trip on the scheduler thread, and
+  later ones too while that waiting stays under `ecd_pin_share` of the engine's step time; the
+  others have theirs pinned in the background and wait one step. `ahead`: always in the
+  background (no round trip on the scheduler thread; every request with cached items waits one
+  step). `every`: always at once.
+- `ecd_pin_share`: the share of a step's time `auto` may spend waiting on pins. Default 0.2.
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ import torch
 from ec_client.layout import ENGINE_ID_PATTERN
 from ec_client.mover import dtype_name
 from ec_client.units import parse_size
+from ec_client.vllm.pins import MODES as PIN_MODES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-
-PIN_MODES = ("first", "ahead", "every")  # the first is the default
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,8 @@ class ConnectorConfig:
     is_producer: bool
     is_consumer: bool
     wait_s: float
-    pins: str  # "first", "ahead" or "every": see `ecd_pins`
+    pins: str  # "auto", "ahead" or "every": see `ecd_pins`
+    pin_share: float
     connect_timeout_s: float
     load_reports: int  # distinct worker ranks that must report a load before its pin goes
     # Each scheduler hears only its own worker (executor "uni", or "external_launcher", where
@@ -120,6 +120,7 @@ class ConnectorConfig:
             is_consumer=bool(ec.is_ec_consumer),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
             pins=_choice(extra, "ecd_pins", PIN_MODES),
+            pin_share=_number(extra, "ecd_pin_share", 0.2),
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),
             load_reports=1 if alone else loaders,
             worker_is_alone=alone,

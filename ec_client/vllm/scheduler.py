@@ -6,11 +6,11 @@ order) sent from the client's background thread, and its answer is taken on the 
 at its next call into the connector, before anything depends on it. Per step:
 
     ensure_cache_available   from local state (the ready view, the pins held): no round trip,
-        except that the first request of a step with cached items nobody pinned yet has them
-        pinned at once, by a synchronous Step (`ecd_pins`, "first"): one round trip on the
-        scheduler thread per step at most, so a lone request is never held back; the other
-        requests of that step have their items pinned in the background and wait one step
-        (see loads.py).
+        except that a request with cached items nobody pinned yet may have them pinned at once,
+        by a synchronous Step: the first such request of a step always, later ones while the
+        step's waiting stays within a share of the step's time (`ecd_pins`, see pins.py), so a
+        lone request is never held back; the others have their items pinned in the background
+        and wait one step (see loads.py).
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
         for the wanted items, entries for this step's new outputs. The metadata orders the
@@ -64,6 +64,7 @@ from ec_client.types import (
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.loads import LoadBook
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
+from ec_client.vllm.pins import PinPolicy
 from ec_client.vllm.saves import SaveBook
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class SchedulerSide:
         self.saves = SaveBook()
         self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
         self.blocked_s = 0.0  # scheduler-thread time spent waiting on the daemon, in all
-        self._pinned_now = False  # this step made its synchronous pin (ecd_pins "first")
+        self.pins = PinPolicy(config.pins, config.pin_share, time.perf_counter)
         self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
         self._unavailable: set[str] = set()
         self._generation = self._current_generation()
@@ -180,7 +181,7 @@ class SchedulerSide:
 
     def build_connector_meta(self) -> ECDaemonConnectorMetadata:
         self._absorb()
-        self._pinned_now = False  # the next step's admissions may pin at once again
+        self.pins.step_began()
         if self.view.synced:
             self._send(
                 "flush",
@@ -339,14 +340,12 @@ class SchedulerSide:
     # ---- pins at once --------------------------------------------------------------------------
 
     def _may_pin_now(self) -> bool:
-        pins = self.config.pins
-        return self.view.synced and (pins == "every" or (pins == "first" and not self._pinned_now))
+        return self.view.synced and self.pins.may_pin_now()
 
     def _pin_now(self, keys: list[str]) -> None:
-        """Pin a request's cached items by a synchronous Step: the one round trip a step's
-        scheduler thread may wait on, so the request is not held back a step."""
+        """Pin a request's cached items by a synchronous Step, so the request is not held back
+        a step: a round trip on the scheduler thread (see pins.py)."""
         self.rpcs["pin"] += 1
-        self._pinned_now = True
         started = time.perf_counter()
         try:
             acquired = self.client.step(self.config.pool, acquires=keys).acquires
@@ -355,7 +354,9 @@ class SchedulerSide:
             self.loads.give_up(keys)
             return
         finally:
-            self.blocked_s += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            self.blocked_s += waited
+            self.pins.pinned(waited)
         self._check_generation()
         for key in self.loads.acquired(keys, acquired, self._loadable):
             self.view.discard(key.encode())

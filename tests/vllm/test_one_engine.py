@@ -75,8 +75,10 @@ def test_with_pins_ahead_a_request_waits_one_step_for_its_pin(
     assert "pin" not in e.scheduler.rpcs - rpcs  # never a round trip on the scheduler thread
 
 
-def test_only_the_first_request_of_a_step_is_pinned_at_once(engine: EngineFactory) -> None:
-    e = engine()
+def test_with_no_share_of_the_step_only_its_first_request_is_pinned_at_once(
+    engine: EngineFactory,
+) -> None:
+    e = engine(extra={"ecd_pin_share": 0})
     e.step(*[request(f"seed-{i}", f"img-{i}") for i in range(3)])
     e.settle()
     step = e.schedule([request(f"r{i}", f"img-{i}") for i in range(3)])
