@@ -9,14 +9,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.layout import tensor_nbytes
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 T = TypeVar("T")
-V = TypeVar("V")
+V = TypeVar("V", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ ROLES: dict[api.Role, pb.Role] = {r: getattr(pb, "ROLE_" + r.name) for r in api.
 def mirror(value_type: type[V], message: Any, **given: Any) -> V:
     """The value whose fields are the message's fields of the same names (they are declared to
     match: tests/unit/test_types.py), with `given` for the fields the message lacks or nests."""
-    names = [f.name for f in dataclasses.fields(value_type) if f.name not in given]  # type: ignore[arg-type]
+    names = [f.name for f in dataclasses.fields(value_type) if f.name not in given]
     return value_type(**{name: getattr(message, name) for name in names}, **given)
 
 

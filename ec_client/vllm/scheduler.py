@@ -38,7 +38,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -253,10 +253,10 @@ class SchedulerSide:
     def _send(
         self,
         why: str,
-        releases: list[int] = (),  # type: ignore[assignment]
-        commits: list[str] = (),  # type: ignore[assignment]
-        aborts: list[str] = (),  # type: ignore[assignment]
-        acquires: list[str] = (),  # type: ignore[assignment]
+        releases: Sequence[int] = (),
+        commits: Sequence[str] = (),
+        aborts: Sequence[str] = (),
+        acquires: Sequence[str] = (),
         allocates: dict[str, TensorSpec] | None = None,
     ) -> None:
         """One Step from the background thread, if there is anything to send."""
