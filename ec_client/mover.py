@@ -54,6 +54,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def spec_of(tensor: torch.Tensor) -> TensorSpec:
+    """What a tensor's entry holds; ValueError for a tensor a pool cannot hold (no elements,
+    no data (meta), not a dense strided layout (sparse), a dtype without a wire name)."""
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"a {tensor.layout} tensor cannot be stored: convert it to dense first")
+    if tensor.is_meta:
+        raise ValueError("a meta tensor has no data to store")
+    if tensor.numel() == 0:
+        raise ValueError(f"an empty tensor (shape {tuple(tensor.shape)}) cannot be stored")
     return TensorSpec(tuple(tensor.shape), dtype_name(tensor.dtype), tensor.nbytes)
 
 

@@ -4,7 +4,9 @@
 
 Results: STORED (this call writes it), EXISTS (already cached: skip the encode), PENDING (another
 producer is writing it: wait for it rather than encode twice), NO_SPACE (the pool is full of
-entries that are pinned or being written).
+entries that are pinned or being written), REFUSED (the daemon refused that item: a bad key or
+spec, or an entry larger than the whole pool; `PutHandle.refused` says why, and `put` of one key
+raises it). One refused item never sinks the others of its batch.
 
 One round trip per put, whose Allocate rides in a Step with whatever the client owes the pool.
 When a put becomes visible: `put` returns once the Allocate answered and the copy was launched
@@ -24,7 +26,7 @@ import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -45,6 +47,7 @@ class PutStatus(enum.Enum):
     EXISTS = "exists"
     PENDING = "pending"
     NO_SPACE = "no_space"
+    REFUSED = "refused"  # the daemon refused the item (bad key or spec, larger than the pool)
 
 
 _PUT_STATUS = {
@@ -64,6 +67,7 @@ class PutHandle:
     statuses: dict[Key, PutStatus]
     _copies: list[Transfer]
     _committed: Future[None] = field(default_factory=Future)
+    refused: dict[Key, EcdError] = field(default_factory=dict)  # why each REFUSED item was
 
     def done(self) -> bool:
         """The Commit was answered (or there was nothing to commit)."""
@@ -119,7 +123,11 @@ class Producer:
         return self.endpoint.client
 
     def put(self, key: Key, tensor: torch.Tensor) -> PutStatus:
-        return self.put_many({key: tensor})[key]
+        """One tensor; EcdError if the daemon refused it."""
+        handle = self.put_many_async({key: tensor})
+        if key in handle.refused:
+            raise handle.refused[key]
+        return handle.statuses[key]
 
     def put_many(self, tensors: Mapping[Key, torch.Tensor]) -> dict[Key, PutStatus]:
         return self.put_many_async(tensors).statuses
@@ -128,7 +136,7 @@ class Producer:
         """Allocate every key in one round trip and launch the copies; their Commit is owed from
         then on, and goes as soon as they landed (see the module's docstring)."""
         engine_id = self.endpoint.engine_id
-        specs = [spec_of(t) for t in tensors.values()]
+        specs = [spec_of(t) for t in tensors.values()]  # ValueError for what cannot be stored
         items = [
             AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in zip(tensors, specs, strict=True)
         ]
@@ -137,7 +145,6 @@ class Producer:
         debts: list[Debt] = []
         copies: list[Transfer] = []
         try:
-            raise_errors("Allocate", results)
             tally = _Tally(self, sum(r.status is Status.ALLOCATED for r in results), committed)
             for (key, tensor), spec, result in zip(tensors.items(), specs, results, strict=True):
                 if result.status is Status.ALLOCATED:
@@ -156,12 +163,21 @@ class Producer:
             if allocated:
                 self.client.abort(engine_id, allocated)
             raise
-        statuses = {key: _PUT_STATUS[r.status] for key, r in zip(tensors, results, strict=True)}
+        statuses: dict[Key, PutStatus] = {}
+        refused: dict[Key, EcdError] = {}
+        for key, result in zip(tensors, results, strict=True):
+            error = item_errors("Allocate", [result])
+            if error is None:
+                statuses[key] = _PUT_STATUS[result.status]
+            else:
+                statuses[key], refused[key] = PutStatus.REFUSED, error
+        if refused:
+            log.warning("ecd: %d of %d put(s) refused: %s", len(refused), len(statuses), refused)
         if debts:
             self.client.owed.commits(engine_id, debts)
         else:
             committed.set_result(None)
-        return PutHandle(statuses, copies, committed)
+        return PutHandle(statuses, copies, committed, refused)
 
     def _debt(
         self,
@@ -190,9 +206,3 @@ class Producer:
         with self._lock:
             self.failed_commits += 1
             self._failures.append(error)
-
-
-def raise_errors(what: str, results: Sequence[AllocateResult]) -> None:
-    error = item_errors(what, [r for r in results if r.status.is_error])
-    if error is not None:
-        raise error

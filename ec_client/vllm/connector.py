@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 class ECDaemonConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
+        if not vllm_config.use_v2_model_runner:
+            # The worker side is built and tested against the V2 runner's call order
+            # (ActiveECConnector); as ECCPUConnector does, refuse the V1 runner rather than run
+            # untested.
+            raise ValueError(
+                "ECDaemonConnector requires vLLM's V2 model runner: set "
+                "VLLM_USE_V2_MODEL_RUNNER=1"
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == ECConnectorRole.SCHEDULER:

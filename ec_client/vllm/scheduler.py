@@ -130,6 +130,7 @@ class SchedulerSide:
         self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
         self.blocked_s = 0.0  # scheduler-thread time spent waiting on the daemon, in all
         self.pins = PinPolicy(config.pins, config.pin_share, time.perf_counter)
+        self._closed = False
         self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
         self._unavailable: set[str] = set()
         self._generation = self._current_generation()
@@ -166,7 +167,7 @@ class SchedulerSide:
         return self.loads.admit(request.request_id, needed, self._ready, time.monotonic(), wait_s)
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self.config.is_consumer and self.loads.pinned(identifier)
+        return self.config.is_consumer and not self._closed and self.loads.pinned(identifier)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
@@ -241,7 +242,9 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Closing the session makes the daemon abort our PENDING entries and release our pins.
-        A private pool (the default, per-run name) cannot be found by anyone else: drop it."""
+        A private pool (the default, per-run name) cannot be found by anyone else: drop it.
+        From now on nothing is promised: no pin survives the session."""
+        self._closed = True
         self.view.close()
         if self.config.pool_is_private:
             with contextlib.suppress(EcdError):

@@ -159,10 +159,14 @@ class WorkerSide:
     def _save(self, meta: ECDaemonConnectorMetadata, key: str, tensor: torch.Tensor) -> None:
         self._unsaved.discard(key)
         order = meta.saves[key]
-        if spec_of(tensor) != order.spec:
-            log.warning(
-                "not saving %s: output is %s, %s was allocated", key, spec_of(tensor), order.spec
-            )
+        try:
+            spec = spec_of(tensor)
+        except ValueError as error:  # nothing a pool can hold: never fail the engine's step
+            spec, why = None, str(error)
+        else:
+            why = f"output is {spec}, {order.spec} was allocated"
+        if spec != order.spec:
+            log.warning("not saving %s: %s", key, why)
             self._failed.append(key)
             return
         self._saving.append((key, self._map(meta.pool).save(tensor, order.extents)))

@@ -135,6 +135,42 @@ def test_an_unsupported_dtype_is_refused_before_anything_is_sent(client: Client)
         Producer(client, POOL).put("q", torch.zeros(2, dtype=torch.complex32))
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.zeros(0, 16),
+        torch.zeros(4, device="meta"),
+        torch.eye(4).to_sparse(),
+    ],
+    ids=["empty", "meta", "sparse"],
+)
+def test_a_tensor_without_storable_bytes_is_refused_before_anything_is_sent(
+    client: Client, tensor: torch.Tensor
+) -> None:
+    with pytest.raises(ValueError, match="cannot be stored|no data"):
+        Producer(client, POOL).put("nothing", tensor)
+    assert client.lookup(POOL, ["nothing"])[0].state.name == "ABSENT"
+
+
+def test_one_refused_item_does_not_sink_the_rest_of_its_batch(client: Client) -> None:
+    too_big = torch.zeros(2049 * BLOCK, dtype=torch.uint8)  # larger than the whole pool
+    handle = Producer(client, POOL).put_many_async(
+        {"fits": random_tensor((10,), torch.float32), "too-big": too_big}
+    )
+    handle.wait()
+    assert handle.statuses == {"fits": PutStatus.STORED, "too-big": PutStatus.REFUSED}
+    assert "needs 2049 blocks" in str(handle.refused["too-big"])
+    fits = Consumer(client, POOL).get("fits")
+    assert fits is not None and same_bits(fits, random_tensor((10,), torch.float32))
+
+
+def test_putting_one_refused_tensor_raises_why(client: Client) -> None:
+    with pytest.raises(EcdError) as raised:
+        Producer(client, POOL).put("too-big", torch.zeros(2049 * BLOCK, dtype=torch.uint8))
+    assert raised.value.code.name == "INVALID_ARGUMENT"
+    assert "the pool has 2048" in str(raised.value)
+
+
 def test_a_stored_checksum_is_verified_on_read(client: Client) -> None:
     Producer(client, POOL, checksum=True).put("crc", random_tensor((100,), torch.float32))
     consumer = Consumer(client, POOL, verify=True)

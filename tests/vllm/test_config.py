@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from ecd_testing import run_python
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -120,3 +121,10 @@ def test_importing_ec_client_does_not_import_vllm() -> None:
         "import sys, ec_client, ec_client.mover; assert 'vllm' not in sys.modules, 'imported'"
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_v1_model_runner_is_refused_with_the_setting_to_change() -> None:
+    vllm_config = EngineSpec(ADDRESS).vllm_config()
+    object.__setattr__(vllm_config, "use_v2_model_runner", False)
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        ECDaemonConnector(vllm_config, ECConnectorRole.SCHEDULER)

@@ -139,3 +139,12 @@ def test_a_request_mid_prefill_is_not_held_back_for_an_image_it_already_has(
     assert e.connector.ensure_cache_available(r1, 1)  # its next chunk starts inside the image
     e.step()
     assert e.scheduler.rpcs == before  # no pin taken for it
+
+
+def test_after_shutdown_no_item_is_reported_cached(engine: EngineFactory) -> None:
+    e = engine()
+    e.save("r1", "img-a")
+    e.schedule([request("r2", "img-a")])  # pins img-a
+    assert e.connector.has_cache_item("img-a")
+    e.close()
+    assert not e.connector.has_cache_item("img-a")  # the pin went with the session
