@@ -147,7 +147,7 @@ def test_an_unsupported_dtype_is_refused_before_anything_is_sent(client: Client)
 def test_a_tensor_without_storable_bytes_is_refused_before_anything_is_sent(
     client: Client, tensor: torch.Tensor
 ) -> None:
-    with pytest.raises(ValueError, match="cannot be stored|no data"):
+    with pytest.raises(ValueError, match=r"cannot be stored|no data"):
         Producer(client, POOL).put("nothing", tensor)
     assert client.lookup(POOL, ["nothing"])[0].state.name == "ABSENT"
 
