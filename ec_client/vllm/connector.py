@@ -38,8 +38,7 @@ class ECDaemonConnector(ECConnectorBase):
             # (ActiveECConnector); as ECCPUConnector does, refuse the V1 runner rather than run
             # untested.
             raise ValueError(
-                "ECDaemonConnector requires vLLM's V2 model runner: set "
-                "VLLM_USE_V2_MODEL_RUNNER=1"
+                "ECDaemonConnector requires vLLM's V2 model runner: set VLLM_USE_V2_MODEL_RUNNER=1"
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
