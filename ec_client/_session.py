@@ -16,6 +16,7 @@ any rule of its own. The rules:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Generator
@@ -30,6 +31,8 @@ from ec_client.errors import EcdError
 from ec_client.types import PoolInfo
 
 T = TypeVar("T")
+
+log = logging.getLogger("ec_client")
 
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
@@ -151,10 +154,18 @@ class SessionState:
         self.generation += 1
 
     def reopen(self) -> Plan[None]:
-        """A new session and the pools of the old one, after a restart or a lost lease."""
+        """A new session and the pools of the old one, after a restart or a lost lease. A pool
+        that cannot be opened again (dropped, refused) is skipped: the calls that use it get the
+        daemon's own answer, which says why."""
         yield from self.open()
-        for call in list(self.pools.values()):
-            info = call.parse((yield from self.send(call)))
+        for engine_id, call in list(self.pools.items()):
+            try:
+                info = call.parse((yield from self.send(call)))
+            except EcdError as error:
+                if error.code == grpc.StatusCode.UNAVAILABLE or session_lost(error):
+                    raise
+                log.warning("ecd: pool %s not reopened after a restart: %s", engine_id, error)
+                continue
             self.pool_opened(call, info)
 
     def close(self) -> Plan[None]:

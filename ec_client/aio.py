@@ -115,7 +115,11 @@ class AsyncClient:
     # ---- calls ---------------------------------------------------------------------------------
 
     async def open_pool(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str = ""
+        self,
+        engine_id: str,
+        block_size_bytes: int = 0,
+        capacity_bytes: int = 0,
+        compat_key: str = "",
     ) -> PoolInfo:
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return await self._drive(self._state.open_pool(call))

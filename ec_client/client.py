@@ -249,13 +249,21 @@ class Client:
     # ---- pools ---------------------------------------------------------------------------------
 
     def open_pool(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str = ""
+        self,
+        engine_id: str,
+        block_size_bytes: int = 0,
+        capacity_bytes: int = 0,
+        compat_key: str = "",
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
+        With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
+        compat_key: a consumer need not know them. The client remembers the call and makes it
+        again after a daemon restart.
 
-        Raises INVALID_ARGUMENT (bad name or sizes), FAILED_PRECONDITION (it exists with another
-        geometry or compat_key, or its file was refused), RESOURCE_EXHAUSTED (over the budget,
-        the per-pool limit, or the shm directory is full)."""
+        Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
+        not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
+        file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
+        directory is full)."""
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return self._drive(self._state.open_pool(call))
 

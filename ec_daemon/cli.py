@@ -121,34 +121,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
         head = (
             f"ecd {stats.version}  epoch {stats.boot_epoch}  up {stats.uptime_s:.0f}s  "
             f"sessions {stats.sessions}  lease expiries {stats.lease_expiries}\n"
-            f"budget {format_size(stats.reserved_bytes)} of {format_size(stats.max_bytes)} reserved"
+            f"budget {format_size(stats.capacity_bytes)} of {format_size(stats.max_bytes)} in "
+            f"pool capacity; pool files {format_size(stats.reserved_bytes)} (with headers and "
+            "slot tables)"
         )
         rows = [
             (
                 p.engine_id,
                 format_size(p.capacity_bytes),
+                format_size(p.reserved_bytes),
                 f"{100 * (1 - p.free_blocks / p.num_blocks):.1f}%",
-                p.entries_ready,
+                f"{p.entries_ready}/{p.max_entries}",
                 p.entries_pending,
                 p.pins,
                 p.hits,
                 p.misses,
                 p.evictions,
                 p.no_space,
+                p.compat_key or "-",
             )
             for p in stats.pools
         ]
         headers = (
             "POOL",
             "CAPACITY",
+            "FILE",
             "USED",
-            "READY",
+            "READY/MAX",
             "PENDING",
             "PINS",
             "HITS",
             "MISSES",
             "EVICTIONS",
             "NO_SPACE",
+            "COMPAT_KEY",
         )
         return head + "\n\n" + table(headers, rows) if rows else head + "\n\n(no pools)"
 

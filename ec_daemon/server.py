@@ -86,7 +86,7 @@ async def start(config: Config) -> Daemon:
             config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
         ),
     ]
-    budget = checks.resolve_budget(config.shm_dir, config.max_bytes)
+    budget = checks.resolve_budget(config.shm_dir, config.max_bytes, config.max_entries_per_pool)
     for lock in locks:
         lock.acquire()
     hub = EventHub()
