@@ -81,6 +81,22 @@ class Options:
             tls=tls or TLSFiles.from_env(),
         )
 
+    def cut_off(self, method: str) -> EcdError:
+        return EcdError(
+            grpc.StatusCode.CANCELLED,
+            f"ecd at {self.target} cut {method} off, as it does to calls still running when it "
+            "shuts down: the call may or may not have taken effect",
+            "shutting_down",
+        )
+
+    def gone_at_shutdown(self, method: str) -> EcdError:
+        return EcdError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"ecd at {self.target} shut down during {method} and was not back within "
+            f"{self.connect_timeout_s:g} s",
+            "shutting_down",
+        )
+
     def unreachable(self) -> EcdError:
         return EcdError(
             grpc.StatusCode.UNAVAILABLE,

@@ -299,9 +299,12 @@ class Client:
         return self._run(_wire.abort(engine_id, keys))
 
     def acquire(self, engine_id: str, keys: Sequence[Key], wait_ms: int = 0) -> list[AcquireResult]:
-        """Pin READY entries for reading; wait up to wait_ms for PENDING ones. Per item: HIT
-        (read the extents, then release the lease), MISS, PENDING (still being written after
-        wait_ms), INVALID_ARGUMENT (bad key)."""
+        """Pin READY entries for reading. With wait_ms, a key PENDING or not there yet is
+        waited for until it is READY (the call returns at its commit) or wait_ms runs out. Per
+        item: HIT (read the extents, then release the lease), MISS (not there, after waiting
+        wait_ms for it), PENDING (a producer was still writing it when wait_ms ran out: it is
+        coming, wait more or encode it yourself), INVALID_ARGUMENT (bad key). Consumer.get
+        answers None for both MISS and PENDING; this call tells them apart."""
         return self._run(_wire.acquire(engine_id, keys, wait_ms))
 
     def release(self, lease_ids: Sequence[int]) -> list[LeaseResult]:

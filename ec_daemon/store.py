@@ -194,14 +194,15 @@ class Store:
     def keys_to_wait_for(
         self, session_id: str, engine_id: str, keys: Sequence[bytes]
     ) -> list[bytes]:
-        """The keys an Acquire with a wait should wait on before pinning: those PENDING now.
+        """The keys an Acquire with a wait should wait on before pinning: those not READY now,
+        PENDING or not there yet (a consumer may ask before the producer has allocated).
 
         The caller must register its waiters before anything else runs on the loop, so no
-        commit slips between this answer and the wait.
+        allocation and commit slip between this answer and the wait.
         """
         self._sessions.touch(session_id, CONSUME)
         index = self._pools.get(engine_id).index
-        return [key for key in keys if index.state(key) is api.EntryState.PENDING]
+        return [key for key in keys if index.state(key) is not api.EntryState.READY]
 
     def acquire(
         self, session_id: str, engine_id: str, keys: Sequence[bytes]
