@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,8 +20,28 @@ from ec_client.units import parse_size
 ENV_PREFIX = "ECD_"
 
 
-def _octal(text: str | int) -> int:
-    return text if isinstance(text, int) else int(str(text), 8)
+def _mode(text: str | int) -> int:
+    """Permission bits written in octal: "0660", "660" or "0o660" (a TOML file's bare 660 and
+    0o660 reach here as written, see _modes_as_written)."""
+    if isinstance(text, int):
+        raise ValueError(f'{text} is a number; write the mode as an octal string, e.g. "0660"')
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise ValueError(f'{text!r} is not an octal mode; expected e.g. "0660"') from None
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{text!r} is {oct(mode)}: expected permission bits, 0 to 0777")
+    return mode
+
+
+def _pool_mode(text: str | int) -> int:
+    mode = _mode(text)
+    if mode & 0o600 != 0o600:
+        raise ValueError(
+            f"{oct(mode)} leaves the owner without read and write: the daemon could not adopt its "
+            "own pool files after a restart; expected at least 0600"
+        )
+    return mode
 
 
 def _bool(text: str | bool) -> bool:
@@ -95,7 +116,7 @@ SETTINGS: tuple[Setting, ...] = (
         "PATH",
         "(computed)",
     ),
-    Setting("socket_mode", _octal, 0o660, "permissions of the socket (octal)", "MODE"),
+    Setting("socket_mode", _mode, 0o660, "permissions of the socket (octal)", "MODE"),
     Setting(
         "socket_group", str, "", "group owning the socket (clients in it may connect)", "GROUP"
     ),
@@ -165,7 +186,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_message_bytes", parse_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
     Setting(
         "pool_mode",
-        _octal,
+        _pool_mode,
         0o600,
         "permissions of pool files (octal; 0660 with --pool-group)",
         "MODE",
@@ -295,9 +316,9 @@ def load(
     file_values: dict[str, Any] = {}
     if config_file is not None:
         try:
-            with config_file.open("rb") as f:
-                file_values = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            text = config_file.read_text()
+            file_values = _modes_as_written(text, tomllib.loads(text))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
         unknown = set(file_values) - {s.name for s in SETTINGS}
         if unknown:
@@ -323,6 +344,19 @@ def load(
     if values["socket"] is None:
         values["socket"] = daemon_socket_path()
     return Config(**values), sources
+
+
+def _modes_as_written(text: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Modes given as TOML numbers, as they were written: TOML reads `socket_mode = 660` as the
+    decimal 660 (mode 0o1224) and `0o660` as 432, and only the text tells them apart, so the
+    parser gets "660" or "0o660" and reads both as octal."""
+    written = dict(values)
+    for setting in SETTINGS:
+        if setting.name.endswith("_mode") and isinstance(values.get(setting.name), int):
+            match = re.search(rf"^[ \t]*{setting.name}[ \t]*=[ \t]*([+\w]+)", text, re.MULTILINE)
+            if match:
+                written[setting.name] = match.group(1)
+    return written
 
 
 def describe(config: Config, sources: Mapping[str, str]) -> str:
