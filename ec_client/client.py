@@ -36,7 +36,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import Options, TLSFiles, shared_channel
+from ec_client._connection import Options, TLSFiles, connection_problem, shared_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
@@ -71,8 +71,12 @@ def check_health(
 ) -> str:
     """The daemon's standard gRPC health status ("SERVING", "NOT_SERVING", ...), without a
     session: cheap enough for probes. EcdError (UNAVAILABLE) if it cannot be reached within
-    timeout_s; its message names the address."""
+    timeout_s, at once when a connection shows why (no socket there, TLS refused); its message
+    names the address and the reason."""
     options = Options.make(target, "health", Role.ADMIN, timeout_s, timeout_s, token, tls)
+    problem = connection_problem(options)
+    if problem is not None:
+        raise options.unreachable(problem)
     stub = health_pb2_grpc.HealthStub(shared_channel(options))
     try:
         reply = stub.Check(
@@ -84,7 +88,7 @@ def check_health(
     except grpc.RpcError as exc:
         error = EcdError.from_rpc(exc)
         if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise options.unreachable() from None
+            raise options.unreachable(connection_problem(options)) from None
         raise error from None
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
@@ -141,7 +145,7 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
-            raise self.options.unreachable() from None
+            raise self.options.unreachable(connection_problem(self.options)) from None
         self._drive(self._state.open())
         self._keepalive: threading.Thread | None = None
         if keepalive:

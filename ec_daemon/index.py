@@ -296,11 +296,15 @@ class PoolIndex:
         if entry is None:
             return Outcome(Status.NOT_FOUND, "no entry with this key")
         if entry.state is EntryState.PENDING:
-            return Outcome(Status.FAILED_PRECONDITION, "the entry is PENDING; use Delete")
+            return Outcome(
+                Status.FAILED_PRECONDITION,
+                "the entry is PENDING (being written); Delete drops it anyway (ecd delete)",
+            )
         if entry.pins:
             return Outcome(
                 Status.FAILED_PRECONDITION,
-                f"the entry is pinned {entry.pins} time(s); use Delete",
+                f"the entry is pinned {entry.pins} time(s); Delete drops it anyway, its blocks "
+                "going back at the last release (ecd delete)",
             )
         self._remove(entry, EventType.EVICTED)
         self.counters.evictions += 1
