@@ -12,8 +12,8 @@ record describes one READY entry (key, extents, tensor spec, checksum) in the fi
 512-byte slot; it is written with one pwrite, mark included, and a CRC covers what follows the
 mark and CRC, so after a daemon crash every record is either whole or ignored (see
 ec_daemon/pool.py). The slot table is sized from what a pool can hold (Geometry.for_capacity), so
-a pool file is its capacity plus at most about 2%. This module is pure Python (no torch) so the
-daemon can use it without importing torch.
+a pool file is its capacity plus at most about 1.6%, or 2 MiB. This module is pure Python (no
+torch) so the daemon can use it without importing torch.
 
 Layout version 2 (this one) replaced version 1's 1 KiB records, one per block; a version 1 file
 is refused at adoption and kept for inspection.
@@ -42,12 +42,12 @@ MAX_COMPAT_KEY_BYTES = 1024
 MAX_NDIM = 8
 # Extents are stored as 32-bit block numbers.
 MAX_BLOCKS = (1 << 32) - 1
-# Slots that fit in the header area before the data's 2 MiB alignment: every pool has them for
-# free. Beyond those a pool gets one slot per ENTRY_BYTES_PER_SLOT of capacity (its slot table then
-# costs 512 / 32 KiB = 1.6% of the capacity): an encoder output is rarely smaller (one image is
-# tens of rows of several KiB each), and a pool full of smaller entries evicts to free a slot.
-SLOTS_IN_HEADER_AREA = (DATA_ALIGNMENT - HEADER_SIZE) // SLOT_SIZE
-ENTRY_BYTES_PER_SLOT = 32 << 10
+# The header area (header and slot table, up to the data's 2 MiB-aligned offset) of a pool is
+# 1/HEADER_AREA_SHARE of its capacity rounded down to whole 2 MiB, and at least 2 MiB (4088 slots,
+# which the alignment costs anyway): a file is its capacity plus at most ~1.6%, or 2 MiB. That is
+# one slot per 32 KiB of capacity: an encoder output is rarely smaller (one image is tens of rows
+# of several KiB), and a pool full of smaller entries evicts to free a slot.
+HEADER_AREA_SHARE = 64
 
 ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -127,10 +127,14 @@ class Geometry:
 
     @classmethod
     def for_capacity(cls, block_size_bytes: int, capacity_bytes: int, max_entries: int) -> Geometry:
-        """The geometry of a new pool: capacity_bytes // block_size_bytes blocks, and as many slots
-        as it can hold entries (see SLOTS_IN_HEADER_AREA), at most max_entries."""
+        """The geometry of a new pool: capacity_bytes // block_size_bytes blocks, and the slots
+        that fill its header area (see HEADER_AREA_SHARE), never more than its blocks nor than
+        max_entries."""
         num_blocks = capacity_bytes // block_size_bytes
-        slots = max(SLOTS_IN_HEADER_AREA, capacity_bytes // ENTRY_BYTES_PER_SLOT)
+        share = (
+            num_blocks * block_size_bytes // HEADER_AREA_SHARE // DATA_ALIGNMENT * DATA_ALIGNMENT
+        )
+        slots = (max(DATA_ALIGNMENT, share) - HEADER_SIZE) // SLOT_SIZE
         return cls(block_size_bytes, num_blocks, min(num_blocks, max_entries, slots))
 
     @property
