@@ -116,7 +116,7 @@ SETTINGS: tuple[Setting, ...] = (
         "PATH",
         "(computed)",
     ),
-    Setting("socket_mode", _mode, 0o660, "permissions of the socket (octal)", "MODE"),
+    Setting("socket_mode", _mode, 0o660, 'permissions of the socket, in octal ("0660")', "MODE"),
     Setting(
         "socket_group", str, "", "group owning the socket (clients in it may connect)", "GROUP"
     ),
@@ -149,7 +149,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_bytes",
         _size_or_auto,
         None,
-        "budget of all pool files together, e.g. 8GiB; auto = half of shm-dir",
+        "budget of all pools' capacity together, e.g. 8GiB (their files hold up to ~2% more: "
+        "headers and slot tables); auto = half of shm-dir",
         "SIZE",
         "auto",
     ),
@@ -171,7 +172,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_entries_per_pool",
         int,
         65536,
-        "entries one pool can hold (1 KiB of pool file each)",
+        "most entries one pool can hold; a pool has a slot (512 bytes of its file) per 32 KiB of "
+        "capacity in whole 2 MiB, at least 4088, at most this many",
         "N",
     ),
     Setting(
@@ -188,7 +190,7 @@ SETTINGS: tuple[Setting, ...] = (
         "pool_mode",
         _pool_mode,
         0o600,
-        "permissions of pool files (octal; 0660 with --pool-group)",
+        'permissions of pool files, in octal ("0600"; "0660" with --pool-group)',
         "MODE",
     ),
     Setting(
@@ -239,7 +241,12 @@ SETTINGS: tuple[Setting, ...] = (
         "LEVEL",
     ),
     Setting(
-        "shutdown_grace", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM", "SECONDS"
+        "shutdown_grace",
+        float,
+        5.0,
+        "seconds in-flight RPCs get to finish on SIGTERM (an Acquire still waiting is answered "
+        "UNAVAILABLE just before, for its client to retry)",
+        "SECONDS",
     ),
     Setting(
         "drop_pools_on_exit",
