@@ -42,12 +42,14 @@ MAX_COMPAT_KEY_BYTES = 1024
 MAX_NDIM = 8
 # Extents are stored as 32-bit block numbers.
 MAX_BLOCKS = (1 << 32) - 1
-# The header area (header and slot table, up to the data's 2 MiB-aligned offset) of a pool is
-# 1/HEADER_AREA_SHARE of its capacity rounded down to whole 2 MiB, and at least 2 MiB (4088 slots,
-# which the alignment costs anyway): a file is its capacity plus at most ~1.6%, or 2 MiB. That is
-# one slot per 32 KiB of capacity: an encoder output is rarely smaller (one image is tens of rows
-# of several KiB), and a pool full of smaller entries evicts to free a slot.
+# Unless told how many entries a pool must hold, the header area (header and slot table, up to
+# the data's 2 MiB-aligned offset) of a pool is 1/HEADER_AREA_SHARE of its capacity rounded down to
+# whole 2 MiB, and at least 2 MiB (4088 slots, which the alignment costs anyway), with at most
+# MAX_AUTO_SLOTS slots: a file is its capacity plus at most ~1.6%, or 2 MiB. That is one slot per
+# 32 KiB of capacity: an encoder output is rarely smaller (one image is tens of rows of several
+# KiB), and a pool full of smaller entries evicts to free a slot.
 HEADER_AREA_SHARE = 64
+MAX_AUTO_SLOTS = 65536
 
 ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -126,16 +128,19 @@ class Geometry:
     num_slots: int
 
     @classmethod
-    def for_capacity(cls, block_size_bytes: int, capacity_bytes: int, max_entries: int) -> Geometry:
-        """The geometry of a new pool: capacity_bytes // block_size_bytes blocks, and the slots
-        that fill its header area (see HEADER_AREA_SHARE), never more than its blocks nor than
-        max_entries."""
+    def for_capacity(
+        cls, block_size_bytes: int, capacity_bytes: int, entries: int | None
+    ) -> Geometry:
+        """The geometry of a new pool: capacity_bytes // block_size_bytes blocks, and a slot for
+        each of `entries` entries, or when None the slots that fill its header area (see
+        HEADER_AREA_SHARE); never more slots than blocks."""
         num_blocks = capacity_bytes // block_size_bytes
-        share = (
-            num_blocks * block_size_bytes // HEADER_AREA_SHARE // DATA_ALIGNMENT * DATA_ALIGNMENT
-        )
-        slots = (max(DATA_ALIGNMENT, share) - HEADER_SIZE) // SLOT_SIZE
-        return cls(block_size_bytes, num_blocks, min(num_blocks, max_entries, slots))
+        if entries is None:
+            capacity = num_blocks * block_size_bytes
+            share = capacity // HEADER_AREA_SHARE // DATA_ALIGNMENT * DATA_ALIGNMENT
+            slots = (max(DATA_ALIGNMENT, share) - HEADER_SIZE) // SLOT_SIZE
+            entries = min(slots, MAX_AUTO_SLOTS)
+        return cls(block_size_bytes, num_blocks, min(num_blocks, entries))
 
     @property
     def slot_table_offset(self) -> int:
@@ -159,10 +164,10 @@ class Geometry:
         return self.data_offset
 
 
-def most_overhead(capacity_bytes: int, max_entries: int) -> int:
+def most_overhead(capacity_bytes: int, entries: int | None) -> int:
     """The most a pool of this capacity adds to its file (header, slot table, alignment),
     whatever its block size (one-byte blocks would have the most slots)."""
-    return Geometry.for_capacity(1, capacity_bytes, max_entries).overhead_bytes
+    return Geometry.for_capacity(1, capacity_bytes, entries).overhead_bytes
 
 
 @dataclass(frozen=True)

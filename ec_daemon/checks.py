@@ -162,7 +162,7 @@ def pool_files_bytes(shm_dir: Path) -> int:
     )
 
 
-def resolve_budget(shm_dir: Path, max_bytes: int | None, max_entries: int) -> int:
+def resolve_budget(shm_dir: Path, max_bytes: int | None, entries: int | None) -> int:
     """The global byte budget of pool capacity: as configured, or half of the shm directory when
     unset. Pool files hold a little more than their capacity (header and slot table, see
     ec_client.layout), so the directory must hold the budget and that much more (for one pool of
@@ -175,7 +175,7 @@ def resolve_budget(shm_dir: Path, max_bytes: int | None, max_entries: int) -> in
     total = stat.f_blocks * stat.f_frsize
     available = stat.f_bavail * stat.f_frsize + pool_files_bytes(shm_dir)
     if max_bytes is None:
-        budget = min(total // 2, available - most_overhead(available, max_entries))
+        budget = min(total // 2, available - most_overhead(available, entries))
         if budget <= 0:
             raise StartupError(
                 f"{shm_dir} is full: no room for any pool; free space there or enlarge it"
@@ -183,7 +183,7 @@ def resolve_budget(shm_dir: Path, max_bytes: int | None, max_entries: int) -> in
         return budget
     if max_bytes <= 0:
         raise StartupError(f"--max-bytes must be positive, got {max_bytes}")
-    files = max_bytes + most_overhead(max_bytes, max_entries)
+    files = max_bytes + most_overhead(max_bytes, entries)
     if files > available:
         raise StartupError(
             f"--max-bytes {format_size(max_bytes)} of pool capacity takes up to "

@@ -68,6 +68,16 @@ def _size_or_auto(text: str | int) -> int | None:
     return None if text == "auto" else parse_size(text)
 
 
+def _count_or_auto(text: str | int) -> int | None:
+    """None means auto: decided per pool (see the setting)."""
+    if text == "auto":
+        return None
+    count = int(text)
+    if count <= 0:
+        raise ValueError(f"{text!r} is not a positive number or auto")
+    return count
+
+
 def _host_port(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if text and (not sep or not host or not port.isdigit()):
@@ -149,7 +159,7 @@ SETTINGS: tuple[Setting, ...] = (
         "max_bytes",
         _size_or_auto,
         None,
-        "budget of all pools' capacity together, e.g. 8GiB (their files hold up to ~2% more: "
+        "budget of all pools' capacity together, e.g. 8GiB (their files hold a little more: "
         "headers and slot tables); auto = half of shm-dir",
         "SIZE",
         "auto",
@@ -169,12 +179,14 @@ SETTINGS: tuple[Setting, ...] = (
         "POLICY",
     ),
     Setting(
-        "max_entries_per_pool",
-        int,
-        65536,
-        "most entries one pool can hold; a pool has a slot (512 bytes of its file) per 32 KiB of "
-        "capacity in whole 2 MiB, at least 4088, at most this many",
+        "entries_per_pool",
+        _count_or_auto,
+        None,
+        "entries each pool can hold (a slot of 512 bytes of its file each); auto = one per 32 "
+        "KiB of capacity in whole 2 MiB, at least 4088, at most 65536: a number is for pools of "
+        "smaller entries, and costs their files more",
         "N",
+        "auto",
     ),
     Setting(
         "max_pool_bytes",
@@ -272,7 +284,7 @@ class Config:
     max_bytes: int | None
     lease_ttl: float
     eviction: str
-    max_entries_per_pool: int
+    entries_per_pool: int | None
     max_pool_bytes: int | None
     max_batch: int
     max_message_bytes: int

@@ -44,7 +44,8 @@ class PoolSettings:
     shm_dir: Path
     max_bytes: int  # the capacity of all pools together
     eviction: str = "lru"
-    max_entries_per_pool: int = 65536  # most slots of a pool's table (512 bytes of file each)
+    # Entries (slots, 512 bytes of file each) a pool can hold; None: sized from its capacity.
+    entries_per_pool: int | None = None
     max_pool_bytes: int | None = None  # capacity one pool may ask for; None: the whole budget
     file_access: FileAccess = field(default_factory=FileAccess)
 
@@ -147,7 +148,7 @@ class PoolRegistry:
 
     def _geometry(self, block_size_bytes: int, capacity_bytes: int) -> Geometry:
         geometry = Geometry.for_capacity(
-            block_size_bytes, capacity_bytes, self.settings.max_entries_per_pool
+            block_size_bytes, capacity_bytes, self.settings.entries_per_pool
         )
         limit = self.settings.max_pool_bytes
         if limit is not None and geometry.capacity_bytes > limit:

@@ -62,7 +62,7 @@ def build_store(config: Config, budget: int, hub: EventHub) -> Store:
         shm_dir=config.shm_dir,
         max_bytes=budget,
         eviction=config.eviction,
-        max_entries_per_pool=config.max_entries_per_pool,
+        entries_per_pool=config.entries_per_pool,
         max_pool_bytes=config.max_pool_bytes,
         file_access=access,
     )
@@ -88,7 +88,7 @@ async def start(config: Config) -> Daemon:
             config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
         ),
     ]
-    budget = checks.resolve_budget(config.shm_dir, config.max_bytes, config.max_entries_per_pool)
+    budget = checks.resolve_budget(config.shm_dir, config.max_bytes, config.entries_per_pool)
     for lock in locks:
         lock.acquire()
     hub = EventHub()

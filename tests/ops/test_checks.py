@@ -18,7 +18,7 @@ from ec_daemon import checks
 from ec_daemon.checks import Mount, StartupError
 
 MiB = 1 << 20
-ENTRIES = 65536
+ENTRIES = None  # auto
 
 
 def fstype(path: Path) -> str:

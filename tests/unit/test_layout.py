@@ -77,7 +77,7 @@ def test_an_erased_or_empty_slot_holds_no_record() -> None:
 def test_a_pool_file_is_at_most_about_two_percent_larger_than_its_capacity(
     block: int, capacity: int
 ) -> None:
-    geometry = Geometry.for_capacity(block, capacity * MiB, 65536)
+    geometry = Geometry.for_capacity(block, capacity * MiB, None)
     overhead = geometry.file_size - geometry.capacity_bytes
     assert (
         overhead <= max(2 * MiB, geometry.capacity_bytes // 64) <= 0.021 * geometry.capacity_bytes
@@ -85,9 +85,14 @@ def test_a_pool_file_is_at_most_about_two_percent_larger_than_its_capacity(
 
 
 def test_a_pool_has_a_slot_for_every_32_kib_of_capacity_in_whole_2_mib_header_areas() -> None:
-    small = Geometry.for_capacity(512, 100 * MiB, 65536)
-    large = Geometry.for_capacity(4096, 1024 * MiB, 65536)
+    small = Geometry.for_capacity(512, 100 * MiB, None)
+    large = Geometry.for_capacity(4096, 1024 * MiB, None)
     assert (small.num_slots, small.data_offset) == ((2 * MiB - 4096) // SLOT_SIZE, 2 * MiB)
     assert (large.num_slots, large.data_offset) == ((16 * MiB - 4096) // SLOT_SIZE, 16 * MiB)
-    assert Geometry.for_capacity(4096, 64 * 4096, 65536).num_slots == 64  # never above blocks
-    assert Geometry.for_capacity(512, 1024 * MiB, 2).num_slots == 2  # nor above the setting
+    assert Geometry.for_capacity(4096, 64 * 4096, None).num_slots == 64  # never above blocks
+    assert Geometry.for_capacity(7168, 8192 * MiB, None).num_slots == 65536  # nor 65536
+
+
+def test_a_pool_told_how_many_entries_it_holds_has_that_many_slots_within_its_blocks() -> None:
+    assert Geometry.for_capacity(512, 1024 * MiB, 2).num_slots == 2
+    assert Geometry.for_capacity(4096, 128 * MiB, 100_000).num_slots == 32768  # one per block

@@ -268,7 +268,7 @@ def test_an_entry_larger_than_the_pool_is_invalid(store: Store) -> None:
 def test_a_full_slot_table_evicts_to_make_room_for_a_new_entry(
     shm_dir: Path, clock: FakeClock
 ) -> None:
-    store = make_store(shm_dir, clock, max_entries_per_pool=2)
+    store = make_store(shm_dir, clock, entries_per_pool=2)
     open_pool(store, "p", BLOCK, 16 * BLOCK)
     sid = session(store)
     for key in (b"a", b"b", b"c"):
