@@ -20,7 +20,7 @@ from ec_client.layout import pool_file_name
 from ec_client.types import AcquireResult, Status
 
 POOL = "shutdown-pool"
-WAIT_MS = 1500
+WAIT_MS = 3000
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -52,10 +52,12 @@ def test_sigterm_drains_in_flight_rpcs_and_keeps_pool_files() -> None:
         assert next(health).status == NOT_SERVING
         assert acquire.is_alive(), "readiness must drop while the in-flight call still runs"
         health.cancel()  # an open stream would hold the daemon for its whole grace period
-        # New calls are refused from now on, while the old one is still being served.
+        # New calls are refused from now on, while the old one is still being served: with
+        # UNAVAILABLE, or CANCELLED when grpc took the call in as it began to stop (ec_client
+        # retries both for calls safe to retry, see ec_client/_session.py).
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.EncoderCacheStub(channel).Stats(pb.StatsRequest(), timeout=2)
-        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         assert acquire.is_alive()
 
         acquire.join(10)
