@@ -1,15 +1,19 @@
-"""How clients reach the daemon: options (target, name, role, timeouts, token, TLS) and the
-channel options. The rules for each call live in `_session`."""
+"""How clients reach the daemon: options (target, name, role, timeouts, token, TLS), the
+channel options, and what to tell a user the daemon cannot be reached. The rules for each call
+live in `_session`."""
 
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from ec_client import token_file
 from ec_client.address import default_target
 from ec_client.errors import EcdError
 from ec_client.types import Role
@@ -71,6 +75,13 @@ class Options:
         tls: TLSFiles | None = None,
     ) -> Options:
         token = token or os.environ.get("ECD_TOKEN") or _token_from_file()
+        if token is not None:
+            try:
+                token_file.check_token(
+                    token, "the bearer token (token=, ECD_TOKEN, ECD_TOKEN_FILE)"
+                )
+            except ValueError as exc:
+                raise EcdError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return cls(
             target=target or default_target(),
             name=name or f"pid-{os.getpid()}",
@@ -81,17 +92,155 @@ class Options:
             tls=tls or TLSFiles.from_env(),
         )
 
-    def unreachable(self) -> EcdError:
+    def cut_off(self, method: str) -> EcdError:
+        return EcdError(
+            grpc.StatusCode.CANCELLED,
+            f"ecd at {self.target} cut {method} off, as it does to calls still running when it "
+            "shuts down: the call may or may not have taken effect",
+            "shutting_down",
+        )
+
+    def gone_at_shutdown(self, method: str) -> EcdError:
         return EcdError(
             grpc.StatusCode.UNAVAILABLE,
-            f"cannot reach ecd at {self.target} within {self.connect_timeout_s:g} s: is the daemon "
-            "running (make run, or systemctl status ecd) and is ECD_ADDRESS right?",
+            f"ecd at {self.target} shut down during {method} and was not back within "
+            f"{self.connect_timeout_s:g} s",
+            "shutting_down",
+        )
+
+    def unreachable(self, problem: str | None = None) -> EcdError:
+        """The error for a daemon not reached: `problem` (what connection_problem found), else
+        the question to ask."""
+        return EcdError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"cannot reach ecd at {self.target}: {problem}"
+            if problem
+            else f"cannot reach ecd at {self.target} within {self.connect_timeout_s:g} s: is the "
+            "daemon running (make run, or systemctl status ecd) and is ECD_ADDRESS right?",
         )
 
 
 def _token_from_file() -> str | None:
     path = os.environ.get("ECD_TOKEN_FILE")
-    return Path(path).read_text().strip() if path else None
+    if not path:
+        return None
+    try:
+        return token_file.client_token(Path(path), os.environ.get("ECD_TOKEN_NAME"))
+    except (OSError, ValueError) as exc:
+        raise EcdError(grpc.StatusCode.INVALID_ARGUMENT, f"ECD_TOKEN_FILE: {exc}") from None
+
+
+# ---- why a daemon cannot be reached --------------------------------------------------------------
+
+PROBE_TIMEOUT_S = 1.0
+# What an HTTP/2 client sends first; a gRPC server answers with its SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def unix_socket_path(target: str) -> str | None:
+    """The socket path of a `unix:PATH` or `unix:///PATH` target; None for other targets."""
+    if target.startswith("unix://"):
+        return target[len("unix://") :]
+    if target.startswith("unix:"):
+        return target[len("unix:") :]
+    return None
+
+
+def _host_port(target: str) -> tuple[str, int] | None:
+    """(host, port) of a TCP target (`host:port`, `dns:///host:port`, `ipv4:...`, `[::1]:port`)."""
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(prefix)
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def connection_problem(options: Options) -> str | None:
+    """What stops a connection to the daemon, found with one plain connection (and for TLS, one
+    handshake) of at most about a second: the socket is missing or refused, the TLS handshake
+    failed and why, the daemon expects TLS the client does not speak. None when nothing is
+    found: the daemon answers, or the cause lies beyond what a connection shows."""
+    path = unix_socket_path(options.target)
+    if path is not None:
+        return _unix_problem(path)
+    address = _host_port(options.target)
+    if address is None:
+        return None
+    try:
+        raw = socket.create_connection(address, timeout=PROBE_TIMEOUT_S)
+    except OSError as exc:
+        return f"cannot connect to {address[0]}:{address[1]}: {exc.strerror or exc}"
+    with raw:
+        return _tls_problem(raw, address[0], options.tls) if options.tls else _plain_problem(raw)
+
+
+def _unix_problem(path: str) -> str | None:
+    if not os.path.exists(path):
+        return (
+            f"no socket at {path}: the daemon is not running there (start it: ecd serve, make "
+            "run, systemctl start ecd), or ECD_ADDRESS / --address names another socket"
+        )
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(PROBE_TIMEOUT_S)
+        try:
+            sock.connect(path)
+        except PermissionError:
+            return (
+                f"permission denied on {path}: run as the daemon's user or in its socket group "
+                "(socket_group, socket_mode 0660)"
+            )
+        except ConnectionRefusedError:
+            return f"nothing listens on {path}: the daemon that made it has stopped"
+        except OSError as exc:
+            return f"cannot connect to {path}: {exc.strerror or exc}"
+    return None
+
+
+def _plain_problem(raw: socket.socket) -> str | None:
+    try:
+        raw.sendall(_HTTP2_PREFACE)
+        if raw.recv(1):
+            return None
+    except OSError:
+        return None
+    return (
+        "the daemon closed a plaintext connection at once: it serves TLS; give the client the CA "
+        "that signed its certificate (ECD_TLS_CA, or tls=TLSFiles(ca=...))"
+    )
+
+
+def _tls_problem(raw: socket.socket, host: str, tls: TLSFiles) -> str | None:
+    try:
+        context = ssl.create_default_context(cafile=str(tls.ca) if tls.ca else None)
+        if tls.cert is not None:
+            context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"cannot use the client's TLS files: {exc}"
+    context.set_alpn_protocols(["h2"])
+    try:
+        with context.wrap_socket(raw, server_hostname=host) as conn:
+            conn.sendall(_HTTP2_PREFACE)
+            answered = bool(conn.recv(1))
+    except ssl.SSLCertVerificationError as exc:
+        return (
+            f"the TLS handshake failed: the daemon's certificate did not verify "
+            f"({exc.verify_message}): it is not signed by the CA the client trusts "
+            f"({tls.ca or 'the system CAs'}), or does not name {host}"
+        )
+    except ssl.SSLError as exc:
+        return f"the TLS handshake failed: {exc.reason or exc} (is the daemon serving TLS here?)"
+    except OSError:
+        return None
+    if answered:
+        return None
+    return (
+        "the daemon closed the connection after the TLS handshake: it requires a client "
+        "certificate it trusts (mutual TLS): set ECD_TLS_CERT and ECD_TLS_KEY"
+        if tls.cert is None
+        else "the daemon closed the connection after the TLS handshake: it does not trust the "
+        "client's certificate (ECD_TLS_CERT)"
+    )
 
 
 _channels: dict[tuple[int, str, TLSFiles | None], grpc.Channel] = {}

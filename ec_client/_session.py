@@ -7,6 +7,13 @@ any rule of its own. The rules:
 
 - UNAVAILABLE (daemon down or restarting): retry with exponential backoff until the connect
   deadline has passed since the first failure, then raise.
+- A call the daemon cut off because it was shutting down (CANCELLED at the end of its shutdown
+  grace, or UNAVAILABLE with reason shutting_down, which a waiting Acquire gets just before
+  it): retried as UNAVAILABLE if the call is safe to retry (`Call.safe_to_retry`), so that a
+  restart goes unnoticed; otherwise raised, saying the call may or may not have taken effect.
+  Acquire counts as safe: an attempt cut off after pinning leaves a pin in a daemon that is
+  going away, and its session with it (at worst, with a daemon that did not stop after all,
+  the pin is held until this session ends).
 - NOT_FOUND with reason unknown_session (lease ran out, or the daemon restarted): open a new
   session, reopen the pools this client had opened, tell on_restart callbacks, retry once.
 - A reply whose boot epoch differs from the session's: the daemon restarted; do the same.
@@ -16,6 +23,7 @@ any rule of its own. The rules:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Generator
@@ -30,6 +38,8 @@ from ec_client.errors import EcdError
 from ec_client.types import PoolInfo
 
 T = TypeVar("T")
+
+log = logging.getLogger("ec_client")
 
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
@@ -93,6 +103,15 @@ class Backoff:
         return delay
 
 
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def cut_off_at_shutdown(error: EcdError) -> bool:
+    """The daemon ended the call as it stopped. A CANCELLED that reaches a plan comes from the
+    daemon (the client cancels nothing it sends): one still running at the end of the grace."""
+    return error.code == grpc.StatusCode.CANCELLED or error.reason == "shutting_down"
+
+
 def session_lost(error: EcdError) -> bool:
     return error.code == grpc.StatusCode.NOT_FOUND and error.reason == "unknown_session"
 
@@ -129,15 +148,23 @@ class SessionState:
         return call.parse(reply)
 
     def send(self, call: _wire.Call[Any], retry: bool = True) -> Plan[Any]:
-        """One RPC, retried with backoff while the daemon is UNAVAILABLE; the raw reply."""
+        """One RPC, retried with backoff while the daemon is UNAVAILABLE (or cut it off at
+        shutdown, if it is safe to retry); the raw reply."""
         backoff = Backoff(self.options.connect_timeout_s)
+        shut_down = False  # the daemon cut an attempt off as it stopped
         while True:
             try:
                 return (yield Send(call, self.session_id))
             except EcdError as error:
-                unavailable = retry and error.code == grpc.StatusCode.UNAVAILABLE
+                if cut_off_at_shutdown(error):
+                    if not call.safe_to_retry:
+                        raise self.options.cut_off(call.method) from None
+                    shut_down = True
+                unavailable = retry and error.code in RETRIED
                 delay = backoff.next_delay() if unavailable else None
                 if delay is None:
+                    if unavailable and shut_down:
+                        raise self.options.gone_at_shutdown(call.method) from None
                     raise
                 yield Pause(delay)
 
@@ -151,10 +178,18 @@ class SessionState:
         self.generation += 1
 
     def reopen(self) -> Plan[None]:
-        """A new session and the pools of the old one, after a restart or a lost lease."""
+        """A new session and the pools of the old one, after a restart or a lost lease. A pool
+        that cannot be opened again (dropped, refused) is skipped: the calls that use it get the
+        daemon's own answer, which says why."""
         yield from self.open()
-        for call in list(self.pools.values()):
-            info = call.parse((yield from self.send(call)))
+        for engine_id, call in list(self.pools.items()):
+            try:
+                info = call.parse((yield from self.send(call)))
+            except EcdError as error:
+                if error.code == grpc.StatusCode.UNAVAILABLE or session_lost(error):
+                    raise
+                log.warning("ecd: pool %s not reopened after a restart: %s", engine_id, error)
+                continue
             self.pool_opened(call, info)
 
     def close(self) -> Plan[None]:

@@ -31,6 +31,10 @@ class Call(Generic[T]):
     build: Callable[[str], Any]
     parse: Callable[[Any], T]
     extra_timeout_s: float = 0.0  # on top of the client's call timeout (Acquire's wait)
+    # Sending it again after an attempt that may have been applied changes nothing that
+    # matters: reads, opens, Allocate (the same session's retry gets the same extents) and
+    # Acquire (see _session on CANCELLED).
+    safe_to_retry: bool = False
 
 
 # Enum values by wire number, looked up once (a per-item Name() lookup costs microseconds).
@@ -72,6 +76,7 @@ def open_session(name: str, pid: int, role: api.Role) -> Call[pb.OpenSessionRepl
         "OpenSession",
         lambda _: pb.OpenSessionRequest(client_name=name, pid=pid, role=ROLES[role]),
         lambda reply: reply,
+        safe_to_retry=True,
     )
 
 
@@ -80,6 +85,7 @@ def keep_alive() -> Call[float]:
         "KeepAlive",
         lambda sid: pb.KeepAliveRequest(session_id=sid),
         lambda reply: reply.lease_ttl_ms / 1000,
+        safe_to_retry=True,
     )
 
 
@@ -107,6 +113,7 @@ def open_pool(
             compat_key=compat_key,
         ),
         parse,
+        safe_to_retry=True,
     )
 
 
@@ -202,7 +209,9 @@ def allocate(engine_id: str, items: Sequence[api.AllocateItem]) -> Call[list[api
         add_allocates(request.items, items)
         return request
 
-    return Call("Allocate", build, lambda reply: allocate_results(reply.results))
+    return Call(
+        "Allocate", build, lambda reply: allocate_results(reply.results), safe_to_retry=True
+    )
 
 
 def commit(
@@ -247,6 +256,7 @@ def acquire(
         ),
         lambda reply: acquire_results(reply.results),
         extra_timeout_s=wait_ms / 1000,
+        safe_to_retry=True,
     )
 
 
@@ -303,6 +313,7 @@ def lookup(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.LookupResu
         lambda reply: [
             api.LookupResult(r.key, state(r.state), r.nbytes, r.pins) for r in reply.results
         ],
+        safe_to_retry=True,
     )
 
 
@@ -336,6 +347,7 @@ def list_entries(
             engine_id=engine_id, limit=limit, start_after=api.key_bytes(start_after)
         ),
         parse,
+        safe_to_retry=True,
     )
 
 
@@ -343,7 +355,7 @@ def stats(engine_id: str) -> Call[api.Stats]:
     def parse(reply: pb.StatsReply) -> api.Stats:
         return mirror(api.Stats, reply, pools=tuple(mirror(api.PoolStats, p) for p in reply.pools))
 
-    return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse)
+    return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse, safe_to_retry=True)
 
 
 def watch_request(engine_id: str, snapshot: bool) -> pb.WatchRequest:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ec_client import _wire
-from ec_client._connection import Options, TLSFiles, aio_channel
+from ec_client._connection import Options, TLSFiles, aio_channel, connection_problem
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
@@ -72,7 +72,8 @@ class AsyncClient:
             await asyncio.wait_for(self._channel.channel_ready(), self.options.connect_timeout_s)
         except TimeoutError:
             await self._channel.close(None)
-            raise self.options.unreachable() from None
+            problem = await asyncio.to_thread(connection_problem, self.options)
+            raise self.options.unreachable(problem) from None
         await self._drive(self._state.open())
         if self._keepalive_enabled:
             self._keepalive = asyncio.create_task(self._keep_alive_loop())
@@ -115,7 +116,11 @@ class AsyncClient:
     # ---- calls ---------------------------------------------------------------------------------
 
     async def open_pool(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str = ""
+        self,
+        engine_id: str,
+        block_size_bytes: int = 0,
+        capacity_bytes: int = 0,
+        compat_key: str = "",
     ) -> PoolInfo:
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return await self._drive(self._state.open_pool(call))

@@ -36,7 +36,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import Options, TLSFiles, shared_channel
+from ec_client._connection import Options, TLSFiles, connection_problem, shared_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
@@ -72,8 +72,12 @@ def check_health(
 ) -> str:
     """The daemon's standard gRPC health status ("SERVING", "NOT_SERVING", ...), without a
     session: cheap enough for probes. EcdError (UNAVAILABLE) if it cannot be reached within
-    timeout_s; its message names the address."""
+    timeout_s, at once when a connection shows why (no socket there, TLS refused); its message
+    names the address and the reason."""
     options = Options.make(target, "health", Role.ADMIN, timeout_s, timeout_s, token, tls)
+    problem = connection_problem(options)
+    if problem is not None:
+        raise options.unreachable(problem)
     stub = health_pb2_grpc.HealthStub(shared_channel(options))
     try:
         reply = stub.Check(
@@ -85,7 +89,7 @@ def check_health(
     except grpc.RpcError as exc:
         error = EcdError.from_rpc(exc)
         if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise options.unreachable() from None
+            raise options.unreachable(connection_problem(options)) from None
         raise error from None
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
@@ -145,7 +149,7 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
-            raise self.options.unreachable() from None
+            raise self.options.unreachable(connection_problem(self.options)) from None
         self._drive(self._state.open())
         self._keepalive: threading.Thread | None = None
         if keepalive:
@@ -255,13 +259,21 @@ class Client:
     # ---- pools ---------------------------------------------------------------------------------
 
     def open_pool(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str = ""
+        self,
+        engine_id: str,
+        block_size_bytes: int = 0,
+        capacity_bytes: int = 0,
+        compat_key: str = "",
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
+        With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
+        compat_key: a consumer need not know them. The client remembers the call and makes it
+        again after a daemon restart.
 
-        Raises INVALID_ARGUMENT (bad name or sizes), FAILED_PRECONDITION (it exists with another
-        geometry or compat_key, or its file was refused), RESOURCE_EXHAUSTED (over the budget,
-        the per-pool limit, or the shm directory is full)."""
+        Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
+        not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
+        file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
+        directory is full)."""
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return self._drive(self._state.open_pool(call))
 
@@ -297,9 +309,12 @@ class Client:
         return self._run(_wire.abort(engine_id, keys))
 
     def acquire(self, engine_id: str, keys: Sequence[Key], wait_ms: int = 0) -> list[AcquireResult]:
-        """Pin READY entries for reading; wait up to wait_ms for PENDING ones. Per item: HIT
-        (read the extents, then release the lease), MISS, PENDING (still being written after
-        wait_ms), INVALID_ARGUMENT (bad key)."""
+        """Pin READY entries for reading. With wait_ms, a key PENDING or not there yet is
+        waited for until it is READY (the call returns at its commit) or wait_ms runs out. Per
+        item: HIT (read the extents, then release the lease), MISS (not there, after waiting
+        wait_ms for it), PENDING (a producer was still writing it when wait_ms ran out: it is
+        coming, wait more or encode it yourself), INVALID_ARGUMENT (bad key). Consumer.get
+        answers None for both MISS and PENDING; this call tells them apart."""
         return self._run(_wire.acquire(engine_id, keys, wait_ms))
 
     def release(self, lease_ids: Sequence[int]) -> list[LeaseResult]:

@@ -32,22 +32,24 @@ class PoolEndpoint:
 
     def _refresh(self) -> None:
         """Map the pool again if the daemon announced a new file (after a restart), or if the
-        file at the path is not the one mapped (dropped and recreated): reopen it, once."""
+        file at the path is not the one mapped (dropped and recreated, truncated, removed):
+        open the pool again as this client first opened it, once.
+
+        The mapping in use is replaced only by one that verified: a pool that is not back yet
+        raises EcdError and leaves this endpoint as it was, so a later call tries again and
+        works once the pool is back."""
         info = self.client.pool_info(self.engine_id)
         if info.pool_uuid == self.mapping.info.pool_uuid:
             try:
                 self.mapping.check_current()
                 return
             except EcdError:
-                info = self.client.open_pool(
-                    self.engine_id,
-                    info.block_size_bytes,
-                    info.num_blocks * info.block_size_bytes,
-                    info.compat_key,
-                )
-        self.mapping.close()
-        self.mapping = PoolMapping.open(info)
-        self.mapping.check_current()
+                info = self.client.reopen_pool(self.engine_id)
+        mapping = PoolMapping.open(info)
+        mapping.check_current()
+        if mapping is not self.mapping:
+            self.mapping.close()
+            self.mapping = mapping
 
 
 def item_errors(what: str, results: Iterable[ItemResult | LeaseResult]) -> EcdError | None:

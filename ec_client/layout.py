@@ -3,14 +3,20 @@
 A pool file `<shm_dir>/ecd-<engine_id>.pool` is laid out as:
 
     [0, 4096)                      header: identity and geometry, CRC-protected
-    [4096, 4096 + slots * 1024)    slot table: one record per entry the pool can hold
+    [4096, 4096 + slots * 512)     slot table: one record per entry the pool can hold
     [data_offset, file_size)       num_blocks blocks of block_size_bytes; data_offset is
                                    aligned to 2 MiB so huge pages can back the data
 
 The header's magic is written last at creation, so a half-written header never verifies. A slot
-record describes one READY entry (key, extents, tensor spec, checksum); its mark is written last
-and cleared first, and a CRC covers the rest, so after a daemon crash every record is either whole
-or ignored. This module is pure Python (no torch) so the daemon can use it without importing torch.
+record describes one READY entry (key, extents, tensor spec, checksum) in the first bytes of its
+512-byte slot; it is written with one pwrite, mark included, and a CRC covers what follows the
+mark and CRC, so after a daemon crash every record is either whole or ignored (see
+ec_daemon/pool.py). The slot table is sized from what a pool can hold (Geometry.for_capacity), so
+a pool file is its capacity plus at most about 1.6%, or 2 MiB. This module is pure Python (no
+torch) so the daemon can use it without importing torch.
+
+Layout version 2 (this one) replaced version 1's 1 KiB records, one per block; a version 1 file
+is refused at adoption and kept for inspection.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"ECDPOOL1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
-SLOT_SIZE = 1024
+SLOT_SIZE = 512  # divides the page size: a record never straddles a page
 DATA_ALIGNMENT = 2 << 20
 POOL_FILE_PREFIX = "ecd-"
 POOL_FILE_SUFFIX = ".pool"
@@ -34,8 +40,16 @@ MAX_KEY_BYTES = 256
 MAX_ENGINE_ID_BYTES = 128
 MAX_COMPAT_KEY_BYTES = 1024
 MAX_NDIM = 8
-# A slot record has room for this many extents; the allocator never splits an entry further.
-MAX_EXTENTS_PER_ENTRY = 40
+# Extents are stored as 32-bit block numbers.
+MAX_BLOCKS = (1 << 32) - 1
+# Unless told how many entries a pool must hold, the header area (header and slot table, up to
+# the data's 2 MiB-aligned offset) of a pool is 1/HEADER_AREA_SHARE of its capacity rounded down to
+# whole 2 MiB, and at least 2 MiB (4088 slots, which the alignment costs anyway), with at most
+# MAX_AUTO_SLOTS slots: a file is its capacity plus at most ~1.6%, or 2 MiB. That is one slot per
+# 32 KiB of capacity: an encoder output is rarely smaller (one image is tens of rows of several
+# KiB), and a pool full of smaller entries evicts to free a slot.
+HEADER_AREA_SHARE = 64
+MAX_AUTO_SLOTS = 65536
 
 ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -70,12 +84,16 @@ _HEADER = struct.Struct(f"<8sII16sQQQQQIQQII{MAX_ENGINE_ID_BYTES}s{MAX_COMPAT_KE
 _HEADER_CRC = struct.Struct("<I")
 _HEADER_CRC_OFFSET = _HEADER.size
 
-# mark, crc, key_len, dtype_code, ndim, n_extents, reserved, nbytes, checksum, commit_seq, shape,
-# key, extents (start, count pairs)
-_SLOT = struct.Struct(f"<IIHBBHHQQQ{MAX_NDIM}q{MAX_KEY_BYTES}s{2 * MAX_EXTENTS_PER_ENTRY}Q")
+# A slot record: mark, crc (of the rest of the record), then the fixed fields: commit_seq, nbytes,
+# checksum, key_len, dtype_code, ndim, n_extents; then shape (ndim int64), extents (n_extents
+# pairs of uint32 start, count), key. Its length depends on the entry; the slot's bytes after it
+# are ignored (they may hold an older, longer record).
+_SLOT_MARK_CRC = struct.Struct("<II")
+_SLOT_FIXED = struct.Struct("<QQQHBBH")
+_SLOT_HEAD = _SLOT_MARK_CRC.size + _SLOT_FIXED.size
 SLOT_READY_MARK = 0x59444552  # "REDY"
 SLOT_FREE_MARK = 0
-assert _SLOT.size <= SLOT_SIZE and _HEADER.size + _HEADER_CRC.size <= HEADER_SIZE
+assert _HEADER.size + _HEADER_CRC.size <= HEADER_SIZE and HEADER_SIZE % SLOT_SIZE == 0
 
 
 class LayoutError(ValueError):
@@ -94,6 +112,13 @@ def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * DTYPES[dtype][1]
 
 
+def max_extents(key_len: int, ndim: int) -> int:
+    """How many extents the slot record of an entry with this key and shape has room for: the
+    allocator never splits the entry further (19 with a 256-byte key and 8 dimensions, 49 with a
+    64-byte key and 2)."""
+    return (SLOT_SIZE - _SLOT_HEAD - 8 * ndim - key_len) // 8
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Sizes of a pool, derived from the request; two opens agree iff their geometries are equal."""
@@ -101,6 +126,21 @@ class Geometry:
     block_size_bytes: int
     num_blocks: int
     num_slots: int
+
+    @classmethod
+    def for_capacity(
+        cls, block_size_bytes: int, capacity_bytes: int, entries: int | None
+    ) -> Geometry:
+        """The geometry of a new pool: capacity_bytes // block_size_bytes blocks, and a slot for
+        each of `entries` entries, or when None the slots that fill its header area (see
+        HEADER_AREA_SHARE); never more slots than blocks."""
+        num_blocks = capacity_bytes // block_size_bytes
+        if entries is None:
+            capacity = num_blocks * block_size_bytes
+            share = capacity // HEADER_AREA_SHARE // DATA_ALIGNMENT * DATA_ALIGNMENT
+            slots = (max(DATA_ALIGNMENT, share) - HEADER_SIZE) // SLOT_SIZE
+            entries = min(slots, MAX_AUTO_SLOTS)
+        return cls(block_size_bytes, num_blocks, min(num_blocks, entries))
 
     @property
     def slot_table_offset(self) -> int:
@@ -117,6 +157,17 @@ class Geometry:
     @property
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.block_size_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        """What the file holds beyond its blocks: the header and the slot table, 2 MiB-aligned."""
+        return self.data_offset
+
+
+def most_overhead(capacity_bytes: int, entries: int | None) -> int:
+    """The most a pool of this capacity adds to its file (header, slot table, alignment),
+    whatever its block size (one-byte blocks would have the most slots)."""
+    return Geometry.for_capacity(1, capacity_bytes, entries).overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -165,7 +216,11 @@ class Header:
         if magic != MAGIC:
             raise LayoutError(f"bad magic {magic!r}, expected {MAGIC!r}: not an ecd pool file")
         if version != LAYOUT_VERSION:
-            raise LayoutError(f"layout version {version}, this build reads {LAYOUT_VERSION}")
+            raise LayoutError(
+                f"pool file layout {version}, this build reads layout {LAYOUT_VERSION} (the file "
+                f"was written by {'an older' if version < LAYOUT_VERSION else 'a newer'} ecd): "
+                "its entries cannot be read; remove the file to let the pool be created anew"
+            )
         (crc,) = _HEADER_CRC.unpack_from(page, _HEADER_CRC_OFFSET)
         if crc != zlib.crc32(page[:_HEADER_CRC_OFFSET]):
             raise LayoutError("header checksum does not match: the header was overwritten")
@@ -196,43 +251,53 @@ class SlotRecord:
     extents: tuple[tuple[int, int], ...]
 
     def pack(self) -> bytes:
-        """The record with its mark zero; the writer sets the mark (4 bytes) after the rest."""
+        """The whole record, its READY mark included, for one write."""
         flat = [v for extent in self.extents for v in extent]
-        body = _SLOT.pack(
-            SLOT_FREE_MARK,
-            0,
-            len(self.key),
-            DTYPES[self.dtype][0],
-            len(self.shape),
-            len(self.extents),
-            0,
-            self.nbytes,
-            self.checksum,
-            self.commit_seq,
-            *self.shape,
-            *([0] * (MAX_NDIM - len(self.shape))),
-            self.key,
-            *flat,
-            *([0] * (2 * MAX_EXTENTS_PER_ENTRY - len(flat))),
-        ).ljust(SLOT_SIZE, b"\0")
-        crc = zlib.crc32(body[8:])
-        return body[:4] + struct.pack("<I", crc) + body[8:]
+        body = (
+            _SLOT_FIXED.pack(
+                self.commit_seq,
+                self.nbytes,
+                self.checksum,
+                len(self.key),
+                DTYPES[self.dtype][0],
+                len(self.shape),
+                len(self.extents),
+            )
+            + struct.pack(f"<{len(self.shape)}q{len(flat)}I", *self.shape, *flat)
+            + self.key
+        )
+        if _SLOT_MARK_CRC.size + len(body) > SLOT_SIZE:
+            raise LayoutError(
+                f"record of key {self.key!r} with {len(self.extents)} extents does not fit a slot"
+            )
+        return _SLOT_MARK_CRC.pack(SLOT_READY_MARK, zlib.crc32(body)) + body
 
     @classmethod
-    def unpack(cls, record: bytes) -> SlotRecord | None:
-        """The record if its mark says READY and its CRC verifies, else None (free or torn)."""
-        fields = _SLOT.unpack_from(record)
-        mark, crc, key_len, dtype_code, ndim, n_extents = fields[:6]
-        if mark != SLOT_READY_MARK or crc != zlib.crc32(record[8:SLOT_SIZE]):
+    def unpack(cls, slot: bytes) -> SlotRecord | None:
+        """The record in a slot if its mark says READY and its CRC verifies, else None (free,
+        erased, or not a whole record)."""
+        mark, crc = _SLOT_MARK_CRC.unpack_from(slot)
+        if mark != SLOT_READY_MARK:
             return None
-        if dtype_code not in DTYPE_BY_CODE or ndim > MAX_NDIM or n_extents > MAX_EXTENTS_PER_ENTRY:
+        commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = (
+            _SLOT_FIXED.unpack_from(slot, _SLOT_MARK_CRC.size)
+        )
+        length = _SLOT_HEAD + 8 * ndim + 8 * n_extents + key_len
+        if ndim > MAX_NDIM or length > min(len(slot), SLOT_SIZE):
             return None
-        nbytes, checksum, commit_seq = fields[7:10]
-        shape = tuple(fields[10 : 10 + ndim])
-        key = fields[10 + MAX_NDIM][:key_len]
-        flat = fields[11 + MAX_NDIM : 11 + MAX_NDIM + 2 * n_extents]
-        extents = tuple(zip(flat[0::2], flat[1::2], strict=True))
-        return cls(key, DTYPE_BY_CODE[dtype_code], shape, nbytes, checksum, commit_seq, extents)
+        if crc != zlib.crc32(slot[_SLOT_MARK_CRC.size : length]) or dtype_code not in DTYPE_BY_CODE:
+            return None
+        values = struct.unpack_from(f"<{ndim}q{2 * n_extents}I", slot, _SLOT_HEAD)
+        flat = values[ndim:]
+        return cls(
+            key=slot[length - key_len : length],
+            dtype=DTYPE_BY_CODE[dtype_code],
+            shape=tuple(values[:ndim]),
+            nbytes=nbytes,
+            checksum=checksum,
+            commit_seq=commit_seq,
+            extents=tuple(zip(flat[0::2], flat[1::2], strict=True)),
+        )
 
 
 def slot_offset(index: int) -> int:

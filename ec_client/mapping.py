@@ -116,6 +116,23 @@ def stale(info: PoolInfo, why: str) -> EcdError:
     )
 
 
+def _open_pool_file(info: PoolInfo) -> int:
+    """The pool file, opened for mapping; EcdError saying why it cannot be."""
+    try:
+        return os.open(info.path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise stale(info, "the file was removed (the pool was dropped or refused)") from None
+    except PermissionError:
+        raise EcdError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"cannot open pool file {info.path} for reading and writing: permission denied; run "
+            "this process as the daemon's user or in its pool group (pool_group, with pool_mode "
+            '"0660")',
+        ) from None
+    except OSError as exc:
+        raise stale(info, f"cannot open the file: {exc.strerror}") from None
+
+
 class PoolMapping:
     """Use `PoolMapping.open(info)`: one mapping per pool file per process."""
 
@@ -127,14 +144,21 @@ class PoolMapping:
         self.info = info
         self.block_size = info.block_size_bytes
         self.num_blocks = info.num_blocks
-        fd = os.open(info.path, os.O_RDWR | os.O_CLOEXEC)
+        self._closed = False
+        fd = _open_pool_file(info)
         try:
             stat = os.fstat(fd)
             self._inode = (stat.st_dev, stat.st_ino)
             self._verify_header(os.pread(fd, HEADER_SIZE, 0), stat.st_size)
-            self._mmap = map_populated(
-                fd, info.num_blocks * info.block_size_bytes, info.data_offset
-            )
+            try:
+                self._mmap = map_populated(
+                    fd, info.num_blocks * info.block_size_bytes, info.data_offset
+                )
+            except OSError as exc:
+                raise EcdError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"cannot map pool {info.engine_id!r} ({info.path}): {exc.strerror}",
+                ) from None
         finally:
             os.close(fd)  # the mapping keeps the file alive
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # the blocks, for host copies
@@ -264,7 +288,11 @@ class PoolMapping:
         return bool(self._registered)
 
     def close(self) -> None:
-        """Forget this mapping; the pages go when the last tensor view of them does."""
+        """Forget this mapping; the pages go when the last tensor view of them does. Closing
+        again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         with PoolMapping._lock:
             PoolMapping._shared.pop((os.getpid(), self.info.path, self.info.pool_uuid), None)
         self.wait_copies()  # no copy may still use the pages once they are unregistered

@@ -223,14 +223,18 @@ class PoolStats:
     commits: int
     aborts: int
     bytes_ready: int
+    compat_key: str
+    reserved_bytes: int  # the pool file: capacity_bytes plus its header and slot table
+    max_entries: int
 
 
 @dataclass(frozen=True)
 class Stats:
     boot_epoch: str
     uptime_s: float
-    max_bytes: int
-    reserved_bytes: int
+    max_bytes: int  # the budget: what capacity_bytes may reach
+    capacity_bytes: int  # of all pools together
+    reserved_bytes: int  # bytes of all pool files together
     sessions: int
     lease_expiries: int
     version: str

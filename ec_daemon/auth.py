@@ -9,7 +9,8 @@
   every pool at once). OpenPool needs produce or consume. Session RPCs need only a valid token:
   a session ID is an unguessable capability, so Release and KeepAlive need no pool grant.
 
-Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); `#` comments.
+Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); `#` comments
+(ec_client.token_file, which clients read too).
 Access list (TOML):
 
     [[rule]]
@@ -29,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ec_client import token_file
 from ec_daemon.errors import Code, CoreError
 
 
@@ -67,17 +69,14 @@ class AuthConfigError(ValueError):
 
 def load_tokens(path: Path) -> dict[str, str]:
     """token -> name."""
+    try:
+        entries = token_file.parse(path.read_text(), str(path))
+    except ValueError as exc:
+        raise AuthConfigError(str(exc)) from exc
     tokens: dict[str, str] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) > 2:
-            raise AuthConfigError(f"{path}:{number}: expected `NAME TOKEN` or `TOKEN`")
-        name, token = parts if len(parts) == 2 else ("default", parts[0])
+    for name, token in entries:
         if len(token) < 16:
-            raise AuthConfigError(f"{path}:{number}: token of {name!r} is shorter than 16 chars")
+            raise AuthConfigError(f"{path}: token of {name!r} is shorter than 16 chars")
         tokens[token] = name
     if not tokens:
         raise AuthConfigError(f"{path}: no tokens")

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client.layout import POOL_FILE_PREFIX, POOL_FILE_SUFFIX
+from ec_client.layout import POOL_FILE_PREFIX, POOL_FILE_SUFFIX, most_overhead
 from ec_client.units import format_size
 
 
@@ -162,8 +162,12 @@ def pool_files_bytes(shm_dir: Path) -> int:
     )
 
 
-def resolve_budget(shm_dir: Path, max_bytes: int | None) -> int:
-    """The global byte budget: as configured, or half of the shm directory when unset.
+def resolve_budget(shm_dir: Path, max_bytes: int | None, entries: int | None) -> int:
+    """The global byte budget of pool capacity: as configured, or half of the shm directory when
+    unset. Pool files hold a little more than their capacity (header and slot table, see
+    ec_client.layout), so the directory must hold the budget and that much more (for one pool of
+    the whole budget; each further pool adds its 2 MiB header area, and a pool that finds the
+    directory full is refused cleanly at creation).
 
     A budget the directory cannot hold fails now rather than as a full tmpfs later.
     """
@@ -171,7 +175,7 @@ def resolve_budget(shm_dir: Path, max_bytes: int | None) -> int:
     total = stat.f_blocks * stat.f_frsize
     available = stat.f_bavail * stat.f_frsize + pool_files_bytes(shm_dir)
     if max_bytes is None:
-        budget = min(total // 2, available)
+        budget = min(total // 2, available - most_overhead(available, entries))
         if budget <= 0:
             raise StartupError(
                 f"{shm_dir} is full: no room for any pool; free space there or enlarge it"
@@ -179,11 +183,14 @@ def resolve_budget(shm_dir: Path, max_bytes: int | None) -> int:
         return budget
     if max_bytes <= 0:
         raise StartupError(f"--max-bytes must be positive, got {max_bytes}")
-    if max_bytes > available:
+    files = max_bytes + most_overhead(max_bytes, entries)
+    if files > available:
         raise StartupError(
-            f"--max-bytes {format_size(max_bytes)} exceeds the {format_size(available)} "
-            f"available in {shm_dir}; lower --max-bytes or enlarge the directory (docker run "
-            "--shm-size, a Kubernetes emptyDir sizeLimit, or mount -o remount,size=... /dev/shm)"
+            f"--max-bytes {format_size(max_bytes)} of pool capacity takes up to "
+            f"{format_size(files)} of pool files (with their headers and slot tables), which "
+            f"exceeds the {format_size(available)} available in {shm_dir}; lower --max-bytes or "
+            "enlarge the directory (docker run --shm-size, a Kubernetes emptyDir sizeLimit, or "
+            "mount -o remount,size=... /dev/shm)"
         )
     return max_bytes
 

@@ -1,7 +1,7 @@
 """The `ecd` command: `ecd serve` runs the daemon; the others are client tools for operators.
 
     ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
-    ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict ENGINE KEY...
+    ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict|delete ENGINE KEY...
 
 Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
 Exit status: 0 success, 1 the daemon answered with an error or is not SERVING, 2 bad usage or
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ec_client import Client, EcdError, Role, check_health
+from ec_client import Client, EcdError, ItemResult, Role, check_health
 from ec_client.address import default_target
 from ec_client.units import format_size
 from ec_daemon import config as config_module
@@ -104,6 +104,9 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def admin_client(args: argparse.Namespace) -> Client:
+    """A session for an operator command; a daemon that cannot be reached fails it at once when
+    a connection shows why (no socket there, TLS refused), naming the address."""
+    check_health(args.address, timeout_s=args.timeout)
     return Client(
         args.address,
         name="ecd-cli",
@@ -121,34 +124,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
         head = (
             f"ecd {stats.version}  epoch {stats.boot_epoch}  up {stats.uptime_s:.0f}s  "
             f"sessions {stats.sessions}  lease expiries {stats.lease_expiries}\n"
-            f"budget {format_size(stats.reserved_bytes)} of {format_size(stats.max_bytes)} reserved"
+            f"budget {format_size(stats.capacity_bytes)} of {format_size(stats.max_bytes)} in "
+            f"pool capacity; pool files {format_size(stats.reserved_bytes)} (with headers and "
+            "slot tables)"
         )
         rows = [
             (
                 p.engine_id,
                 format_size(p.capacity_bytes),
+                format_size(p.reserved_bytes),
                 f"{100 * (1 - p.free_blocks / p.num_blocks):.1f}%",
-                p.entries_ready,
+                f"{p.entries_ready}/{p.max_entries}",
                 p.entries_pending,
                 p.pins,
                 p.hits,
                 p.misses,
                 p.evictions,
                 p.no_space,
+                p.compat_key or "-",
             )
             for p in stats.pools
         ]
         headers = (
             "POOL",
             "CAPACITY",
+            "FILE",
             "USED",
-            "READY",
+            "READY/MAX",
             "PENDING",
             "PINS",
             "HITS",
             "MISSES",
             "EVICTIONS",
             "NO_SPACE",
+            "COMPAT_KEY",
         )
         return head + "\n\n" + table(headers, rows) if rows else head + "\n\n(no pools)"
 
@@ -183,8 +192,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
+    return drop_entries(args, Client.evict)
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    return drop_entries(args, Client.delete)
+
+
+def drop_entries(
+    args: argparse.Namespace, drop: Callable[[Client, str, list[bytes]], list[ItemResult]]
+) -> int:
+    """ecd evict / ecd delete: a table of what happened to each key; exit 1 if any failed."""
     with admin_client(args) as client:
-        results = client.evict(args.engine, [parse_key(k) for k in args.keys])
+        results = drop(client, args.engine, [parse_key(k) for k in args.keys])
     emit(
         args,
         results,
@@ -253,11 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     client_arguments(ls)
     ls.set_defaults(run=cmd_ls)
 
-    evict = commands.add_parser("evict", help="evict READY unpinned entries of a pool")
-    evict.add_argument("engine")
-    evict.add_argument("keys", nargs="+", metavar="KEY", help="key as text, or 0x-prefixed hex")
-    client_arguments(evict)
-    evict.set_defaults(run=cmd_evict)
+    for name, run, what in (
+        ("evict", cmd_evict, "evict READY unpinned entries of a pool, as eviction would"),
+        ("delete", cmd_delete, "delete entries of a pool in any state (a pinned one goes at its "
+         "last release)"),
+    ):  # fmt: skip
+        drop = commands.add_parser(name, help=what)
+        drop.add_argument("engine")
+        drop.add_argument("keys", nargs="+", metavar="KEY", help="key as text, or 0x-prefixed hex")
+        client_arguments(drop)
+        drop.set_defaults(run=run)
 
     bench = commands.add_parser(
         "bench",
@@ -287,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.run(args)
     except EcdError as exc:
-        print(f"ecd: {exc}", file=sys.stderr)
+        target = getattr(args, "address", None) or default_target()
+        where = "" if target in exc.message else f" (ecd at {target})"
+        print(f"ecd: {exc}{where}", file=sys.stderr)
         return 1
     return result

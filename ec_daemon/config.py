@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,8 +20,28 @@ from ec_client.units import parse_size
 ENV_PREFIX = "ECD_"
 
 
-def _octal(text: str | int) -> int:
-    return text if isinstance(text, int) else int(str(text), 8)
+def _mode(text: str | int) -> int:
+    """Permission bits written in octal: "0660", "660" or "0o660" (a TOML file's bare 660 and
+    0o660 reach here as written, see _modes_as_written)."""
+    if isinstance(text, int):
+        raise ValueError(f'{text} is a number; write the mode as an octal string, e.g. "0660"')
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise ValueError(f'{text!r} is not an octal mode; expected e.g. "0660"') from None
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{text!r} is {oct(mode)}: expected permission bits, 0 to 0777")
+    return mode
+
+
+def _pool_mode(text: str | int) -> int:
+    mode = _mode(text)
+    if mode & 0o600 != 0o600:
+        raise ValueError(
+            f"{oct(mode)} leaves the owner without read and write: the daemon could not adopt its "
+            "own pool files after a restart; expected at least 0600"
+        )
+    return mode
 
 
 def _bool(text: str | bool) -> bool:
@@ -45,6 +66,16 @@ def _choice(*allowed: str) -> Callable[[str], str]:
 def _size_or_auto(text: str | int) -> int | None:
     """None means auto: decided at startup (see the setting)."""
     return None if text == "auto" else parse_size(text)
+
+
+def _count_or_auto(text: str | int) -> int | None:
+    """None means auto: decided per pool (see the setting)."""
+    if text == "auto":
+        return None
+    count = int(text)
+    if count <= 0:
+        raise ValueError(f"{text!r} is not a positive number or auto")
+    return count
 
 
 def _host_port(text: str) -> str:
@@ -95,7 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
         "PATH",
         "(computed)",
     ),
-    Setting("socket_mode", _octal, 0o660, "permissions of the socket (octal)", "MODE"),
+    Setting("socket_mode", _mode, 0o660, 'permissions of the socket, in octal ("0660")', "MODE"),
     Setting(
         "socket_group", str, "", "group owning the socket (clients in it may connect)", "GROUP"
     ),
@@ -128,7 +159,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_bytes",
         _size_or_auto,
         None,
-        "budget of all pool files together, e.g. 8GiB; auto = half of shm-dir",
+        "budget of all pools' capacity together, e.g. 8GiB (their files hold a little more: "
+        "headers and slot tables); auto = half of shm-dir",
         "SIZE",
         "auto",
     ),
@@ -147,11 +179,14 @@ SETTINGS: tuple[Setting, ...] = (
         "POLICY",
     ),
     Setting(
-        "max_entries_per_pool",
-        int,
-        65536,
-        "entries one pool can hold (1 KiB of pool file each)",
+        "entries_per_pool",
+        _count_or_auto,
+        None,
+        "entries each pool can hold (a slot of 512 bytes of its file each); auto = one per 32 "
+        "KiB of capacity in whole 2 MiB, at least 4088, at most 65536: a number is for pools of "
+        "smaller entries, and costs their files more",
         "N",
+        "auto",
     ),
     Setting(
         "max_pool_bytes",
@@ -165,9 +200,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_message_bytes", parse_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
     Setting(
         "pool_mode",
-        _octal,
+        _pool_mode,
         0o600,
-        "permissions of pool files (octal; 0660 with --pool-group)",
+        'permissions of pool files, in octal ("0600"; "0660" with --pool-group)',
         "MODE",
     ),
     Setting(
@@ -218,7 +253,12 @@ SETTINGS: tuple[Setting, ...] = (
         "LEVEL",
     ),
     Setting(
-        "shutdown_grace", float, 5.0, "seconds in-flight RPCs get to finish on SIGTERM", "SECONDS"
+        "shutdown_grace",
+        float,
+        5.0,
+        "seconds in-flight RPCs get to finish on SIGTERM (an Acquire still waiting is answered "
+        "UNAVAILABLE just before, for its client to retry)",
+        "SECONDS",
     ),
     Setting(
         "drop_pools_on_exit",
@@ -244,7 +284,7 @@ class Config:
     max_bytes: int | None
     lease_ttl: float
     eviction: str
-    max_entries_per_pool: int
+    entries_per_pool: int | None
     max_pool_bytes: int | None
     max_batch: int
     max_message_bytes: int
@@ -295,9 +335,9 @@ def load(
     file_values: dict[str, Any] = {}
     if config_file is not None:
         try:
-            with config_file.open("rb") as f:
-                file_values = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            text = config_file.read_text()
+            file_values = _modes_as_written(text, tomllib.loads(text))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
         unknown = set(file_values) - {s.name for s in SETTINGS}
         if unknown:
@@ -323,6 +363,19 @@ def load(
     if values["socket"] is None:
         values["socket"] = daemon_socket_path()
     return Config(**values), sources
+
+
+def _modes_as_written(text: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Modes given as TOML numbers, as they were written: TOML reads `socket_mode = 660` as the
+    decimal 660 (mode 0o1224) and `0o660` as 432, and only the text tells them apart, so the
+    parser gets "660" or "0o660" and reads both as octal."""
+    written = dict(values)
+    for setting in SETTINGS:
+        if setting.name.endswith("_mode") and isinstance(values.get(setting.name), int):
+            match = re.search(rf"^[ \t]*{setting.name}[ \t]*=[ \t]*([+\w]+)", text, re.MULTILINE)
+            if match:
+                written[setting.name] = match.group(1)
+    return written
 
 
 def describe(config: Config, sources: Mapping[str, str]) -> str:

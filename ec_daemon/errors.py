@@ -14,6 +14,7 @@ class Code(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"
 
 
 class Reason(enum.Enum):
@@ -27,6 +28,7 @@ class Reason(enum.Enum):
     SHM_FULL = "shm_full"
     BAD_REQUEST = "bad_request"
     ROLE = "role"  # the session's role does not allow the call
+    SHUTTING_DOWN = "shutting_down"  # the daemon stopped during the call; nothing was applied
 
 
 class CoreError(Exception):

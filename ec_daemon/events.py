@@ -51,6 +51,7 @@ class EventHub:
         self._waiters: dict[tuple[str, bytes], list[asyncio.Future[None]]] = defaultdict(list)
         self._subscriptions: set[Subscription] = set()
         self._watch_queue_limit = watch_queue_limit
+        self.waits_ended = False  # the daemon is stopping: no wait lasts any longer
 
     def publish(self, event: WatchEvent) -> None:
         # Any event about a key settles its waiters: it became READY or went away. A dropped pool
@@ -67,7 +68,13 @@ class EventHub:
             subscription.offer(event)
 
     async def wait_settled(self, engine_id: str, keys: list[bytes], timeout_s: float) -> None:
-        """Return once every key was committed or went away, or after timeout_s."""
+        """Return once every key was committed or went away, or after timeout_s, or once the
+        daemon is stopping (`waits_ended`).
+
+        The waiters are registered before the first await: a caller that looked the keys up in
+        the same synchronous step misses no event."""
+        if self.waits_ended:
+            return
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[None]] = [loop.create_future() for _ in keys]
         for key, future in zip(keys, futures, strict=True):
@@ -94,3 +101,12 @@ class EventHub:
         """End every Watch stream (clients resubscribe to the next daemon)."""
         for subscription in self._subscriptions:
             subscription.end(StreamEnd.SHUTDOWN)
+
+    def end_waits(self) -> None:
+        """The daemon is about to stop: every wait returns now, and any later one at once."""
+        self.waits_ended = True
+        for futures in self._waiters.values():
+            for future in futures:
+                if not future.done():
+                    future.set_result(None)
+        self._waiters.clear()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ec_client.layout import MAX_EXTENTS_PER_ENTRY, Geometry, SlotRecord
+from ec_client.layout import Geometry, SlotRecord, max_extents
 from ec_client.types import EntryState, EventType, Extent, PoolStats, Status, TensorSpec
 from ec_daemon.allocator import ExtentAllocator
 from ec_daemon.eviction import EvictionPolicy
@@ -175,7 +175,7 @@ class PoolIndex:
                 f"entry of {spec.nbytes} bytes needs {blocks} blocks of "
                 f"{self.geometry.block_size_bytes} bytes; the pool has {self.geometry.num_blocks}",
             )
-        extents = self._make_room(blocks)
+        extents = self._make_room(blocks, max_extents(len(key), len(spec.shape)))
         if extents is None:
             self.counters.no_space += 1
             return Outcome(
@@ -296,11 +296,15 @@ class PoolIndex:
         if entry is None:
             return Outcome(Status.NOT_FOUND, "no entry with this key")
         if entry.state is EntryState.PENDING:
-            return Outcome(Status.FAILED_PRECONDITION, "the entry is PENDING; use Delete")
+            return Outcome(
+                Status.FAILED_PRECONDITION,
+                "the entry is PENDING (being written); Delete drops it anyway (ecd delete)",
+            )
         if entry.pins:
             return Outcome(
                 Status.FAILED_PRECONDITION,
-                f"the entry is pinned {entry.pins} time(s); use Delete",
+                f"the entry is pinned {entry.pins} time(s); Delete drops it anyway, its blocks "
+                "going back at the last release (ecd delete)",
             )
         self._remove(entry, EventType.EVICTED)
         self.counters.evictions += 1
@@ -325,7 +329,7 @@ class PoolIndex:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def stats(self) -> PoolStats:
+    def stats(self, compat_key: str) -> PoolStats:
         """The pool's occupancy and counters at this moment, for Stats and metrics."""
         entries = self._entries.values()
         ready = [e for e in entries if e.state is EntryState.READY]
@@ -342,6 +346,9 @@ class PoolIndex:
             entries_pinned=sum(1 for e in ready if e.pins),
             pins=self.pins(),
             bytes_ready=sum(e.spec.nbytes for e in ready),
+            compat_key=compat_key,
+            reserved_bytes=self.geometry.file_size,
+            max_entries=self.geometry.num_slots,
             **dataclasses.asdict(self.counters),
         )
 
@@ -351,8 +358,9 @@ class PoolIndex:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _make_room(self, blocks: int) -> list[Extent] | None:
-        """Blocks and a slot for a new entry, evicting in policy order; None if impossible.
+    def _make_room(self, blocks: int, most_extents: int) -> list[Extent] | None:
+        """Blocks in at most `most_extents` runs (what its slot record has room for) and a slot
+        for a new entry, evicting in policy order; None if impossible.
 
         Nothing is evicted when even evicting every evictable entry could not make room.
         """
@@ -362,7 +370,7 @@ class PoolIndex:
             return None
         while True:
             if self._free_slots:
-                extents = self._allocator.allocate(blocks, MAX_EXTENTS_PER_ENTRY)
+                extents = self._allocator.allocate(blocks, most_extents)
                 if extents is not None:
                     return extents
             victim = next(

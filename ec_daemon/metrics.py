@@ -48,6 +48,16 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
         lambda p: p.capacity_bytes,
     ),
     (
+        "ecd_pool_reserved_bytes",
+        "Bytes of the pool file: its blocks, header and slot table",
+        lambda p: p.reserved_bytes,
+    ),
+    (
+        "ecd_pool_max_entries",
+        "Entries the pool can hold at once (its slot table)",
+        lambda p: p.max_entries,
+    ),
+    (
         "ecd_pool_used_bytes",
         "Bytes of blocks held by entries",
         lambda p: _block_bytes(p, p.num_blocks - p.free_blocks),
@@ -87,11 +97,18 @@ class StoreCollector(Collector):
         yield info
         yield GaugeMetricFamily("ecd_uptime_seconds", "Seconds since start", value=snap.uptime_s)
         yield GaugeMetricFamily(
-            "ecd_budget_bytes", "Byte budget of all pool files together", value=snap.max_bytes
+            "ecd_budget_bytes",
+            "Byte budget of the pools' capacities together (--max-bytes)",
+            value=snap.max_bytes,
+        )
+        yield GaugeMetricFamily(
+            "ecd_capacity_bytes",
+            "Capacity of all pools together: the part of the budget in use",
+            value=snap.capacity_bytes,
         )
         yield GaugeMetricFamily(
             "ecd_reserved_bytes",
-            "Bytes of the budget held by pool files",
+            "Bytes of all pool files together: capacity plus headers and slot tables",
             value=snap.reserved_bytes,
         )
         yield GaugeMetricFamily("ecd_sessions", "Open client sessions", value=snap.sessions)

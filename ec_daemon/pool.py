@@ -19,7 +19,6 @@ from ec_client.layout import (
     HEADER_SIZE,
     MAGIC,
     SLOT_FREE_MARK,
-    SLOT_READY_MARK,
     SLOT_SIZE,
     Geometry,
     Header,
@@ -28,6 +27,7 @@ from ec_client.layout import (
     pool_file_name,
     slot_offset,
 )
+from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 
 _MARK = struct.Struct("<I")
@@ -74,11 +74,12 @@ class PoolFile:
                 if exc.errno not in (errno.ENOSPC, errno.EFBIG):
                     raise
                 stat = os.statvfs(shm_dir)
+                needed, free = geometry.file_size, stat.f_bavail * stat.f_frsize
                 raise CoreError(
                     Code.RESOURCE_EXHAUSTED,
-                    f"{shm_dir} is full: pool {engine_id!r} needs {geometry.file_size} bytes, "
-                    f"{stat.f_bavail * stat.f_frsize} are free; enlarge it (docker --shm-size, "
-                    "a Kubernetes emptyDir sizeLimit) or ask for a smaller capacity_bytes",
+                    f"{shm_dir} is full: pool {engine_id!r} needs {format_size(needed)}, "
+                    f"{format_size(free)} are free; enlarge it (docker --shm-size, a Kubernetes "
+                    "emptyDir sizeLimit) or ask for a smaller capacity_bytes",
                     Reason.SHM_FULL,
                 ) from exc
             header = Header(uuid.uuid4(), geometry, engine_id, compat_key, time.time_ns())
@@ -107,11 +108,9 @@ class PoolFile:
             table = os.pread(fd, header.geometry.num_slots * SLOT_SIZE, HEADER_SIZE)
             records = []
             for slot in range(header.geometry.num_slots):
-                raw = table[slot * SLOT_SIZE : (slot + 1) * SLOT_SIZE]
-                if _MARK.unpack_from(raw)[0] == SLOT_READY_MARK:
-                    record = SlotRecord.unpack(raw)
-                    if record is not None:
-                        records.append((slot, record))
+                record = SlotRecord.unpack(table[slot * SLOT_SIZE : (slot + 1) * SLOT_SIZE])
+                if record is not None:
+                    records.append((slot, record))
         except BaseException:
             os.close(fd)
             raise
@@ -137,11 +136,14 @@ class PoolFile:
             raise LayoutError(f"{self.path} was replaced by another file")
 
     def write_slot(self, slot: int, record: SlotRecord) -> None:
-        # The mark is written after the rest: a crash in between leaves a record that is ignored.
-        offset = slot_offset(slot)
-        packed = record.pack()
-        os.pwrite(self._fd, packed[_MARK.size :], offset + _MARK.size)
-        os.pwrite(self._fd, _MARK.pack(SLOT_READY_MARK), offset)
+        # One pwrite of the whole record, its READY mark included. It cannot be torn by a
+        # SIGKILL: the record lies within one page (slots are 512 bytes, aligned, and divide the
+        # page size), and the kernel finishes copying a write into a page before the process can
+        # die. A daemon crash leaves the old record or the new one, never a mix; the pool file is
+        # in tmpfs, so there is no power loss to survive. Anything else that leaves a record
+        # half-written (another process writing the table) fails the record's CRC, and the
+        # record is then ignored at adoption.
+        os.pwrite(self._fd, record.pack(), slot_offset(slot))
 
     def erase_slot(self, slot: int) -> None:
         os.pwrite(self._fd, _MARK.pack(SLOT_FREE_MARK), slot_offset(slot))

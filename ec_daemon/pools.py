@@ -8,6 +8,10 @@ pool goes, after undoing what sessions held in it.
 
 A refused pool file (one that did not verify at adoption, or changed under the daemon) is left
 in place for inspection; OpenPool of its engine_id fails until an operator removes the file.
+
+The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
+in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
+slot table, at most about 2% more (see ec_client.layout), counted apart as reserved bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from ec_client.layout import (
     LayoutError,
     pool_file_name,
 )
-from ec_client.types import EventType, PoolInfo, WatchEvent
+from ec_client.types import EventType, PoolInfo, PoolStats, WatchEvent
+from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.eviction import POLICIES
 from ec_daemon.index import PoolIndex
@@ -37,9 +42,10 @@ log = logging.getLogger("ecd.pools")
 @dataclass(frozen=True)
 class PoolSettings:
     shm_dir: Path
-    max_bytes: int  # all pool files together
+    max_bytes: int  # the capacity of all pools together
     eviction: str = "lru"
-    max_entries_per_pool: int = 65536  # slot table size: 1 KiB of pool file per entry
+    # Entries (slots, 512 bytes of file each) a pool can hold; None: sized from its capacity.
+    entries_per_pool: int | None = None
     max_pool_bytes: int | None = None  # capacity one pool may ask for; None: the whole budget
     file_access: FileAccess = field(default_factory=FileAccess)
 
@@ -54,6 +60,9 @@ class Pool:
     @property
     def engine_id(self) -> str:
         return self.file.header.engine_id
+
+    def stats(self) -> PoolStats:
+        return self.index.stats(self.file.header.compat_key)
 
     def info(self, created: bool) -> PoolInfo:
         header = self.file.header
@@ -119,39 +128,47 @@ class PoolRegistry:
     def open(
         self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
     ) -> tuple[Pool, bool]:
-        """Attach to the pool of this engine_id or create it; returns (pool, created)."""
-        num_blocks = capacity_bytes // block_size_bytes
-        limit = self.settings.max_pool_bytes
-        if limit is not None and capacity_bytes > limit:
-            raise CoreError(
-                Code.RESOURCE_EXHAUSTED,
-                f"capacity_bytes {capacity_bytes} is over the per-pool limit of {limit} bytes "
-                "(--max-pool-bytes)",
-                Reason.BUDGET,
-            )
+        """Attach to the pool of this engine_id or create it; returns (pool, created).
+
+        Without a geometry (block_size_bytes and capacity_bytes 0) it only attaches: NOT_FOUND
+        when the pool does not exist, and compat_key, if given, must match."""
+        attach = block_size_bytes == 0
+        geometry = None if attach else self._geometry(block_size_bytes, capacity_bytes)
         pool = self._pools.get(engine_id)
         if pool is not None:
-            self._check_same(pool, block_size_bytes, num_blocks, compat_key)
+            self._check_same(pool, geometry, compat_key)
             return pool, False
-        path = self.settings.shm_dir / pool_file_name(engine_id)
-        if engine_id in self._refused and os.path.lexists(path):
-            raise CoreError(
-                Code.FAILED_PRECONDITION,
-                f"pool file {path} exists but was not adopted ({self._refused[engine_id]}); "
-                "inspect it, remove it, then retry",
-                Reason.POOL_UNVERIFIED,
-            )
+        refusal = self._refusal(engine_id)
+        if refusal is not None and self._file_in_place(engine_id):
+            raise CoreError(Code.FAILED_PRECONDITION, refusal, Reason.POOL_UNVERIFIED)
+        if geometry is None:
+            raise self._missing(engine_id)
         self._refused.pop(engine_id, None)  # its file is gone (as the refusal asked): start anew
-        geometry = Geometry(
-            block_size_bytes, num_blocks, min(num_blocks, self.settings.max_entries_per_pool)
+        return self._create(engine_id, geometry, compat_key), True
+
+    def _geometry(self, block_size_bytes: int, capacity_bytes: int) -> Geometry:
+        geometry = Geometry.for_capacity(
+            block_size_bytes, capacity_bytes, self.settings.entries_per_pool
         )
-        reserved, budget = self.reserved_bytes(), self.settings.max_bytes
-        if reserved + geometry.file_size > budget:
+        limit = self.settings.max_pool_bytes
+        if limit is not None and geometry.capacity_bytes > limit:
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
-                f"pool {engine_id!r} needs {geometry.file_size} bytes but only "
-                f"{budget - reserved} of the daemon's {budget}-byte "
-                "budget are left; ask for less capacity_bytes, drop a pool, or raise --max-bytes",
+                f"capacity_bytes {format_size(geometry.capacity_bytes)} is over the per-pool limit "
+                f"of {format_size(limit)} (--max-pool-bytes)",
+                Reason.BUDGET,
+            )
+        return geometry
+
+    def _create(self, engine_id: str, geometry: Geometry, compat_key: str) -> Pool:
+        used, budget = self.capacity_bytes(), self.settings.max_bytes
+        if used + geometry.capacity_bytes > budget:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"pool {engine_id!r} asks for {format_size(geometry.capacity_bytes)} but only "
+                f"{format_size(budget - used)} of the daemon's {format_size(budget)} budget "
+                f"(--max-bytes) are left ({len(self._pools)} pools hold the rest); ask for less "
+                "capacity_bytes, drop a pool, or raise --max-bytes",
                 Reason.BUDGET,
             )
         try:
@@ -166,22 +183,35 @@ class PoolRegistry:
             ) from exc
         pool = Pool(file, self._new_index(engine_id, geometry, file))
         self._pools[engine_id] = pool
-        log.info("pool created", extra={"engine_id": engine_id, "bytes": geometry.file_size})
-        return pool, True
+        log.info(
+            "pool created",
+            extra={
+                "engine_id": engine_id,
+                "capacity_bytes": geometry.capacity_bytes,
+                "file_bytes": geometry.file_size,
+            },
+        )
+        return pool
 
     @staticmethod
-    def _check_same(pool: Pool, block_size_bytes: int, num_blocks: int, compat_key: str) -> None:
+    def _check_same(pool: Pool, geometry: Geometry | None, compat_key: str) -> None:
+        """An attach matches the pool's geometry (unless it gave none) and compat_key (unless
+        it gave none and no geometry either: attaching by name alone)."""
         have = pool.file.header
-        geometry = have.geometry
-        if (geometry.block_size_bytes, geometry.num_blocks) != (block_size_bytes, num_blocks):
+        found = have.geometry
+        if geometry is not None and (found.block_size_bytes, found.num_blocks) != (
+            geometry.block_size_bytes,
+            geometry.num_blocks,
+        ):
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"pool {pool.engine_id!r} exists with block_size_bytes="
-                f"{geometry.block_size_bytes} and num_blocks={geometry.num_blocks}; "
-                f"requested block_size_bytes={block_size_bytes} and num_blocks={num_blocks}",
+                f"{found.block_size_bytes} and num_blocks={found.num_blocks}; requested "
+                f"block_size_bytes={geometry.block_size_bytes} and num_blocks="
+                f"{geometry.num_blocks}",
                 Reason.POOL_MISMATCH,
             )
-        if have.compat_key != compat_key:
+        if have.compat_key != compat_key and (geometry is not None or compat_key):
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"pool {pool.engine_id!r} exists with compat_key {have.compat_key!r}; requested "
@@ -199,17 +229,45 @@ class PoolRegistry:
     def get(self, engine_id: str) -> Pool:
         pool = self._pools.get(engine_id)
         if pool is None:
-            raise CoreError(
-                Code.NOT_FOUND,
-                f"unknown pool {engine_id!r}: open it with OpenPool first",
-                Reason.UNKNOWN_POOL,
-            )
+            raise self._missing(engine_id)
         return pool
+
+    def _missing(self, engine_id: str) -> CoreError:
+        """NOT_FOUND for a pool that is not served, saying why: refused, or not there."""
+        why = self._refusal(engine_id) or (
+            f"pool {engine_id!r} does not exist (never created, or dropped): a producer creates "
+            "it with OpenPool and its geometry; `ecd stats` lists the pools that exist"
+        )
+        return CoreError(Code.NOT_FOUND, why, Reason.UNKNOWN_POOL)
+
+    def _refusal(self, engine_id: str) -> str | None:
+        """Why this engine_id's pool was refused, and what to do now; None if it was not."""
+        why = self._refused.get(engine_id)
+        if why is None:
+            return None
+        if not self._file_in_place(engine_id):
+            return (
+                f"pool {engine_id!r} was refused ({why}) and its file is gone: open the pool "
+                "again to create it anew"
+            )
+        path = self.settings.shm_dir / pool_file_name(engine_id)
+        return (
+            f"pool {engine_id!r} was refused ({why}): its file {path} is kept for inspection; "
+            "remove it, then open the pool again"
+        )
+
+    def _file_in_place(self, engine_id: str) -> bool:
+        return os.path.lexists(self.settings.shm_dir / pool_file_name(engine_id))
 
     def all(self) -> list[Pool]:
         return list(self._pools.values())
 
+    def capacity_bytes(self) -> int:
+        """The capacity of every pool together: what the budget bounds."""
+        return sum(p.file.header.geometry.capacity_bytes for p in self._pools.values())
+
     def reserved_bytes(self) -> int:
+        """The bytes of every pool file together: capacity, headers and slot tables."""
         return sum(p.file.header.geometry.file_size for p in self._pools.values())
 
     def changed(self) -> list[tuple[Pool, str]]:

@@ -36,6 +36,8 @@ from ec_daemon.validate import Limits
 
 log = logging.getLogger("ecd.server")
 
+# How long before the end of the shutdown grace waiting Acquires are answered (at most half of it).
+WAITS_END_BEFORE_GRACE_S = 0.5
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
 
 
@@ -60,7 +62,7 @@ def build_store(config: Config, budget: int, hub: EventHub) -> Store:
         shm_dir=config.shm_dir,
         max_bytes=budget,
         eviction=config.eviction,
-        max_entries_per_pool=config.max_entries_per_pool,
+        entries_per_pool=config.entries_per_pool,
         max_pool_bytes=config.max_pool_bytes,
         file_access=access,
     )
@@ -86,7 +88,7 @@ async def start(config: Config) -> Daemon:
             config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
         ),
     ]
-    budget = checks.resolve_budget(config.shm_dir, config.max_bytes)
+    budget = checks.resolve_budget(config.shm_dir, config.max_bytes, config.entries_per_pool)
     for lock in locks:
         lock.acquire()
     hub = EventHub()
@@ -228,10 +230,18 @@ async def stop(daemon: Daemon) -> None:
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
     # server.stop refuses new calls at once and waits for in-flight ones; Watch streams never end
-    # by themselves, so they are ended now rather than cut at the grace deadline.
-    stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
+    # by themselves, so they are ended now rather than cut at the grace deadline. Waiting
+    # Acquires get their wait within the grace; one that would outlast it is ended just before
+    # the deadline and answered UNAVAILABLE (shutting_down: nothing pinned, safe to retry), not
+    # cut off with a bare CANCELLED.
+    grace = daemon.config.shutdown_grace
+    stopped = asyncio.ensure_future(daemon.server.stop(grace))
     daemon.hub.shut_down()
+    ending = asyncio.get_running_loop().call_later(
+        max(grace - WAITS_END_BEFORE_GRACE_S, grace / 2), daemon.hub.end_waits
+    )
     await stopped
+    ending.cancel()
     if daemon.metrics_server is not None:
         # shutdown() waits for the serving thread's next poll: off the loop, so it cannot stall it.
         await asyncio.to_thread(daemon.metrics_server.shutdown)

@@ -8,6 +8,7 @@ unknown_session) and `ecd-boot-epoch`; per-item failures become per-item statuse
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -23,7 +24,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate
 from ec_daemon.auth import Action, Guard
-from ec_daemon.errors import Code, CoreError
+from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.store import Store
 
@@ -447,13 +448,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         keys = list(request.keys)
         checked = checked_keys(keys)
         if wait_ms:
-            # The store's answer and the waiters' registration happen in one synchronous step:
-            # no commit can slip between them. Pins are taken only after the wait, so a caller
-            # that gives up while waiting holds nothing.
-            valid = [k for k in checked if isinstance(k, bytes)]
-            waits = self.store.keys_to_wait_for(request.session_id, engine_id, valid)
-            if waits:
-                await self.hub.wait_settled(engine_id, waits, wait_ms / 1000)
+            await self._wait_ready(request.session_id, engine_id, valid(checked), wait_ms)
         results = per_item(
             keys,
             checked,
@@ -464,6 +459,29 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         for r in results:
             put_acquire_result(reply.results.add(), r, packed=False)
         return reply
+
+    async def _wait_ready(
+        self, session_id: str, engine_id: str, keys: list[bytes], wait_ms: int
+    ) -> None:
+        """Wait until every key is READY or wait_ms has passed. A key PENDING or not there yet
+        is waited for; one aborted meanwhile is waited for again (another producer may take it
+        over). Each round's lookup and its waiters' registration happen in one synchronous step
+        (wait_settled registers before it first awaits), so no commit slips between them. Pins
+        are taken only after the wait, so a caller that gives up while waiting holds nothing,
+        and a wait the daemon's shutdown ends is UNAVAILABLE, safe to retry."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_ms / 1000
+        while (waits := self.store.keys_to_wait_for(session_id, engine_id, keys)) and (
+            left := deadline - loop.time()
+        ) > 0:
+            await self.hub.wait_settled(engine_id, waits, left)
+            if self.hub.waits_ended:
+                raise CoreError(
+                    Code.UNAVAILABLE,
+                    "ecd is shutting down: the wait ended before its time and nothing was pinned; "
+                    "retry (the client library does) once it is back",
+                    Reason.SHUTTING_DOWN,
+                )
 
     @rpc
     async def Release(

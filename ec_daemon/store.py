@@ -125,14 +125,11 @@ class Store:
         """What OpenPool would answer for an existing pool; NOT_FOUND if there is none."""
         return self._pools.get(engine_id).info(created=False)
 
-    def reserved_bytes(self) -> int:
-        return self._pools.reserved_bytes()
-
     def drop_pool(self, engine_id: str, force: bool) -> int:
         """Delete a pool and its file; refused while entries are PENDING or pinned, unless
         forced. Returns how many entries went with it."""
         pool = self._pools.get(engine_id)
-        stats = pool.index.stats()
+        stats = pool.stats()
         if (stats.entries_pending or stats.pins) and not force:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
@@ -197,14 +194,15 @@ class Store:
     def keys_to_wait_for(
         self, session_id: str, engine_id: str, keys: Sequence[bytes]
     ) -> list[bytes]:
-        """The keys an Acquire with a wait should wait on before pinning: those PENDING now.
+        """The keys an Acquire with a wait should wait on before pinning: those not READY now,
+        PENDING or not there yet (a consumer may ask before the producer has allocated).
 
         The caller must register its waiters before anything else runs on the loop, so no
-        commit slips between this answer and the wait.
+        allocation and commit slip between this answer and the wait.
         """
         self._sessions.touch(session_id, CONSUME)
         index = self._pools.get(engine_id).index
-        return [key for key in keys if index.state(key) is api.EntryState.PENDING]
+        return [key for key in keys if index.state(key) is not api.EntryState.READY]
 
     def acquire(
         self, session_id: str, engine_id: str, keys: Sequence[bytes]
@@ -384,11 +382,12 @@ class Store:
             boot_epoch=self.boot_epoch,
             uptime_s=self._clock() - self._started,
             max_bytes=self.config.pools.max_bytes,
+            capacity_bytes=self._pools.capacity_bytes(),
             reserved_bytes=self._pools.reserved_bytes(),
             sessions=len(self._sessions),
             lease_expiries=self.lease_expiries,
             version=__version__,
-            pools=tuple(p.index.stats() for p in pools),
+            pools=tuple(p.stats() for p in pools),
         )
 
     def check(self) -> None:

@@ -13,6 +13,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.layout import (
     DTYPES,
     ENGINE_ID_PATTERN,
+    MAX_BLOCKS,
     MAX_COMPAT_KEY_BYTES,
     MAX_KEY_BYTES,
     MAX_NDIM,
@@ -80,17 +81,26 @@ def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
 
 
 def pool_request(block_size_bytes: int, capacity_bytes: int, compat_key: str) -> None:
+    """A geometry to create the pool with (or attach with), or none at all: attach by name."""
+    if len(compat_key.encode()) > MAX_COMPAT_KEY_BYTES:
+        raise _invalid(f"compat_key is longer than {MAX_COMPAT_KEY_BYTES} bytes")
+    if block_size_bytes == 0 and capacity_bytes == 0:
+        return
     if not 0 < block_size_bytes <= MAX_BLOCK_SIZE:
         raise _invalid(
             f"block_size_bytes {block_size_bytes} is out of range: expected 1 to {MAX_BLOCK_SIZE} "
-            "(one embedding row: hidden size x element size)"
+            "(one embedding row: hidden size x element size), or 0 with capacity_bytes 0 to "
+            "attach to an existing pool"
         )
     if capacity_bytes < block_size_bytes:
         raise _invalid(
             f"capacity_bytes {capacity_bytes} is less than one block of {block_size_bytes} bytes"
         )
-    if len(compat_key.encode()) > MAX_COMPAT_KEY_BYTES:
-        raise _invalid(f"compat_key is longer than {MAX_COMPAT_KEY_BYTES} bytes")
+    if capacity_bytes // block_size_bytes > MAX_BLOCKS:
+        raise _invalid(
+            f"capacity_bytes {capacity_bytes} makes {capacity_bytes // block_size_bytes} blocks of "
+            f"{block_size_bytes} bytes: expected at most {MAX_BLOCKS}; use larger blocks"
+        )
 
 
 def wait_ms(value: int) -> int:

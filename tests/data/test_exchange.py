@@ -153,6 +153,39 @@ def test_a_waiting_consumer_gets_the_tensor_as_soon_as_it_is_committed(daemon: D
         assert time.monotonic() - committed < 5
 
 
+def test_a_consumer_that_asks_before_the_producer_allocates_gets_the_tensor(
+    daemon: Daemon,
+) -> None:
+    with daemon.client(name="encoder") as c:
+        c.open_pool(POOL, BLOCK, CAPACITY)
+        consumer = spawn(
+            daemon,
+            """
+            with Client(ADDRESS, name="decoder") as c:
+                c.open_pool(POOL)
+                print("asking", flush=True)
+                t = Consumer(c, POOL).get("not-yet", wait_ms=30000)
+                print(json.dumps(None if t is None else float(t.sum())))
+        """,
+        )
+        assert consumer.stdout is not None and consumer.stdout.readline().strip() == "asking"
+        time.sleep(1.0)  # the consumer is waiting inside Acquire by now, for a key not there
+        assert c.lookup(POOL, ["not-yet"])[0].state is EntryState.ABSENT
+        expected = torch.arange(3584 * 2, dtype=torch.float32).reshape(2, 3584)
+        assert Producer(c, POOL).put("not-yet", expected) is PutStatus.STORED
+        assert json.loads(finish(consumer)) == float(expected.sum())
+
+
+def test_acquire_tells_a_key_still_being_written_from_one_not_there_when_the_wait_runs_out(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, CAPACITY)
+        c.allocate(POOL, [AllocateItem("being-written", (10,), "uint8")])
+        pending, absent = c.acquire(POOL, ["being-written", "never-made"], wait_ms=300)
+        assert (pending.status, absent.status) == (Status.PENDING, Status.MISS)
+
+
 def test_a_producer_killed_between_allocate_and_commit_never_exposes_its_bytes(
     daemon: Daemon,
 ) -> None:
@@ -224,11 +257,3 @@ def test_a_pool_file_whose_header_does_not_verify_is_refused(daemon: Daemon) -> 
     with pytest.raises(EcdError, match="bad magic") as caught:
         PoolMapping(info)
     assert caught.value.code.name == "FAILED_PRECONDITION"
-
-
-def test_an_acquire_for_a_pending_key_does_not_hit_before_commit(daemon: Daemon) -> None:
-    with daemon.client() as c:
-        c.open_pool(POOL, BLOCK, CAPACITY)
-        c.allocate(POOL, [AllocateItem("slow", (10,), "uint8")])
-        [result] = c.acquire(POOL, ["slow"], wait_ms=200)
-        assert result.status is Status.PENDING

@@ -41,11 +41,11 @@ def fragment(client: Client) -> dict[bytes, int]:
     producer = Producer(client, BASE, checksum=True)
     fillers = {f"fill-{i}": make_tensor(f"fill-{i}", 8 * BLOCK) for i in range(32)}
     assert set(producer.put_many(fillers).values()) == {PutStatus.STORED}
-    producer.flush()
+    producer.flush()  # committed (commits go in the background) before some are deleted
     client.delete(BASE, [f"fill-{i}" for i in range(0, 32, 2)])
     spread = {f"spread-{i}": make_tensor(f"spread-{i}", 40 * BLOCK - 100) for i in range(2)}
     assert set(producer.put_many(spread).values()) == {PutStatus.STORED}
-    producer.flush()  # committed: READY before the base is read
+    producer.flush()  # committed: the snapshot below must see them READY
     assert all(len(e.extents) > 1 for e in client.iter_entries(BASE) if b"spread" in e.key)
     return ready_keys(client, BASE)
 
@@ -53,7 +53,10 @@ def fragment(client: Client) -> dict[bytes, int]:
 @pytest.fixture(scope="module")
 def restarted() -> Iterator[tuple[Daemon, dict[bytes, int]]]:
     """A daemon whose base pool is filled once; each trial kills and restarts it."""
-    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", "2") as daemon:
+    # A slot for every block: the committer's entries are smaller than one, and none may be
+    # evicted to free a slot.
+    args = ("--max-bytes", "256MiB", "--lease-ttl", "2", "--entries-per-pool", "65536")
+    with running_daemon(*args) as daemon:
         with daemon.client() as c:
             base = fragment(c)
             c.open_pool(POOL, BLOCK, CAPACITY)

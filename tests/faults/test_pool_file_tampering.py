@@ -10,12 +10,14 @@ the header and size, and a consumer that verifies checksums catches overwritten 
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
+import torch
 from ecd_testing import Daemon, assert_blocks_accounted, running_daemon
 from workload_testing import (
     Interpreters,
@@ -26,7 +28,16 @@ from workload_testing import (
     wait_until,
 )
 
-from ec_client import Client, Consumer, EcdError, EntryState, PoolInfo, PoolMapping, Producer
+from ec_client import (
+    Client,
+    Consumer,
+    EcdError,
+    EntryState,
+    PoolInfo,
+    PoolMapping,
+    Producer,
+    PutStatus,
+)
 from ec_client.layout import HEADER_SIZE, SLOT_SIZE
 
 pytestmark = pytest.mark.fault_kind("pool file tampered with")
@@ -210,7 +221,7 @@ def test_a_pool_whose_header_was_overwritten_is_refused_at_restart_kept_and_remo
         f.write(os.urandom(64))
     tampered.start()
     with tampered.client() as c:
-        with pytest.raises(EcdError, match="not adopted") as refused:
+        with pytest.raises(EcdError, match=r"was refused .*bad magic") as refused:
             c.open_pool("victim", BLOCK, CAPACITY)
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert os.path.exists(victim.path)
@@ -260,3 +271,43 @@ def test_a_pool_file_removed_or_replaced_is_refused_and_can_be_created_again(
         assert_intact(c, "bystander")
         assert_blocks_accounted(c, "bystander")
         assert c.lookup("bystander", KEYS)[0].state is EntryState.READY
+
+
+@pytest.mark.parametrize("how", ["truncated", "removed"])
+def test_a_producer_and_consumer_of_a_refused_pool_raise_clear_errors_and_work_once_it_is_back(
+    tampered: Daemon, how: str
+) -> None:
+    with tampered.client() as c, tampered.client(name="operator") as operator:
+        victim = fill(c, "victim")
+        producer, consumer = Producer(c, "victim"), Consumer(c, "victim", watch=False)
+        assert consumer.get(KEYS[0]) is not None  # both have the pool mapped
+        if how == "truncated":
+            another_process("truncate", "-s", str(victim.data_offset), victim.path)
+        else:
+            another_process("rm", victim.path)
+
+        def refused() -> bool:
+            try:
+                operator.lookup("victim", KEYS[:1])
+            except EcdError:
+                return True
+            return False
+
+        wait_until(refused, 10 * CHECK_INTERVAL, "the daemon to refuse the pool")
+        for attempt in range(2):  # and again: the objects are not broken by a failure
+            with pytest.raises(EcdError, match="was refused") as put_refused:
+                producer.put(f"new-{attempt}", make_tensor("new", 5000))
+            with pytest.raises(EcdError, match="was refused") as get_refused:
+                consumer.get(KEYS[0])
+            for error in (put_refused.value, get_refused.value):
+                assert error.code == grpc.StatusCode.NOT_FOUND
+
+        # The operator removes what is left of the file and the pool is created again: the same
+        # producer and consumer carry on with it.
+        pathlib.Path(victim.path).unlink(missing_ok=True)
+        operator.open_pool("victim", BLOCK, CAPACITY)
+        tensor = make_tensor("again", 5000)
+        assert producer.put("again", tensor) is PutStatus.STORED
+        loaded = consumer.get("again")
+        assert loaded is not None and torch.equal(loaded, tensor)
+        assert consumer.get(KEYS[0]) is None  # the refused pool's entries are gone with it

@@ -130,7 +130,31 @@ CASES = [
     ("zero block size", lambda w: open_pool(w, block=0), INVALID, "block_size_bytes"),
     ("negative block size", lambda w: open_pool(w, block=-7168), INVALID, "block_size_bytes"),
     ("capacity below one block", lambda w: open_pool(w, capacity=10), INVALID, "capacity_bytes"),
-    ("capacity over the budget", lambda w: open_pool(w, capacity=1 << 50), EXHAUSTED, "budget"),
+    ("capacity over the budget", lambda w: open_pool(w, capacity=1 << 40), EXHAUSTED, "budget"),
+    (
+        "more blocks than extents can number",
+        lambda w: open_pool(w, block=1, capacity=1 << 33),
+        INVALID,
+        "use larger blocks",
+    ),
+    (
+        "capacity without a block size",
+        lambda w: open_pool(w, block=0, capacity=1 << 20),
+        INVALID,
+        "attach",
+    ),
+    (
+        "attach to a pool that does not exist",
+        lambda w: open_pool(w, block=0, capacity=0),
+        NOT_FOUND,
+        "does not exist",
+    ),
+    (
+        "attach with another compat_key",
+        lambda w: open_pool(w, engine_id=POOL, block=0, capacity=0, compat="other"),
+        PRECONDITION,
+        "compat_key 'model'",
+    ),
     (
         "geometry mismatch",
         lambda w: open_pool(w, engine_id=POOL, block=2048, capacity=256 * BLOCK, compat="model"),
@@ -156,7 +180,12 @@ CASES = [
     ("unknown dtype", lambda w: w.allocate(b"u", [10], "float128"), INVALID, "unknown dtype"),
     ("no shape", lambda w: w.allocate(b"s", [], nbytes=10), INVALID, "dimensions"),
     ("larger than the pool", lambda w: w.allocate(b"huge", [1 << 30]), INVALID, "blocks"),
-    ("unknown pool", lambda w: w.allocate(b"k", [10], engine_id="nope"), NOT_FOUND, "unknown pool"),
+    (
+        "unknown pool",
+        lambda w: w.allocate(b"k", [10], engine_id="nope"),
+        NOT_FOUND,
+        "does not exist",
+    ),
     (
         "unknown session",
         lambda w: w.allocate(b"k", [10], session_id="nope"),

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from ecd_testing import Daemon, run_ecd, running_daemon
 
+from ec_client.layout import most_overhead
 from ec_daemon import checks
 from ec_daemon.checks import Mount, StartupError
 
 MiB = 1 << 20
+ENTRIES = None  # auto
 
 
 def fstype(path: Path) -> str:
@@ -48,11 +50,26 @@ def test_budget_larger_than_the_directory_fails(shm_dir: Path) -> None:
     stat = os.statvfs(shm_dir)
     available = stat.f_bavail * stat.f_frsize
     with pytest.raises(StartupError, match=r"exceeds.*--shm-size"):
-        checks.resolve_budget(shm_dir, available + 64 * MiB)
-    assert checks.resolve_budget(shm_dir, 64 * MiB) == 64 * MiB
-    assert checks.resolve_budget(shm_dir, None) == min(
-        stat.f_blocks * stat.f_frsize // 2, available
-    )
+        checks.resolve_budget(shm_dir, available + 64 * MiB, ENTRIES)
+    assert checks.resolve_budget(shm_dir, 64 * MiB, ENTRIES) == 64 * MiB
+
+
+def test_a_budget_as_large_as_the_directory_fails_since_pool_files_hold_more(
+    shm_dir: Path,
+) -> None:
+    stat = os.statvfs(shm_dir)
+    with pytest.raises(StartupError, match=r"headers and slot tables.*exceeds") as refused:
+        checks.resolve_budget(shm_dir, stat.f_bavail * stat.f_frsize, ENTRIES)
+    assert " B " not in str(refused.value)  # sizes as an operator reads them: "12.0 GiB"
+
+
+def test_the_automatic_budget_is_half_the_directory_and_leaves_room_for_the_files(
+    shm_dir: Path,
+) -> None:
+    stat = os.statvfs(shm_dir)
+    budget = checks.resolve_budget(shm_dir, None, ENTRIES)
+    assert budget <= stat.f_blocks * stat.f_frsize // 2
+    assert budget + most_overhead(budget, ENTRIES) <= stat.f_bavail * stat.f_frsize
 
 
 # ---- tmpfs ---------------------------------------------------------------------------------------

@@ -5,11 +5,12 @@ that name the setting and where it came from."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
-from ecd_testing import run_ecd
+from ecd_testing import DEFAULT_ARGS, run_ecd, running_daemon
 
 from ec_daemon import config
 
@@ -92,6 +93,12 @@ def test_each_layer_sets_a_different_setting(tmp_path: Path) -> None:
         ((), None, "max_batch = 10\ncolour = 'blue'\n", "unknown settings in"),
         ((), None, 'eviction = "random"\n', "eviction from file"),
         ((), {"ECD_HUGEPAGES": "maybe"}, None, "hugepages from env ECD_HUGEPAGES"),
+        # modes: permission bits, in octal
+        ((), None, "socket_mode = 1777\n", "'1777' is 0o1777: expected permission bits"),
+        ((), None, "socket_mode = 690\n", "'690' is not an octal mode"),
+        ((), {"ECD_SOCKET_MODE": "0x1b6"}, None, "socket_mode from env ECD_SOCKET_MODE"),
+        (("--pool-mode", "0440"), None, None, "leaves the owner without read and write"),
+        ((), None, '"pool_mode" = 640\n', 'write the mode as an octal string, e.g. "0660"'),
     ],
 )
 def test_bad_values_name_the_setting_and_its_source(
@@ -104,6 +111,24 @@ def test_bad_values_name_the_setting_and_its_source(
     result = print_config(tmp_path, *flags, env=env, toml=toml)
     assert result.returncode == 2
     assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("written", "mode"),
+    [('"0660"', "0o660"), ('"660"', "0o660"), ("660", "0o660"), ("0o660", "0o660"), ("0", "0o0")],
+)
+def test_a_mode_in_the_file_is_read_as_octal_however_it_is_written(
+    tmp_path: Path, written: str, mode: str
+) -> None:
+    rows = table(print_config(tmp_path, toml=f"socket_mode = {written}  # for group ecd\n"))
+    assert rows["socket_mode"][0] == mode
+
+
+def test_a_daemon_configured_with_a_bare_600_makes_its_socket_mode_0600(tmp_path: Path) -> None:
+    path = tmp_path / "ecd.toml"
+    path.write_text("socket_mode = 600\n")  # the default is 0660
+    with running_daemon(*DEFAULT_ARGS, "--config", str(path)) as daemon:
+        assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
 
 
 def test_reference_table_lists_every_setting_as_help_does() -> None:

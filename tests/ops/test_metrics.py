@@ -53,6 +53,7 @@ def assert_equals_stats(samples: Samples, stats: Stats) -> None:
     assert samples[("ecd_sessions", frozenset())] == stats.sessions
     assert samples[("ecd_lease_expiries_total", frozenset())] == stats.lease_expiries
     assert samples[("ecd_budget_bytes", frozenset())] == stats.max_bytes
+    assert samples[("ecd_capacity_bytes", frozenset())] == stats.capacity_bytes
     assert samples[("ecd_reserved_bytes", frozenset())] == stats.reserved_bytes
     info = {"boot_epoch": stats.boot_epoch, "version": stats.version}
     assert samples[("ecd_boot_info", frozenset(info.items()))] == 1
@@ -63,6 +64,8 @@ def assert_equals_stats(samples: Samples, stats: Stats) -> None:
 def assert_pool_equals(samples: Samples, pool: PoolStats) -> None:
     block = pool.block_size_bytes
     assert pool_value(samples, "ecd_pool_capacity_bytes") == pool.capacity_bytes
+    assert pool_value(samples, "ecd_pool_reserved_bytes") == pool.reserved_bytes
+    assert pool_value(samples, "ecd_pool_max_entries") == pool.max_entries
     assert pool_value(samples, "ecd_pool_free_bytes") == pool.free_blocks * block
     used = (pool.num_blocks - pool.free_blocks) * block
     assert pool_value(samples, "ecd_pool_used_bytes") == used

@@ -163,6 +163,65 @@ def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path: Path) -> Non
             Client(f"127.0.0.1:{port}", tls=TLSFiles(ca=ca), keepalive=False, connect_timeout_s=1)
 
 
+def test_tls_misconfigurations_are_named_with_why_not_as_a_daemon_that_is_not_running(
+    tmp_path: Path,
+) -> None:
+    ca, server, _ = make_pki(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_ca, _, stranger = make_pki(tmp_path / "other")
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    cases = {
+        "another CA": (TLSFiles(ca=other_ca), "TLS handshake failed: the daemon's certificate"),
+        "plaintext": (None, "it serves TLS; give the client the CA"),
+        "no client certificate": (TLSFiles(ca=ca), "requires a client certificate"),
+        "an untrusted client certificate": (
+            TLSFiles(ca=ca, cert=stranger.cert, key=stranger.key),
+            "it does not trust the client's certificate",
+        ),
+    }
+    with running_daemon(*tls_args(port, server, client_ca=ca)):
+        for case, (tls, why) in cases.items():
+            with pytest.raises(EcdError) as info:
+                Client(target, tls=tls, keepalive=False, connect_timeout_s=0.5)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, case
+            assert target in info.value.message and why in info.value.message, case
+            assert "is the daemon running" not in info.value.message, case
+            with pytest.raises(EcdError, match=why):
+                check_health(target, timeout_s=0.5, tls=tls)
+
+
+def test_a_client_reads_the_daemons_token_file_and_picks_its_token_by_name(
+    secured: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "tokens"
+    shared.write_text("# the daemon's file\n" + "".join(f"{n} {t}\n" for n, t in TOKENS.items()))
+    monkeypatch.setenv("ECD_TOKEN_FILE", str(shared))
+    with pytest.raises(EcdError) as ambiguous:
+        Client(secured.address, keepalive=False)
+    assert ambiguous.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "holds 3 tokens (encoder, decoder, ops)" in ambiguous.value.message
+    assert "ECD_TOKEN_NAME" in ambiguous.value.message
+    monkeypatch.setenv("ECD_TOKEN_NAME", "ops")
+    with Client(secured.address, keepalive=False) as ops:
+        assert ops.stats().max_bytes == 64 << 20  # admin: the ops token was sent
+    own = tmp_path / "decoder-token"
+    own.write_text(f"decoder {TOKENS['decoder']}\n")
+    monkeypatch.delenv("ECD_TOKEN_NAME")
+    monkeypatch.setenv("ECD_TOKEN_FILE", str(own))
+    with Client(secured.address, keepalive=False) as decoder:
+        assert code_of(decoder.stats) == grpc.StatusCode.PERMISSION_DENIED  # decoder, not admin
+
+
+def test_a_token_that_cannot_be_sent_is_refused_by_the_client_with_a_message(
+    secured: Daemon,
+) -> None:
+    with pytest.raises(EcdError) as info:
+        Client(secured.address, token="two\nlines", keepalive=False)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spaces or control characters" in info.value.message
+
+
 def test_pool_files_and_socket_take_the_configured_group_and_modes() -> None:
     gid = os.getgid()
     args = (

@@ -90,3 +90,13 @@ async def test_shutdown_ends_every_stream() -> None:
     assert subscription.queue.get_nowait() is StreamEnd.SHUTDOWN
     hub.publish(event(EventType.COMMITTED))
     assert subscription.queue.empty()  # an ended stream takes nothing more
+
+
+async def test_ending_waits_settles_every_waiter_and_every_later_wait_at_once() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 60.0))
+    await asyncio.sleep(0)
+    hub.end_waits()
+    await asyncio.wait_for(waiting, 1.0)
+    await asyncio.wait_for(hub.wait_settled("q", [b"k"], 60.0), 1.0)
+    assert not hub._waiters

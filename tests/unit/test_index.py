@@ -170,7 +170,7 @@ def test_stats_count_states_pins_and_bytes() -> None:
     put(index, b"ready", 2)
     index.pin(b"ready")
     index.allocate(b"pending", spec(BLOCK), "s", "p")
-    stats = index.stats()
+    stats = index.stats("")
     assert (stats.entries_ready, stats.entries_pending, stats.entries_pinned) == (1, 1, 1)
     assert (stats.pins, stats.bytes_ready, stats.free_blocks) == (1, 2 * BLOCK, 5)
     assert stats.num_blocks == 8 and stats.commits == 1 and stats.hits == 1

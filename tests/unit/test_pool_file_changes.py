@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
 from core_testing import FakeClock, make_store, open_pool
 
-from ec_client.layout import pool_file_name
+from ec_client.layout import MAGIC, pool_file_name
 from ec_daemon.errors import CoreError, Reason
 from ec_daemon.store import Store
 
@@ -58,3 +59,20 @@ def test_a_refused_pool_is_created_again_once_its_file_is_removed(
     assert info.created and path.exists()
     assert store.verify_pools() == []
     store.check()
+
+
+def test_a_pool_file_of_an_older_layout_is_refused_at_adoption_and_kept(
+    store: Store, shm_dir: Path
+) -> None:
+    path = shm_dir / pool_file_name("p")
+    store.close()
+    with path.open("r+b") as f:
+        f.seek(len(MAGIC))
+        f.write(struct.pack("<I", 1))  # what a version 1 daemon wrote
+    restarted = make_store(shm_dir, FakeClock())
+    restarted.adopt_pools()
+    with pytest.raises(CoreError) as refused:
+        open_pool(restarted, "p", BLOCK, 16 * BLOCK, "model-a")
+    assert refused.value.reason is Reason.POOL_UNVERIFIED
+    assert "layout 1" in refused.value.message and "older ecd" in refused.value.message
+    assert path.exists()

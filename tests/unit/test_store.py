@@ -86,14 +86,18 @@ def test_open_pool_with_another_compat_key_is_refused(store: Store) -> None:
     assert "model-a" in info.value.message and "model-b" in info.value.message
 
 
-def test_pools_beyond_the_global_budget_are_refused(shm_dir: Path, clock: FakeClock) -> None:
+def test_pools_whose_capacities_fill_the_budget_fit_and_one_more_block_is_refused(
+    shm_dir: Path, clock: FakeClock
+) -> None:
     store = make_store(shm_dir, clock, max_bytes=8 << 20)
     open_pool(store, "a", BLOCK, 4 << 20)
+    open_pool(store, "b", BLOCK, 4 << 20)
     with pytest.raises(CoreError) as info:
-        open_pool(store, "b", BLOCK, 4 << 20)
+        open_pool(store, "c", BLOCK, BLOCK)
     assert info.value.code is Code.RESOURCE_EXHAUSTED
     assert info.value.reason is Reason.BUDGET
-    assert not (shm_dir / pool_file_name("b")).exists()
+    assert "8.0 MiB budget" in info.value.message
+    assert not (shm_dir / pool_file_name("c")).exists()
 
 
 def test_drop_pool_refuses_while_pins_are_held_unless_forced(store: Store, shm_dir: Path) -> None:
@@ -264,7 +268,7 @@ def test_an_entry_larger_than_the_pool_is_invalid(store: Store) -> None:
 def test_a_full_slot_table_evicts_to_make_room_for_a_new_entry(
     shm_dir: Path, clock: FakeClock
 ) -> None:
-    store = make_store(shm_dir, clock, max_entries_per_pool=2)
+    store = make_store(shm_dir, clock, entries_per_pool=2)
     open_pool(store, "p", BLOCK, 16 * BLOCK)
     sid = session(store)
     for key in (b"a", b"b", b"c"):

@@ -45,7 +45,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.shm_dir = new_shm_dir()
         self.clock = FakeClock()
         self.store = make_store(
-            self.shm_dir, self.clock, eviction=eviction, max_entries_per_pool=slots, lease_ttl_s=TTL
+            self.shm_dir, self.clock, eviction=eviction, entries_per_pool=slots, lease_ttl_s=TTL
         )
         open_pool(self.store, "p", BLOCK, BLOCKS * BLOCK)
         self.pending: dict[bytes, tuple[str, tuple[Extent, ...]]] = {}  # key -> (session, extents)

@@ -168,10 +168,11 @@ class EncoderCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenPool(self, request, context):
-        """Create the pool, or attach to it if it exists with the same geometry and compat_key.
-        INVALID_ARGUMENT: sizes out of range. FAILED_PRECONDITION: exists with another geometry or
-        compat_key (reason pool_mismatch), or its file was refused (pool_unverified).
-        RESOURCE_EXHAUSTED: over the budget or the per-pool limit (budget), the shm directory is full
+        """Create the pool, or attach to it if it exists with the same geometry and compat_key; with
+        no geometry, attach only. INVALID_ARGUMENT: sizes out of range. NOT_FOUND (unknown_pool):
+        attaching to a pool that does not exist. FAILED_PRECONDITION: exists with another geometry
+        or compat_key (reason pool_mismatch), or its file was refused (pool_unverified).
+        RESOURCE_EXHAUSTED: capacity over the budget or the per-pool limit (budget), the shm directory is full
         (shm_full).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -211,7 +212,11 @@ class EncoderCacheServicer:
 
     def Acquire(self, request, context):
         """Per item: ITEM_HIT, ITEM_MISS, ITEM_PENDING (still PENDING after wait_ms),
-        ITEM_INVALID_ARGUMENT. INVALID_ARGUMENT as a whole: wait_ms over the limit.
+        ITEM_INVALID_ARGUMENT. With wait_ms, a key PENDING or not there yet is waited for until it
+        is READY (the waiter wakes at its commit) or wait_ms runs out; an entry aborted meanwhile is
+        waited for again. INVALID_ARGUMENT as a whole: wait_ms over the limit. UNAVAILABLE (reason
+        shutting_down): the daemon stopped while the call waited; nothing was pinned, so it is
+        safe to retry (the client library does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,73 @@
+"""Pools on a real daemon as users meet them: attaching by name alone, a pool as large as the
+budget, and pool files that cost little more than their capacity."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ecd_testing import Daemon, running_daemon
+
+from ec_client import Consumer, EcdError, Producer, PutStatus
+
+POOL = "qwen-vl-node1"
+BLOCK = 7168
+COMPAT = "Qwen2.5-VL-7B|bf16|3584"
+MiB = 1 << 20
+
+
+def test_a_consumer_attaches_by_name_alone_and_reads_what_the_producer_wrote(
+    daemon: Daemon,
+) -> None:
+    with daemon.client(name="encoder") as encoder, daemon.client(name="decoder") as decoder:
+        created = encoder.open_pool(POOL, BLOCK, 512 * BLOCK, COMPAT)
+        tensor = torch.randn(16, 3584).to(torch.bfloat16)
+        assert Producer(encoder, POOL).put("img", tensor) is PutStatus.STORED
+        attached = decoder.open_pool(POOL)
+        assert not attached.created
+        assert (attached.block_size_bytes, attached.num_blocks, attached.compat_key) == (
+            BLOCK,
+            512,
+            COMPAT,
+        )
+        assert attached.pool_uuid == created.pool_uuid
+        loaded = Consumer(decoder, POOL).get("img")
+        assert loaded is not None and torch.equal(loaded, tensor)
+
+
+def test_attaching_by_name_to_a_pool_that_does_not_exist_is_not_found(daemon: Daemon) -> None:
+    with daemon.client() as c, pytest.raises(EcdError) as info:
+        c.open_pool("nobody-made-it")
+    assert info.value.code.name == "NOT_FOUND"
+    assert "'nobody-made-it' does not exist" in info.value.message
+
+
+def test_a_pool_attached_by_name_is_attached_again_after_a_daemon_restart(daemon: Daemon) -> None:
+    with daemon.client(name="encoder") as encoder:
+        encoder.open_pool(POOL, BLOCK, 512 * BLOCK, COMPAT)
+        Producer(encoder, POOL).put("img", torch.ones(4, 3584))
+    decoder = daemon.client(name="decoder", connect_timeout_s=30)
+    decoder.open_pool(POOL)
+    consumer = Consumer(decoder, POOL, watch=False)
+    daemon.restart()
+    loaded = consumer.get("img")  # a new session, the pool attached again by name
+    assert loaded is not None and bool((loaded == 1).all())
+    again = decoder.reopen_pool(POOL)
+    assert not again.created and again.compat_key == COMPAT
+    decoder.close()
+
+
+def test_a_pool_as_large_as_the_budget_fits_in_a_file_about_two_percent_larger() -> None:
+    with running_daemon("--max-bytes", "100MiB") as daemon, daemon.client() as c:
+        info = c.open_pool(POOL, BLOCK, 100 * MiB, COMPAT)
+        capacity = info.num_blocks * BLOCK
+        assert capacity > 100 * MiB - BLOCK
+        assert os.stat(info.path).st_size == info.file_size
+        assert info.file_size - capacity == 2 * MiB  # header and slot table: 2% of 100 MiB
+        stats = c.stats()
+        assert (stats.capacity_bytes, stats.reserved_bytes) == (capacity, info.file_size)
+        with pytest.raises(EcdError) as over:
+            c.open_pool("one-more", BLOCK, BLOCK)
+        assert over.value.code.name == "RESOURCE_EXHAUSTED"
+        assert "100.0 MiB budget" in over.value.message

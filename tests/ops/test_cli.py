@@ -1,0 +1,82 @@
+"""The operator's client commands against a real daemon (or none): what they print, their exit
+status, and errors that name the daemon's address."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from ecd_testing import Daemon, run_ecd
+
+from ec_client import AllocateItem, EntryState, Status
+
+POOL = "cli-pool"
+BLOCK = 7168
+MiB = 1 << 20
+
+
+def ecd(daemon: Daemon, *args: str) -> tuple[int, str, str]:
+    result = run_ecd(*args, "--address", daemon.address)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_ecd_health_on_a_missing_socket_fails_at_once_naming_it(tmp_path: Path) -> None:
+    address = f"unix://{tmp_path}/absent/ecd.sock"
+    # A --timeout longer than run_ecd's own (30 s): waiting it out would fail this test.
+    result = run_ecd("health", "--address", address, "--timeout", "120")
+    assert result.returncode == 1
+    assert address in result.stdout and "no socket at" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "command", [["stats"], ["ls", POOL], ["evict", POOL, "k"], ["delete", POOL, "k"]]
+)
+def test_every_client_command_on_a_missing_socket_fails_at_once_naming_it(
+    tmp_path: Path, command: list[str]
+) -> None:
+    address = f"unix://{tmp_path}/absent/ecd.sock"
+    result = run_ecd(*command, "--address", address, "--timeout", "120")
+    assert result.returncode == 1
+    assert address in result.stderr and "no socket at" in result.stderr
+
+
+def test_a_pool_that_does_not_exist_is_named_as_such(daemon: Daemon) -> None:
+    status, _, err = ecd(daemon, "ls", "no-such-pool")
+    assert status == 1
+    assert "'no-such-pool' does not exist" in err and "ecd stats" in err
+    assert "OpenPool first" not in err
+
+
+def test_ecd_delete_drops_a_pinned_entry_that_ecd_evict_refuses(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("pinned", (BLOCK,), "uint8")])
+        c.commit(POOL, ["pinned"])
+        [hit] = c.acquire(POOL, ["pinned"])
+        status, out, _ = ecd(daemon, "evict", POOL, "pinned")
+        assert status == 1 and "pinned 1 time(s)" in out and "ecd delete" in out
+        status, out, _ = ecd(daemon, "delete", POOL, "pinned", "never-made", "--json")
+        assert status == 1  # one key of the two was not there
+        assert [r["status"] for r in json.loads(out)] == ["ok", "not_found"]
+        assert c.lookup(POOL, ["pinned"])[0].state is EntryState.ABSENT
+        assert c.release([hit.lease_id])[0].status is Status.OK
+        [pool] = c.stats(POOL).pools
+        assert pool.free_blocks == pool.num_blocks  # its block came back at the release
+
+
+def test_ecd_stats_shows_each_pools_capacity_file_size_and_compat_key(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * MiB, "Qwen2.5-VL-7B|bf16|3584")
+        c.open_pool("anonymous", 4096, 4 * MiB)
+        status, out, _ = ecd(daemon, "stats")
+        assert status == 0
+        [header, row] = [line for line in out.splitlines() if "CAPACITY" in line or POOL in line]
+        assert header.split()[:3] == ["POOL", "CAPACITY", "FILE"]
+        assert row.split()[:5] == [POOL, "64.0", "MiB", "66.0", "MiB"]
+        assert row.split()[-1] == "Qwen2.5-VL-7B|bf16|3584"
+        assert "budget 68.0 MiB of 256.0 MiB in pool capacity; pool files 72.0 MiB" in out
+        status, out, _ = ecd(daemon, "stats", POOL, "--json")
+        [pool] = json.loads(out)["pools"]
+        assert pool["compat_key"] == "Qwen2.5-VL-7B|bf16|3584"
+        assert pool["reserved_bytes"] - pool["capacity_bytes"] == 2 * MiB
