@@ -184,9 +184,12 @@ class AsyncClient:
     async def stats(self, engine_id: str = "") -> Stats:
         return await self._run(_wire.stats(engine_id))
 
-    async def watch(self, engine_id: str = "", snapshot: bool = False) -> AsyncIterator[WatchEvent]:
+    async def watch(
+        self, engine_id: str = "", snapshot: bool = False, include_remote: bool = False
+    ) -> AsyncIterator[WatchEvent]:
         stream = self._stub.Watch(
-            _wire.watch_request(engine_id, snapshot), metadata=self.options.metadata
+            _wire.watch_request(engine_id, snapshot, include_remote),
+            metadata=self.options.metadata,
         )
         try:
             async for event in stream:

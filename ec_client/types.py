@@ -131,6 +131,8 @@ class PoolInfo:
     compat_key: str
     max_entries: int
     created: bool
+    transfer_endpoint: str = ""  # where peer daemons read its blocks; "" without peers
+    transfer_base: int = 0  # the address of block 0 at that endpoint
 
 
 # The results of item calls are built once per item on both sides of every hot-path call, so
@@ -223,6 +225,24 @@ class PoolStats:
     commits: int
     aborts: int
     bytes_ready: int
+    remote_hits: int
+    remote_misses: int
+    remote_bytes: int
+    remote_seconds_bounds: tuple[float, ...]  # a histogram of remote hits' seconds: bounds,
+    remote_seconds_counts: tuple[int, ...]  # the count under each (and one over the last),
+    remote_seconds_sum: float  # and their sum
+    held_blocks: int  # blocks of reads from peers given up on, until the engine is done
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """A peer daemon this one follows (`ecd serve --peer`)."""
+
+    address: str
+    state: str  # connecting, syncing, synced, down, or self
+    boot_epoch: str
+    keys: int  # READY keys it holds, as last heard
+    error: str  # why its last stream ended; empty while it never broke
 
 
 @dataclass(frozen=True)
@@ -235,6 +255,7 @@ class Stats:
     lease_expiries: int
     version: str
     pools: tuple[PoolStats, ...]
+    peers: tuple[PeerStats, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,3 +265,4 @@ class WatchEvent:
     key: bytes
     nbytes: int
     boot_epoch: str
+    remote: bool = False  # about the keys peer daemons hold (Watch with include_remote)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ec_client import Client, EcdError, Role, check_health
 from ec_client.address import default_target
+from ec_client.types import PeerStats
 from ec_client.units import format_size
 from ec_daemon import config as config_module
 from ec_daemon.checks import StartupError
@@ -135,6 +136,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 p.misses,
                 p.evictions,
                 p.no_space,
+                f"{p.remote_hits}/{p.remote_misses}",
+                format_size(p.remote_bytes),
             )
             for p in stats.pools
         ]
@@ -149,11 +152,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "MISSES",
             "EVICTIONS",
             "NO_SPACE",
+            "REMOTE_HITS/MISSES",
+            "REMOTE_BYTES",
         )
-        return head + "\n\n" + table(headers, rows) if rows else head + "\n\n(no pools)"
+        pools = table(headers, rows) if rows else "(no pools)"
+        return f"{head}\n\n{pools}" + (f"\n\n{peer_table(stats.peers)}" if stats.peers else "")
 
     emit(args, stats, human)
     return 0
+
+
+def peer_table(peers: Sequence[PeerStats]) -> str:
+    rows = [(p.address, p.state.upper(), p.boot_epoch or "-", p.keys, p.error) for p in peers]
+    return table(("PEER", "STATE", "EPOCH", "KEYS", "LAST ERROR"), rows)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -7,6 +7,16 @@ stream over a partitioned link would otherwise wait forever. Any failure (connec
 heartbeat, a new boot epoch) forgets the peer's keys and reconnects with backoff; the next
 stream's snapshot brings them back. `PeerSet` keeps one follower per current address and
 re-resolves DNS names every interval.
+
+The first event of each pool of a peer is preceded by an attach to that pool (OpenPool with no
+geometry), whose PoolInfo tells whether and where this daemon can read it. While a stream is
+followed, its session is also the one pulls use on that peer (`PeerSet.client`): pins taken on
+the peer die with it when the peer is lost.
+
+Followers run on the daemon's event loop. Events that are already buffered (a big snapshot) do
+not make the stream's iterator yield to the loop, so the follower yields every YIELD_EVERY
+events: a 50,000-key snapshot would otherwise hold the loop, and every client of the daemon,
+for seconds.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import grpc
 from ec_client._connection import TLSFiles
 from ec_client.aio import AsyncClient
 from ec_client.errors import EcdError
-from ec_client.types import Role
+from ec_client.types import EventType, PoolInfo, Role
 from ec_daemon.peers import PeerDirectory, PeerEntry, peer_addresses
 
 log = logging.getLogger("ecd.peers")
@@ -62,6 +72,9 @@ class FollowPolicy:
     max_backoff_s: float = 5.0
 
 
+YIELD_EVERY = 64
+
+
 class PeerLost(Exception):
     """The stream to a peer ended without a gRPC error (peer stopping, or restarted)."""
 
@@ -79,6 +92,7 @@ class PeerFollower:
         self._access = access
         self._policy = policy
         self._followed = False  # whether the current attempt got as far as an open stream
+        self.client: AsyncClient | None = None  # while a stream is followed
 
     async def run(self) -> None:
         """Follow until cancelled, or until the address turns out to be this daemon."""
@@ -126,6 +140,7 @@ class PeerFollower:
             if epoch == a.own_epoch:
                 return False
             self._followed = True
+            self.client = client
             log.info("peer followed", extra={"peer": self.address, "boot_epoch": epoch})
             tasks = [
                 asyncio.create_task(self._heartbeat(client, epoch)),
@@ -139,12 +154,38 @@ class PeerFollower:
                 await asyncio.gather(*tasks, return_exceptions=True)
             done.pop().result()  # raises: both loops only end by raising
         finally:
+            self.client = None
             await client.close()
 
     async def _watch(self, client: AsyncClient) -> NoReturn:
+        directory, address = self._directory, self.address
+        applied = 0
         async for event in client.watch("", snapshot=True):
-            self._directory.apply(self.address, event)
+            pool = event.engine_id
+            if (
+                pool
+                and event.type is not EventType.POOL_DROPPED
+                and directory.needs_pool(address, pool)
+            ):
+                directory.attached(address, pool, await self._attach(client, pool))
+            directory.apply(address, event)
+            applied += 1
+            if applied % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         raise PeerLost("the peer ended its Watch stream (stopping)")
+
+    async def _attach(self, client: AsyncClient, engine_id: str) -> PoolInfo | None:
+        """The peer's pool as OpenPool (attach by name) describes it; None when it will not say
+        (dropped meanwhile, or a peer too old to attach by name)."""
+        try:
+            return await client.open_pool(engine_id, 0, 0)
+        except EcdError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:
+                log.warning(
+                    "peer pool cannot be attached: not read from",
+                    extra={"peer": self.address, "engine_id": engine_id, "why": exc.message},
+                )
+            return None
 
     async def _heartbeat(self, client: AsyncClient, epoch: str) -> NoReturn:
         while True:
@@ -176,7 +217,7 @@ class PeerSet:
         self._resolver = resolver
         self._interval_s = interval_s
         self._lookups: dict[str, list[str]] = {}
-        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._followers: dict[str, tuple[PeerFollower, asyncio.Task[None]]] = {}
 
     async def run(self) -> None:
         """Refresh every interval until cancelled; the followers stop with it."""
@@ -195,15 +236,20 @@ class PeerSet:
                 log.warning("peer name did not resolve", extra={"peer_name": name, "why": str(exc)})
         wanted = peer_addresses(self._entries, self._lookups, self._own)
         for address in set(self._followers) - wanted:
-            self._followers.pop(address).cancel()
+            self._followers.pop(address)[1].cancel()
             self._directory.remove(address)
         for address in wanted - set(self._followers):
             self._directory.add(address)
             follower = PeerFollower(address, self._directory, self._access, self._policy)
-            self._followers[address] = asyncio.create_task(follower.run())
+            self._followers[address] = (follower, asyncio.create_task(follower.run()))
+
+    def client(self, address: str) -> AsyncClient | None:
+        """The session on the peer at `address` while its stream is followed."""
+        follower = self._followers.get(address)
+        return follower[0].client if follower is not None else None
 
     async def close(self) -> None:
-        tasks = list(self._followers.values())
+        tasks = [task for _, task in self._followers.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -8,6 +8,10 @@ pool goes, after undoing what sessions held in it.
 
 A refused pool file (one that did not verify at adoption, or changed under the daemon) is left
 in place for inspection; OpenPool of its engine_id fails until an operator removes the file.
+
+A `PoolListener` (the transport, when the daemon has peers: DESIGN §13) is told when a pool is
+served (created or adopted) and when it is withdrawn (dropped or refused); what it answers, where
+peers read the pool, travels in the pool's PoolInfo.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from ec_client.layout import (
     POOL_FILE_PREFIX,
@@ -45,11 +50,30 @@ class PoolSettings:
 
 
 @dataclass(frozen=True)
+class TransferPoint:
+    """Where peer daemons read a pool: a transfer engine endpoint and the address of block 0."""
+
+    endpoint: str
+    base: int
+
+
+class PoolListener(Protocol):
+    def serving(self, engine_id: str, path: Path, geometry: Geometry) -> TransferPoint | None:
+        """The daemon serves this pool from now on; None if peers cannot read it."""
+        ...
+
+    def withdrawn(self, engine_id: str) -> None:
+        """The daemon no longer serves the pool (its file may be gone or changed)."""
+        ...
+
+
+@dataclass(frozen=True)
 class Pool:
-    """A pool the daemon serves: its file and the index of its entries."""
+    """A pool the daemon serves: its file, the index of its entries, where peers read it."""
 
     file: PoolFile
     index: PoolIndex
+    transfer: TransferPoint | None = None
 
     @property
     def engine_id(self) -> str:
@@ -69,6 +93,8 @@ class Pool:
             compat_key=header.compat_key,
             max_entries=geometry.num_slots,
             created=created,
+            transfer_endpoint=self.transfer.endpoint if self.transfer else "",
+            transfer_base=self.transfer.base if self.transfer else 0,
         )
 
 
@@ -79,11 +105,13 @@ class PoolRegistry:
         clock: Callable[[], float],
         publish: Callable[[WatchEvent], None],
         boot_epoch: str,
+        listener: PoolListener | None = None,
     ) -> None:
         self.settings = settings
         self._clock = clock
         self._publish = publish
         self._boot_epoch = boot_epoch
+        self._listener = listener
         self._pools: dict[str, Pool] = {}
         self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
 
@@ -103,7 +131,7 @@ class PoolRegistry:
                 file.close()
                 self.refuse(engine_id, path, f"slot table does not verify: {exc}")
                 continue
-            self._pools[engine_id] = Pool(file, index)
+            self._pools[engine_id] = self._serve(file, index)
             log.info(
                 "pool adopted",
                 extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
@@ -119,7 +147,11 @@ class PoolRegistry:
     def open(
         self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
     ) -> tuple[Pool, bool]:
-        """Attach to the pool of this engine_id or create it; returns (pool, created)."""
+        """Attach to the pool of this engine_id or create it; returns (pool, created). Without
+        a geometry (block_size_bytes and capacity_bytes 0) only attach, whatever its geometry:
+        NOT_FOUND when there is no such pool; compat_key, if given, must match."""
+        if block_size_bytes == 0 and capacity_bytes == 0:
+            return self._attach(engine_id, compat_key), False
         num_blocks = capacity_bytes // block_size_bytes
         limit = self.settings.max_pool_bytes
         if limit is not None and capacity_bytes > limit:
@@ -164,10 +196,30 @@ class PoolRegistry:
                 f"{exc.filename} exists but the daemon did not create it; remove it and retry",
                 Reason.POOL_UNVERIFIED,
             ) from exc
-        pool = Pool(file, self._new_index(engine_id, geometry, file))
+        pool = self._serve(file, self._new_index(engine_id, geometry, file))
         self._pools[engine_id] = pool
         log.info("pool created", extra={"engine_id": engine_id, "bytes": geometry.file_size})
         return pool, True
+
+    def _attach(self, engine_id: str, compat_key: str) -> Pool:
+        pool = self.get(engine_id)
+        if compat_key and pool.file.header.compat_key != compat_key:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {engine_id!r} exists with compat_key {pool.file.header.compat_key!r}; "
+                f"requested {compat_key!r} (another model or dtype wrote it)",
+                Reason.POOL_MISMATCH,
+            )
+        return pool
+
+    def _serve(self, file: PoolFile, index: PoolIndex) -> Pool:
+        header = file.header
+        transfer = (
+            self._listener.serving(header.engine_id, file.path, header.geometry)
+            if self._listener is not None
+            else None
+        )
+        return Pool(file, index, transfer)
 
     @staticmethod
     def _check_same(pool: Pool, block_size_bytes: int, num_blocks: int, compat_key: str) -> None:
@@ -227,6 +279,8 @@ class PoolRegistry:
         """Stop serving the pool (the store has undone what sessions held in it); its file stays
         until the caller unlinks or closes it."""
         del self._pools[pool.engine_id]
+        if self._listener is not None and pool.transfer is not None:
+            self._listener.withdrawn(pool.engine_id)
         self._publish(WatchEvent(EventType.POOL_DROPPED, pool.engine_id, b"", 0, self._boot_epoch))
 
     def close(self, drop_pools: bool) -> None:

@@ -80,17 +80,21 @@ def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
 
 
 def pool_request(block_size_bytes: int, capacity_bytes: int, compat_key: str) -> None:
+    """A geometry to create the pool with (or attach with), or none at all: attach by name."""
+    if len(compat_key.encode()) > MAX_COMPAT_KEY_BYTES:
+        raise _invalid(f"compat_key is longer than {MAX_COMPAT_KEY_BYTES} bytes")
+    if block_size_bytes == 0 and capacity_bytes == 0:
+        return
     if not 0 < block_size_bytes <= MAX_BLOCK_SIZE:
         raise _invalid(
             f"block_size_bytes {block_size_bytes} is out of range: expected 1 to {MAX_BLOCK_SIZE} "
-            "(one embedding row: hidden size x element size)"
+            "(one embedding row: hidden size x element size), or 0 with capacity_bytes 0 to "
+            "attach to an existing pool"
         )
     if capacity_bytes < block_size_bytes:
         raise _invalid(
             f"capacity_bytes {capacity_bytes} is less than one block of {block_size_bytes} bytes"
         )
-    if len(compat_key.encode()) > MAX_COMPAT_KEY_BYTES:
-        raise _invalid(f"compat_key is longer than {MAX_COMPAT_KEY_BYTES} bytes")
 
 
 def wait_ms(value: int) -> int:

@@ -10,7 +10,9 @@ at its next call into the connector, before anything depends on it. Per step:
         pinned at once, by a synchronous Step (`ecd_pins`, "first"): one round trip on the
         scheduler thread per step at most, so a lone request is never held back; the other
         requests of that step have their items pinned in the background and wait one step
-        (see loads.py).
+        (see loads.py). Items only a peer daemon holds (the ready view counts them: DESIGN §13)
+        are never pinned at once: their Acquire pulls them from the peer and waits for the
+        transfer, so they are pinned in the background, and their request waits a step.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
         for the wanted items, entries for this step's new outputs. The metadata orders the
@@ -158,7 +160,11 @@ class SchedulerSide:
         )
         if admitted or not self._may_pin_now():
             return admitted
-        wanted = self.loads.wanted(request.request_id)
+        # Only items READY in this daemon's pool: an item only a peer daemon holds is pulled
+        # by the Acquire that pins it, which waits for the transfer: that is for the background.
+        wanted = [
+            k for k in self.loads.wanted(request.request_id) if self.view.has_local(k.encode())
+        ]
         if not wanted:
             return False  # held for another reason (waiting for an item not in the pool)
         self._pin_now(wanted)

@@ -168,7 +168,9 @@ class EncoderCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenPool(self, request, context):
-        """Create the pool, or attach to it if it exists with the same geometry and compat_key.
+        """Create the pool, or attach to it if it exists with the same geometry and compat_key; with
+        block_size_bytes and capacity_bytes 0, attach to it whatever its geometry (NOT_FOUND with
+        reason unknown_pool when there is none) and compat_key, if given, must match.
         INVALID_ARGUMENT: sizes out of range. FAILED_PRECONDITION: exists with another geometry or
         compat_key (reason pool_mismatch), or its file was refused (pool_unverified).
         RESOURCE_EXHAUSTED: over the budget or the per-pool limit (budget), the shm directory is full
@@ -211,7 +213,9 @@ class EncoderCacheServicer:
 
     def Acquire(self, request, context):
         """Per item: ITEM_HIT, ITEM_MISS, ITEM_PENDING (still PENDING after wait_ms),
-        ITEM_INVALID_ARGUMENT. INVALID_ARGUMENT as a whole: wait_ms over the limit.
+        ITEM_INVALID_ARGUMENT. INVALID_ARGUMENT as a whole: wait_ms over the limit. A key that is
+        not here but that a peer daemon holds is pulled from it, and waited for up to the longer of
+        wait_ms and the daemon's pull timeout (--pull-timeout), even with wait_ms 0.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,7 +237,8 @@ class EncoderCacheServicer:
 
     def Step(self, request, context):
         """Release, Commit, Abort, Acquire (without waiting) and Allocate in one call, in that order;
-        per item of each part, what that RPC answers.
+        per item of each part, what that RPC answers. Acquires of keys only peers hold are pulled,
+        and the reply waits for those pulls (as Acquire's), after every other part was applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
