@@ -232,6 +232,7 @@ class PoolStats:
     remote_seconds_counts: tuple[int, ...]  # the count under each (and one over the last),
     remote_seconds_sum: float  # and their sum
     held_blocks: int  # blocks of reads from peers given up on, until the engine is done
+    remote_reads: int  # transfer-engine reads started by pulls (one per remote hit)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ class PoolCounters:
     remote_hits: int = 0  # entries pulled from a peer daemon
     remote_misses: int = 0  # pulls that fetched nothing
     remote_bytes: int = 0
+    remote_reads: int = 0  # transfer-engine reads started for pulls
 
 
 # Upper bounds (seconds) of the buckets of remote hits' latency: from an 8 MiB read over RDMA to

@@ -81,6 +81,7 @@ POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("remote_hits", "Entries pulled from peer daemons"),
     ("remote_misses", "Pulls from peer daemons that fetched nothing"),
     ("remote_bytes", "Tensor bytes pulled from peer daemons"),
+    ("remote_reads", "Transfer-engine reads started by pulls (one per remote hit)"),
 )
 
 

@@ -257,6 +257,7 @@ class Remote:
             endpoint = holding.pool.transfer_endpoint
             retried = False
             while True:
+                self._store.pull_reading(slot)
                 read = asyncio.wrap_future(self._transport.read(endpoint, slot.engine_id, copies))
                 pull.reading = read
                 if not await self._until(read, pull):

@@ -365,6 +365,12 @@ class Store:
         block_size = pool.index.geometry.block_size_bytes
         return PullSlot(engine_id, key, session_id, entry.extents, block_size, nbytes, entry)
 
+    def pull_reading(self, slot: PullSlot) -> None:
+        """A transfer-engine read into the pull's blocks starts (counted: one per remote hit)."""
+        pool = self._find(slot.engine_id)
+        if pool is not None:
+            pool.index.counters.remote_reads += 1
+
     def pull_commit(
         self, slot: PullSlot, spec: api.TensorSpec, checksum: int, seconds: float
     ) -> bool:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ecd_testing import Daemon, running_daemon, wait_until
 
+from ec_client import Client
 from ec_daemon.transport import TransportError, mooncake_engine
 
 DATA_OFFSET = 4096  # where a test "pool file" keeps its data region (a page, as mmap needs)
@@ -51,3 +54,30 @@ async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float 
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         await asyncio.sleep(0.02)
+
+
+def peer_args(me: str, addresses: list[str], *extra: str) -> tuple[str, ...]:
+    """`ecd serve` arguments of a daemon on TCP `me` whose peers are the other `addresses`."""
+    peers = [arg for other in addresses if other != me for arg in ("--peer", other)]
+    return ("--tcp", me, *peers, "--max-bytes", "512MiB", "--lease-ttl", "2", *extra)
+
+
+@contextlib.contextmanager
+def peered_daemons(count: int, *extra: str) -> Iterator[list[Daemon]]:
+    """`count` daemons on loopback, each its own shm directory and TCP port, each the peer of
+    every other."""
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(count)]
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(running_daemon(*peer_args(me, addresses, *extra)))
+            for me in addresses
+        ]
+
+
+def tcp_address(daemon: Daemon) -> str:
+    return daemon.args[daemon.args.index("--tcp") + 1]
+
+
+def wait_peers_synced(client: Client, count: int, timeout_s: float = 20.0) -> None:
+    """Until the client's daemon follows `count` peers, each synced."""
+    wait_until(lambda: [p.state for p in client.stats().peers].count("synced") == count, timeout_s)

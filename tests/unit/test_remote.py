@@ -212,6 +212,7 @@ async def test_a_key_only_a_peer_holds_is_pulled_bit_identical_in_one_read(pair:
     assert pair.local.data(b"k") == data
     assert pair.local.transport.reads == 1
     stats = pair.local.stats()
+    assert stats.remote_reads == 1
     assert (stats.remote_hits, stats.remote_misses, stats.remote_bytes) == (1, 0, len(data))
     assert sum(stats.remote_seconds_counts) == 1
     await settle(pair)
