@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import Client
+from ec_daemon.spawn import free_port, peer_flags
 from ec_daemon.transport import TransportError, mooncake_engine
 
 DATA_OFFSET = 4096  # where a test "pool file" keeps its data region (a page, as mmap needs)
@@ -41,13 +41,6 @@ def data_of(path: Path) -> bytes:
     return path.read_bytes()[DATA_OFFSET:]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
     """Wait (without blocking the event loop) until `predicate()` holds."""
     deadline = time.monotonic() + timeout_s
@@ -58,8 +51,7 @@ async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float 
 
 def peer_args(me: str, addresses: list[str], *extra: str) -> tuple[str, ...]:
     """`ecd serve` arguments of a daemon on TCP `me` whose peers are the other `addresses`."""
-    peers = [arg for other in addresses if other != me for arg in ("--peer", other)]
-    return ("--tcp", me, *peers, "--max-bytes", "512MiB", "--lease-ttl", "2", *extra)
+    return (*peer_flags(me, addresses), "--max-bytes", "512MiB", "--lease-ttl", "2", *extra)
 
 
 @contextlib.contextmanager
