@@ -130,6 +130,18 @@ CASES = [
     ("zero block size", lambda w: open_pool(w, block=0), INVALID, "block_size_bytes"),
     ("negative block size", lambda w: open_pool(w, block=-7168), INVALID, "block_size_bytes"),
     ("capacity below one block", lambda w: open_pool(w, capacity=10), INVALID, "capacity_bytes"),
+    (
+        "attach by name to a pool that does not exist",
+        lambda w: open_pool(w, engine_id="absent", block=0, capacity=0),
+        NOT_FOUND,
+        "unknown pool",
+    ),
+    (
+        "attach by name with another compat key",
+        lambda w: open_pool(w, engine_id=POOL, block=0, capacity=0, compat="other"),
+        PRECONDITION,
+        "compat_key",
+    ),
     ("capacity over the budget", lambda w: open_pool(w, capacity=1 << 50), EXHAUSTED, "budget"),
     (
         "geometry mismatch",

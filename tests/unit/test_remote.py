@@ -338,3 +338,13 @@ async def test_watchers_are_told_when_the_first_peer_gains_a_key_and_the_last_lo
     pair.directory.broken(PEER, "stream lost")
     assert remote_events()[-1] == (EventType.EVICTED, b"k")
     assert pair.remote.snapshot(POOL) == []
+
+
+async def test_a_pool_its_daemon_dropped_is_no_longer_served_to_peers(pair: Pair) -> None:
+    pair.store_on_peer(b"k", os.urandom(BLOCK))
+    assert pair.peer.store.pool_info(POOL).transfer_endpoint == pair.peer.transport.endpoint
+    region = pair.peer.store.pool_info(POOL).transfer_base
+    pair.peer.store.drop_pool(POOL, force=True)
+    read = pair.local.transport.read(pair.peer.transport.endpoint, POOL, [Copy(region, 0, BLOCK)])
+    with pytest.raises(TransportError, match="serves no such region"):
+        read.result()
