@@ -53,9 +53,12 @@ class AsyncClient:
         token: str | None = None,
         tls: TLSFiles | None = None,
         keepalive: bool = True,
+        from_env: bool = True,
     ) -> None:
+        """from_env: take a token and TLS files not given from ECD_TOKEN, ECD_TOKEN_FILE and
+        ECD_TLS_* (as Client does)."""
         self.options = Options.make(
-            target, name, role, connect_timeout_s, call_timeout_s, token, tls
+            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
         self._keepalive_enabled = keepalive
         self._state = SessionState(self.options)

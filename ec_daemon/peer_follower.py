@@ -124,6 +124,7 @@ class PeerFollower:
             token=a.token,
             tls=a.tls,
             keepalive=False,  # the heartbeat below keeps the session
+            from_env=False,  # ECD_TOKEN_FILE, ECD_TLS_CERT... are the daemon's own settings
         )
         try:
             await client.start()
