@@ -124,6 +124,9 @@ class Landed:
 
 @dataclass(eq=False)
 class Pull:
+    """One key being pulled: the local entry it fills, the peers it may come from, in order,
+    and what its askers wait on; `reading` tells, when it ends, whether its blocks must be held."""
+
     slot: PullSlot
     holdings: list[Holding]
     done: asyncio.Future[None]  # set once the local entry is committed or aborted
@@ -132,6 +135,8 @@ class Pull:
 
 
 class Remote:
+    """The pulls in flight, one per (pool, key), and the keys published as held by peers."""
+
     def __init__(
         self,
         store: Store,
