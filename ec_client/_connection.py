@@ -73,8 +73,13 @@ class Options:
         call_timeout_s: float,
         token: str | None,
         tls: TLSFiles | None = None,
+        from_env: bool = True,
     ) -> Options:
-        token = token or os.environ.get("ECD_TOKEN") or _token_from_file()
+        """from_env: a token or TLS files not given come from ECD_TOKEN, ECD_TOKEN_FILE and
+        ECD_TLS_*. Not for a daemon calling its peers: its own settings share those names."""
+        if from_env:
+            token = token or os.environ.get("ECD_TOKEN") or _token_from_file()
+            tls = tls or TLSFiles.from_env()
         if token is not None:
             try:
                 token_file.check_token(
@@ -89,7 +94,7 @@ class Options:
             connect_timeout_s=connect_timeout_s,
             call_timeout_s=call_timeout_s,
             metadata=(("authorization", f"Bearer {token}"),) if token else (),
-            tls=tls or TLSFiles.from_env(),
+            tls=tls,
         )
 
     def cut_off(self, method: str) -> EcdError:

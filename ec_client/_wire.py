@@ -353,13 +353,27 @@ def list_entries(
 
 def stats(engine_id: str) -> Call[api.Stats]:
     def parse(reply: pb.StatsReply) -> api.Stats:
-        return mirror(api.Stats, reply, pools=tuple(mirror(api.PoolStats, p) for p in reply.pools))
+        return mirror(
+            api.Stats,
+            reply,
+            pools=tuple(pool_stats(p) for p in reply.pools),
+            peers=tuple(mirror(api.PeerStats, p) for p in reply.peers),
+        )
 
     return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse, safe_to_retry=True)
 
 
-def watch_request(engine_id: str, snapshot: bool) -> pb.WatchRequest:
-    return pb.WatchRequest(engine_id=engine_id, snapshot=snapshot)
+def pool_stats(message: pb.PoolStats) -> api.PoolStats:
+    return mirror(
+        api.PoolStats,
+        message,
+        remote_seconds_bounds=tuple(message.remote_seconds_bounds),
+        remote_seconds_counts=tuple(message.remote_seconds_counts),
+    )
+
+
+def watch_request(engine_id: str, snapshot: bool, include_remote: bool) -> pb.WatchRequest:
+    return pb.WatchRequest(engine_id=engine_id, snapshot=snapshot, include_remote=include_remote)
 
 
 def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
@@ -369,4 +383,5 @@ def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
         key=event.key,
         nbytes=event.nbytes,
         boot_epoch=event.boot_epoch,
+        remote=event.remote,
     )

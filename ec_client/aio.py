@@ -53,9 +53,12 @@ class AsyncClient:
         token: str | None = None,
         tls: TLSFiles | None = None,
         keepalive: bool = True,
+        from_env: bool = True,
     ) -> None:
+        """from_env: take a token and TLS files not given from ECD_TOKEN, ECD_TOKEN_FILE and
+        ECD_TLS_* (as Client does)."""
         self.options = Options.make(
-            target, name, role, connect_timeout_s, call_timeout_s, token, tls
+            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
         self._keepalive_enabled = keepalive
         self._state = SessionState(self.options)
@@ -189,9 +192,12 @@ class AsyncClient:
     async def stats(self, engine_id: str = "") -> Stats:
         return await self._run(_wire.stats(engine_id))
 
-    async def watch(self, engine_id: str = "", snapshot: bool = False) -> AsyncIterator[WatchEvent]:
+    async def watch(
+        self, engine_id: str = "", snapshot: bool = False, include_remote: bool = False
+    ) -> AsyncIterator[WatchEvent]:
         stream = self._stub.Watch(
-            _wire.watch_request(engine_id, snapshot), metadata=self.options.metadata
+            _wire.watch_request(engine_id, snapshot, include_remote),
+            metadata=self.options.metadata,
         )
         try:
             async for event in stream:

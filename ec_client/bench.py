@@ -8,11 +8,14 @@ reported as ratios to a baseline measured side by side in the same run:
 - control: RPC round trips of 64-item batches against a plain health-check RPC on the channel;
 - data: put/get bandwidth against a raw torch copy_ of the same bytes into the same pool mapping;
 - load: puts and gets per second with 1 and several client processes;
-- handoff: from a producer's commit to a waiting consumer's wake-up, across processes.
+- handoff: from a producer's commit to a waiting consumer's wake-up, across processes;
+- remote: a get of an entry only a peer daemon holds (a pull) against a get of an entry held
+  here and against a bare transfer-engine read of the same bytes (two daemons; DESIGN §13).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import statistics
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 POOL = "ecd-bench"
 BLOCK = 4096
+BareRead = Callable[[str, int, int], float]  # (peer's transfer endpoint, address, nbytes) -> s
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -434,6 +438,109 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
     client.drop_pool(POOL, force=True)
 
 
+# ---- pulls from a peer daemon -------------------------------------------------------------------
+
+
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"still waiting for {what} after {timeout_s} s")
+        time.sleep(0.0005)
+
+
+def _drop_local_copy(client: Client, key: str) -> None:
+    """Evict this node's copy of `key`, until the client's view offers it from the peer only."""
+    client.settle()  # the last get's pin goes back first
+    client.evict(POOL, [key])
+    view, raw = client.view(POOL), key.encode()
+    _wait(lambda: view.has(raw) and not view.has_local(raw), "the peer's copy to be offered")
+
+
+def bench_remote(
+    here: Client,
+    there: Client,
+    sizes: Sequence[int],
+    runs: int,
+    samples: int,
+    bare: BareRead,
+    report: Report,
+) -> None:
+    """A get here of an entry only the peer daemon `there` holds (the pull: the peer's pin, one
+    transfer-engine read, the commit; then the copy out, as in any get), against a get of an
+    entry held here and a bare transfer-engine read of the same bytes from the peer's pool,
+    side by side in each run; medians of runs of medians. Bytes are checked after the run."""
+    import torch
+
+    from ec_client import Consumer, Producer
+
+    capacity = 4 * max(sizes) + (64 << 20)
+    for client in (here, there):
+        client.open_pool(POOL, BLOCK, capacity, "ecd-bench")
+    _wait(lambda: [p.state for p in here.stats().peers] == ["synced"], "the peer to be followed")
+    consumer, info = Consumer(here, POOL), there.pool_info(POOL)
+    for size in sizes:
+        tensor = torch.randint(0, 256, (size,), dtype=torch.uint8)
+        out = torch.empty_like(tensor)
+        near, far = f"near-{size}", f"far-{size}"
+        Producer(here, POOL).put(near, tensor)
+        Producer(there, POOL).put(far, tensor)
+        here.settle()
+        there.settle()
+        [pinned] = there.acquire(POOL, [far])  # where the bare reads read, for the whole size
+        address = info.transfer_base + pinned.extents[0].start * BLOCK
+        _wait(functools.partial(here.view(POOL).has, far.encode()), "the peer's entry")
+        consumer.get(far, "cpu", 0, out)  # the first read from a peer pays its handshake
+        [before] = here.stats(POOL).pools
+        rows: list[dict[str, float]] = []
+        for _ in progress(range(runs), f"remote {format_size(size)}"):
+            local = [timed(consumer.get, near, "cpu", 0, out) for _ in range(samples)]
+            remote = []
+            for _ in range(samples):
+                _drop_local_copy(here, far)
+                remote.append(timed(consumer.get, far, "cpu", 0, out))
+            if not torch.equal(out, tensor):
+                raise RuntimeError(f"a remote get of {format_size(size)} returned other bytes")
+            reads = [bare(info.transfer_endpoint, address, size) for _ in range(samples)]
+            rows.append(
+                {
+                    "local_ms": statistics.median(local) * 1e3,
+                    "remote_ms": statistics.median(remote) * 1e3,
+                    "bare_read_ms": statistics.median(reads) * 1e3,
+                }
+            )
+        [after] = here.stats(POOL).pools
+        there.release([pinned.lease_id])
+        here.settle()
+        here.evict(POOL, [near, far])
+        there.evict(POOL, [far])
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        hits = after.remote_hits - before.remote_hits
+        report.add(
+            "remote",
+            {
+                "size": format_size(size),
+                **med,
+                "pull_ms": (after.remote_seconds_sum - before.remote_seconds_sum) / hits * 1e3,
+                "remote_vs_local": med["remote_ms"] / med["local_ms"],
+                "bare_vs_remote": med["bare_read_ms"] / med["remote_ms"],
+                "reads_per_hit": (after.remote_reads - before.remote_reads) / hits,
+            },
+        )
+    for client in (here, there):
+        client.drop_pool(POOL, force=True)
+
+
+def run_remote(here: str, there: str, args: Any, bare: BareRead, report: Report) -> None:
+    """The remote suite between the daemon at `here` and its peer at `there`."""
+    sizes = [parse_size(s) for s in args.remote_sizes.split(",")]
+    with (
+        Client(here, name="ecd-bench", role=Role.BOTH) as near,
+        Client(there, name="ecd-bench-peer", role=Role.BOTH) as far,
+    ):
+        bench_remote(near, far, sizes, args.runs, args.remote_samples, bare, report)
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 
@@ -472,6 +579,20 @@ SECTIONS = {
         "Handoff: producer commit -> waiting consumer wakes (other process)",
         ["samples", "p50_us", "p99_us"],
     ),
+    "remote": (
+        "Remote get (a pull from a peer daemon, then the copy out) vs a local get and a bare "
+        "transfer-engine read of the same bytes (medians; pull_ms: the daemon's mean pull)",
+        [
+            "size",
+            "local_ms",
+            "remote_ms",
+            "bare_read_ms",
+            "pull_ms",
+            "remote_vs_local",
+            "bare_vs_remote",
+            "reads_per_hit",
+        ],
+    ),
 }
 
 
@@ -484,17 +605,19 @@ def render(report: Report) -> str:
     return "\n\n".join(parts)
 
 
-def run(address: str, args: Any, report: Report | None = None) -> Report:
-    """The suites that need a daemon, added to `report` (which may hold in-process figures)."""
-    report = report or Report({})
+def run(address: str, args: Any, report: Report) -> None:
+    """The suites that need one daemon, added to `report`."""
     suites = set(args.suite.split(","))
     if suites & {"latency", "control", "data", "load", "handoff", "all"}:
         with Client(address, name="ecd-bench", role=Role.BOTH) as client:
             _daemon_suites(address, client, suites, args, report)
+
+
+def finish(report: Report, output: str | None) -> None:
+    """Print every figure of the run, and write them as JSON to `output` if given."""
     print(render(report))
-    if args.output:
-        Path(args.output).write_text(json.dumps(report.sections, indent=2))
-    return report
+    if output:
+        Path(output).write_text(json.dumps(report.sections, indent=2))
 
 
 def _daemon_suites(

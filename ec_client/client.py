@@ -397,16 +397,23 @@ class Client:
             o.target, timeout_s=o.connect_timeout_s, tls=o.tls, token=None, service=service
         )
 
-    def watch(self, engine_id: str = "", snapshot: bool = False) -> Iterator[WatchEvent]:
+    def watch(
+        self, engine_id: str = "", snapshot: bool = False, include_remote: bool = False
+    ) -> Iterator[WatchEvent]:
         """Events of one pool (or all) as they happen; with snapshot, first every READY key and
-        then a SYNCED event. Stop early by closing the returned generator."""
-        return iter(self.open_watch(engine_id, snapshot))
+        then a SYNCED event; with include_remote, also the keys peer daemons hold (events with
+        `remote` set: an Acquire here pulls such a key). Stop early by closing the returned
+        generator."""
+        return iter(self.open_watch(engine_id, snapshot, include_remote))
 
-    def open_watch(self, engine_id: str = "", snapshot: bool = False) -> WatchStream:
+    def open_watch(
+        self, engine_id: str = "", snapshot: bool = False, include_remote: bool = False
+    ) -> WatchStream:
         """Like watch, as a stream that another thread can end with `cancel()`."""
         return WatchStream(
             self._stub.Watch(
-                _wire.watch_request(engine_id, snapshot), metadata=self.options.metadata
+                _wire.watch_request(engine_id, snapshot, include_remote),
+                metadata=self.options.metadata,
             )
         )
 

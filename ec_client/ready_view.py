@@ -12,6 +12,11 @@ broken (daemon down or restarting, pool dropped), it knows nothing: `synced` is 
 fall back to asking the daemon (Consumer) or to encoding (vLLM). The thread reconnects with
 backoff, reattaching first (reopening the pool: notices a restarted daemon, recreates a dropped
 pool), and takes a fresh snapshot.
+
+With peer daemons (DESIGN §13) the stream also carries the keys peers hold (include_remote:
+events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
+a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
+entries, for callers that must not wait on a transfer (vLLM's synchronous pin).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class Stream(Protocol):
 
 
 class Watcher(Protocol):
-    def open_watch(self, engine_id: str, snapshot: bool) -> Stream: ...
+    def open_watch(self, engine_id: str, snapshot: bool, include_remote: bool) -> Stream: ...
 
 
 class ReadyView:
@@ -52,6 +57,7 @@ class ReadyView:
         self._reattach = reattach
         self._lock = threading.Lock()
         self._ready: set[bytes] = set()
+        self._remote: set[bytes] = set()  # keys peer daemons hold (whether here or not)
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._synced = threading.Event()
         self._closed = threading.Event()
@@ -69,7 +75,12 @@ class ReadyView:
         return self._synced.wait(timeout_s)
 
     def has(self, key: bytes) -> bool:
+        """READY here, or held by a peer daemon (an Acquire here pulls it)."""
         # A set lookup under the GIL is atomic: no lock on this, the hottest path.
+        return (key in self._ready or key in self._remote) and self._synced.is_set()
+
+    def has_local(self, key: bytes) -> bool:
+        """READY in this daemon's pool: an Acquire pins it without a transfer."""
         return key in self._ready and self._synced.is_set()
 
     def add(self, key: bytes) -> None:
@@ -79,9 +90,10 @@ class ReadyView:
             self._added.add(key)
 
     def discard(self, key: bytes) -> None:
-        """An Acquire found `key` gone before the event came."""
+        """An Acquire found `key` gone (here and at the peers) before the event came."""
         with self._lock:
             self._ready.discard(key)
+            self._remote.discard(key)
             self._added.discard(key)
 
     def close(self) -> None:
@@ -113,26 +125,33 @@ class ReadyView:
         """Follow one Watch stream until it ends; returns whether it got as far as SYNCED."""
         with self._lock:
             self._added.clear()
-        stream = self._client.open_watch(self._engine_id, snapshot=True)
+        stream = self._client.open_watch(self._engine_id, snapshot=True, include_remote=True)
         with self._lock:
             self._stream = stream
         if self._closed.is_set():
             stream.cancel()  # close() ran between the loop's check and the assignment
         snapshot: set[bytes] = set()
+        remote: set[bytes] = set()
         for event in stream:
             if event.type is EventType.SNAPSHOT:
-                snapshot.add(event.key)
+                (remote if event.remote else snapshot).add(event.key)
             elif event.type is EventType.SYNCED:
                 with self._lock:
                     # A key committed here after the stream opened may be missing from the
                     # snapshot, its event still to come: the client must read its own writes.
                     self._ready = snapshot | self._added
+                    self._remote = remote
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
                 with self._lock:
-                    self._ready.add(event.key)
+                    (self._remote if event.remote else self._ready).add(event.key)
             elif event.type in _GONE:
-                self.discard(event.key)
+                with self._lock:
+                    if event.remote:
+                        self._remote.discard(event.key)
+                    else:
+                        self._ready.discard(event.key)
+                        self._added.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()

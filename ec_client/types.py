@@ -131,6 +131,8 @@ class PoolInfo:
     compat_key: str
     max_entries: int
     created: bool
+    transfer_endpoint: str = ""  # where peer daemons read its blocks; "" without peers
+    transfer_base: int = 0  # the address of block 0 at that endpoint
 
 
 # The results of item calls are built once per item on both sides of every hot-path call, so
@@ -226,6 +228,25 @@ class PoolStats:
     compat_key: str
     reserved_bytes: int  # the pool file: capacity_bytes plus its header and slot table
     max_entries: int
+    remote_hits: int
+    remote_misses: int
+    remote_bytes: int
+    remote_seconds_bounds: tuple[float, ...]  # a histogram of remote hits' seconds: bounds,
+    remote_seconds_counts: tuple[int, ...]  # the count under each (and one over the last),
+    remote_seconds_sum: float  # and their sum
+    held_blocks: int  # blocks of reads from peers given up on, until the engine is done
+    remote_reads: int  # transfer-engine reads started by pulls (one per remote hit)
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """A peer daemon this one follows (`ecd serve --peer`)."""
+
+    address: str
+    state: str  # connecting, syncing, synced, down, or self
+    boot_epoch: str
+    keys: int  # READY keys it holds, as last heard
+    error: str  # why its last stream ended; empty while it never broke
 
 
 @dataclass(frozen=True)
@@ -239,6 +260,7 @@ class Stats:
     lease_expiries: int
     version: str
     pools: tuple[PoolStats, ...]
+    peers: tuple[PeerStats, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -248,3 +270,4 @@ class WatchEvent:
     key: bytes
     nbytes: int
     boot_epoch: str
+    remote: bool = False  # about the keys peer daemons hold (Watch with include_remote)

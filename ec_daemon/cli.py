@@ -11,6 +11,7 @@ configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
@@ -22,7 +23,8 @@ from typing import Any
 
 from ec_client import Client, EcdError, ItemResult, Role, check_health
 from ec_client.address import default_target
-from ec_client.units import format_size
+from ec_client.types import PeerStats
+from ec_client.units import format_size, parse_size
 from ec_daemon import config as config_module
 from ec_daemon.checks import StartupError
 
@@ -142,6 +144,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 p.evictions,
                 p.no_space,
                 p.compat_key or "-",
+                f"{p.remote_hits}/{p.remote_misses}",
+                format_size(p.remote_bytes),
             )
             for p in stats.pools
         ]
@@ -158,11 +162,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "EVICTIONS",
             "NO_SPACE",
             "COMPAT_KEY",
+            "REMOTE_HITS/MISSES",
+            "REMOTE_BYTES",
         )
-        return head + "\n\n" + table(headers, rows) if rows else head + "\n\n(no pools)"
+        pools = table(headers, rows) if rows else "(no pools)"
+        return f"{head}\n\n{pools}" + (f"\n\n{peer_table(stats.peers)}" if stats.peers else "")
 
     emit(args, stats, human)
     return 0
+
+
+def peer_table(peers: Sequence[PeerStats]) -> str:
+    rows = [(p.address, p.state.upper(), p.boot_epoch or "-", p.keys, p.error) for p in peers]
+    return table(("PEER", "STATE", "EPOCH", "KEYS", "LAST ERROR"), rows)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -222,17 +234,34 @@ def drop_entries(
 def cmd_bench(args: argparse.Namespace) -> int:
     from ec_client import bench
     from ec_daemon import costs
-    from ec_daemon.spawn import spawned_daemon
+    from ec_daemon.spawn import bare_reads, spawned_daemon, spawned_peers
 
     report = bench.Report({})
-    if {"costs", "all"} & set(args.suite.split(",")):  # in process: no daemon needed
+    suites = set(args.suite.split(","))
+    if {"costs", "all"} & suites:  # in process: no daemon needed
         daemon = costs.measure(args.batch * 4, args.iterations * 2)
         bench.bench_costs(daemon, args.batch * 4, args.iterations * 2, report)
-    if not args.spawn:
-        bench.run(args.address or default_target(), args, report)
-        return 0
-    with spawned_daemon("--max-bytes", "4GiB", "--log-level", "warning", prefix="ecd-bench-") as a:
-        bench.run(a, args, report)
+    spawned = ("--max-bytes", "4GiB", "--log-level", "warning")
+    if "remote" in suites:  # two daemons, peers of each other; not part of "all"
+        if not args.spawn and not args.remote_address:
+            print("ecd: --suite remote needs --spawn, or --remote-address", file=sys.stderr)
+            return 2
+        sizes = [parse_size(s) for s in args.remote_sizes.split(",")]
+        with contextlib.ExitStack() as stack:
+            here, there = (
+                stack.enter_context(spawned_peers(2, *spawned, prefix="ecd-bench-"))
+                if args.spawn
+                else (args.address or default_target(), args.remote_address)
+            )
+            bare = stack.enter_context(bare_reads(max(sizes)))
+            bench.run_remote(here, there, args, bare, report)
+    if suites - {"costs", "remote"}:
+        if args.spawn:
+            with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
+                bench.run(address, args, report)
+        else:
+            bench.run(args.address or default_target(), args, report)
+    bench.finish(report, args.output)
     return 0
 
 
@@ -292,7 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--address", help="daemon address [default: ECD_ADDRESS / default socket]")
     bench.add_argument("--spawn", action="store_true", help="start a private daemon for the run")
-    bench.add_argument("--suite", default="all", help="latency,control,data,load,handoff or all")
+    bench.add_argument(
+        "--suite",
+        default="all",
+        help="costs,latency,control,data,load,handoff or all; remote (two peered daemons: "
+        "with --spawn, or --address and its peer's --remote-address) only when named",
+    )
     bench.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
     bench.add_argument(
         "--iterations", type=int, default=100, help="samples per run (control, handoff)"
@@ -302,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--processes", default="1,4", help="client process counts (load)")
     bench.add_argument("--load-size", default="256KiB", help="entry size (latency, load)")
     bench.add_argument("--seconds", type=float, default=5.0, help="duration per count (load)")
+    bench.add_argument(
+        "--remote-sizes", default="8MiB,64MiB", help="entry sizes (remote: pulls from a peer)"
+    )
+    bench.add_argument("--remote-samples", type=int, default=10, help="gets per run (remote)")
+    bench.add_argument("--remote-address", help="a peer daemon of --address (remote)")
     bench.add_argument("--output", help="also write the figures as JSON to this file")
     bench.set_defaults(run=cmd_bench)
     return parser

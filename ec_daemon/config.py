@@ -16,6 +16,7 @@ from typing import Any
 
 from ec_client.address import daemon_socket_path
 from ec_client.units import parse_size
+from ec_daemon.peers import PeerEntry
 
 ENV_PREFIX = "ECD_"
 
@@ -89,6 +90,13 @@ def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None
 
 
+def _peers(value: str | list[str]) -> tuple[str, ...]:
+    """HOST:PORT entries: a list (repeated flag, TOML array) or comma-separated text (env)."""
+    entries = value.split(",") if isinstance(value, str) else value
+    parsed = [PeerEntry.parse(str(entry)) for entry in entries if str(entry).strip()]
+    return tuple(f"[{p.host}]:{p.port}" if ":" in p.host else f"{p.host}:{p.port}" for p in parsed)
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -97,10 +105,11 @@ class Setting:
     help: str
     metavar: str = ""
     unset: str = "(none)"  # what a value of None means, as --help and --print-config show it
+    repeated: str = ""  # the flag's singular name when the flag is repeated (--peer for peers)
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + (self.repeated or self.name).replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -108,8 +117,10 @@ class Setting:
 
     def show(self, value: Any) -> str:
         """A value as an operator writes it: modes in octal, TOML booleans, unset as what it means."""
-        if value is None or value == "":
+        if value is None or value == "" or value == ():
             return self.unset
+        if isinstance(value, tuple):
+            return ",".join(value)
         if isinstance(value, bool):
             return str(value).lower()
         if self.name.endswith("_mode"):
@@ -267,6 +278,76 @@ SETTINGS: tuple[Setting, ...] = (
         "delete pool files on shutdown (default: keep them, they are the cache)",
         "BOOL",
     ),
+    Setting(
+        "peers",
+        _peers,
+        (),
+        "a peer daemon to pull entries from: its --tcp HOST:PORT; repeat the flag for each (env "
+        "and TOML: a list); a DNS name is one peer per address (a Kubernetes headless Service). "
+        "Needs --tcp",
+        "HOST:PORT",
+        repeated="peer",
+    ),
+    Setting(
+        "peer_refresh",
+        float,
+        30.0,
+        "seconds between DNS lookups of peer names",
+        "SECONDS",
+    ),
+    Setting(
+        "pull_timeout",
+        float,
+        1.0,
+        "seconds a pull from peers may take; an Acquire of a key only peers hold waits up to "
+        "this long, or its wait_ms if longer",
+        "SECONDS",
+    ),
+    Setting(
+        "peer_token_file",
+        _optional_path,
+        None,
+        "the bearer token this daemon presents to its peers (a file holding it)",
+        "FILE",
+    ),
+    Setting(
+        "peer_tls_ca",
+        _optional_path,
+        None,
+        "with peers on TLS: the CA that signed their certificates (PEM)",
+        "FILE",
+    ),
+    Setting(
+        "peer_tls_cert",
+        _optional_path,
+        None,
+        "with peers on mutual TLS: the certificate this daemon presents to them (PEM)",
+        "FILE",
+    ),
+    Setting("peer_tls_key", _optional_path, None, "private key of --peer-tls-cert (PEM)", "FILE"),
+    Setting(
+        "transfer_host",
+        str,
+        "",
+        "the address peers reach this daemon's transfer engine at; default: --tcp's host",
+        "HOST",
+        "(--tcp's host)",
+    ),
+    Setting(
+        "transfer_protocol",
+        _choice("tcp", "rdma"),
+        "tcp",
+        "how the transfer engine moves entries between nodes: tcp or rdma",
+        "PROTOCOL",
+    ),
+    Setting(
+        "transfer_devices",
+        str,
+        "",
+        "with rdma: the RDMA devices to use, comma-separated (e.g. mlx5_0,mlx5_1); default: all",
+        "DEVICES",
+        "(all)",
+    ),
 )
 
 
@@ -299,6 +380,16 @@ class Config:
     log_level: str
     shutdown_grace: float
     drop_pools_on_exit: bool
+    peers: tuple[str, ...]
+    peer_refresh: float
+    pull_timeout: float
+    peer_token_file: Path | None
+    peer_tls_ca: Path | None
+    peer_tls_cert: Path | None
+    peer_tls_key: Path | None
+    transfer_host: str
+    transfer_protocol: str
+    transfer_devices: str
 
 
 assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(Config)]
@@ -324,6 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             setting.flag,
             dest=setting.name,
             metavar=setting.metavar or None,
+            action="append" if setting.repeated else "store",
             help=f"{setting.help} [env {setting.env}; default {setting.show(setting.default)}]",
         )
 

@@ -29,11 +29,14 @@ class Subscription:
 
     engine_id: str
     limit: int
+    include_remote: bool = False  # also the keys peer daemons hold (events with `remote`)
     queue: asyncio.Queue[WatchEvent | StreamEnd] = field(default_factory=asyncio.Queue)
     ended: bool = False
 
     def offer(self, event: WatchEvent) -> None:
         if self.ended or (self.engine_id and event.engine_id != self.engine_id):
+            return
+        if event.remote and not self.include_remote:
             return
         if self.queue.qsize() >= self.limit:
             self.end(StreamEnd.OVERFLOW)
@@ -55,8 +58,12 @@ class EventHub:
 
     def publish(self, event: WatchEvent) -> None:
         # Any event about a key settles its waiters: it became READY or went away. A dropped pool
-        # settles every waiter of that pool.
-        if event.type is EventType.POOL_DROPPED:
+        # settles every waiter of that pool. What peers hold settles nothing here (a pull's own
+        # entry does, when it commits or aborts).
+        settled: list[tuple[str, bytes]]
+        if event.remote:
+            settled = []
+        elif event.type is EventType.POOL_DROPPED:
             settled = [k for k in self._waiters if k[0] == event.engine_id]
         else:
             settled = [(event.engine_id, event.key)]
@@ -89,8 +96,8 @@ class EventHub:
                     if not waiting:
                         del self._waiters[(engine_id, key)]
 
-    def subscribe(self, engine_id: str) -> Subscription:
-        subscription = Subscription(engine_id, self._watch_queue_limit)
+    def subscribe(self, engine_id: str, include_remote: bool = False) -> Subscription:
+        subscription = Subscription(engine_id, self._watch_queue_limit, include_remote)
         self._subscriptions.add(subscription)
         return subscription
 

@@ -13,13 +13,17 @@ Lifecycle of an entry:
 - A READY entry removed while pinned (Delete, or its pool dropped with force) leaves the index at
   once but keeps its blocks until its last pin is released, so a consumer never reads blocks that
   were handed to someone else.
+- A PENDING entry pulled from a peer daemon whose read was given up on while the transfer engine
+  may still write into it is *abandoned*: it leaves the index at once (its waiters see it go) but
+  its blocks are *held* until the engine is done with them (`release_held`).
 
-Invariant (`check`): free blocks + blocks held by entries (indexed or removed-but-pinned) ==
-num_blocks, and no block is in two places.
+Invariant (`check`): free blocks + blocks held by entries (indexed, removed-but-pinned, or
+abandoned) == num_blocks, and no block is in two places.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -73,6 +77,33 @@ class PoolCounters:
     no_space: int = 0
     commits: int = 0
     aborts: int = 0
+    remote_hits: int = 0  # entries pulled from a peer daemon
+    remote_misses: int = 0  # pulls that fetched nothing
+    remote_bytes: int = 0
+    remote_reads: int = 0  # transfer-engine reads started for pulls
+
+
+# Upper bounds (seconds) of the buckets of remote hits' latency: from an 8 MiB read over RDMA to
+# a pull that used up a long timeout.
+REMOTE_SECONDS_BOUNDS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    """Counts of observations under each bound, and over the last one, and their sum."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = dataclasses.field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
 
 
 class SlotJournal(Protocol):
@@ -98,6 +129,7 @@ class PoolIndex:
         self.engine_id = engine_id
         self.geometry = geometry
         self.counters = PoolCounters()
+        self.remote_seconds = Histogram(REMOTE_SECONDS_BOUNDS)
         self._journal = journal
         self._policy = policy
         self._clock = clock
@@ -105,6 +137,7 @@ class PoolIndex:
         self._allocator = ExtentAllocator(geometry.num_blocks)
         self._entries: dict[bytes, Entry] = {}
         self._orphans: set[Entry] = set()  # removed while pinned
+        self._held: set[Entry] = set()  # abandoned: a transfer may still write their blocks
         self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
         self._evictable_blocks = 0  # blocks of READY entries with no pins
         self._evictable_entries = 0
@@ -196,11 +229,23 @@ class PoolIndex:
         self._entries[key] = entry
         return Outcome(Status.ALLOCATED, entry=entry)
 
-    def commit(self, key: bytes, session_id: str, checksum: int) -> Outcome:
+    def commit(
+        self, key: bytes, session_id: str, checksum: int, spec: TensorSpec | None = None
+    ) -> Outcome:
+        """PENDING -> READY. `spec`: what the entry turned out to hold, when its allocation did
+        not know the shape and dtype (a pull knows only the size until the peer answers); the
+        same number of bytes."""
         entry = self._entries.get(key)
         problem = self._not_pending_of(entry, session_id, "commit")
         if problem is not None or entry is None:
             return problem or Outcome(Status.NOT_FOUND)
+        if spec is not None:
+            if spec.nbytes != entry.spec.nbytes:
+                return Outcome(
+                    Status.FAILED_PRECONDITION,
+                    f"cannot commit {spec.nbytes} bytes into an entry of {entry.spec.nbytes}",
+                )
+            entry.spec = spec
         self._commit_seq += 1
         entry.state = EntryState.READY
         entry.checksum = checksum
@@ -234,6 +279,26 @@ class PoolIndex:
         self._remove(entry, EventType.ABORTED)
         self.counters.aborts += 1
         return Outcome(Status.OK, entry=entry)
+
+    def abandon(self, key: bytes, session_id: str) -> Outcome:
+        """Abort a PENDING entry whose blocks may still be written (a transfer given up on but
+        not over): it leaves the index now, its blocks stay held until `release_held`."""
+        entry = self._entries.get(key)
+        problem = self._not_pending_of(entry, session_id, "abandon")
+        if problem is not None or entry is None:
+            return problem or Outcome(Status.NOT_FOUND)
+        del self._entries[key]
+        entry.removed = True
+        self._held.add(entry)
+        self.counters.aborts += 1
+        self._emit(EventType.ABORTED, key, entry.spec.nbytes)
+        return Outcome(Status.OK, entry=entry)
+
+    def release_held(self, entry: Entry) -> None:
+        """Nothing writes into an abandoned entry's blocks any more: they are free again."""
+        if entry in self._held:
+            self._held.discard(entry)
+            self._release_space(entry)
 
     def _not_pending_of(self, entry: Entry | None, session_id: str, verb: str) -> Outcome | None:
         if entry is None:
@@ -349,6 +414,10 @@ class PoolIndex:
             compat_key=compat_key,
             reserved_bytes=self.geometry.file_size,
             max_entries=self.geometry.num_slots,
+            remote_seconds_bounds=self.remote_seconds.bounds,
+            remote_seconds_counts=tuple(self.remote_seconds.counts),
+            remote_seconds_sum=self.remote_seconds.sum,
+            held_blocks=sum(e.blocks for e in self._held),
             **dataclasses.asdict(self.counters),
         )
 
@@ -412,7 +481,7 @@ class PoolIndex:
     def check(self) -> None:
         """Raise AssertionError unless every block and slot is in exactly one place."""
         self._allocator.check()
-        holders = list(self._entries.values()) + list(self._orphans)
+        holders = [*self._entries.values(), *self._orphans, *self._held]
         held = sorted(e for entry in holders for e in entry.extents)
         runs = sorted(held + self._allocator.free_runs())
         assert sum(e.count for e in runs) == self.geometry.num_blocks
@@ -426,4 +495,5 @@ class PoolIndex:
         assert self._evictable_blocks == sum(e.blocks for e in evictable)
         assert self._evictable_entries == len(evictable)
         assert all(e.pins > 0 and e.removed for e in self._orphans)
+        assert all(e.pins == 0 and e.removed for e in self._held)
         assert all(e.pins >= 0 for e in holders)

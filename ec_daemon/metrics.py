@@ -12,6 +12,7 @@ mix two moments), so the collector hands the snapshot over to the loop and waits
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIServer
 
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, st
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -71,6 +73,11 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
     ("ecd_pool_ready_bytes", "Tensor bytes of READY entries", lambda p: p.bytes_ready),
     ("ecd_pool_pinned_entries", "READY entries with pins", lambda p: p.entries_pinned),
     ("ecd_pool_pins", "Outstanding pins (Acquire leases)", lambda p: p.pins),
+    (
+        "ecd_pool_held_bytes",
+        "Bytes of blocks held for reads from peers given up on until the transfer is over",
+        lambda p: _block_bytes(p, p.held_blocks),
+    ),
 )
 
 # Per-pool counters: PoolStats field, help. Exposed as ecd_pool_<field>_total.
@@ -81,7 +88,17 @@ POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("no_space", "Allocate items answered NO_SPACE (what was left was PENDING or pinned)"),
     ("commits", "Entries committed"),
     ("aborts", "PENDING entries aborted"),
+    ("remote_hits", "Entries pulled from peer daemons"),
+    ("remote_misses", "Pulls from peer daemons that fetched nothing"),
+    ("remote_bytes", "Tensor bytes pulled from peer daemons"),
+    ("remote_reads", "Transfer-engine reads started by pulls (one per remote hit)"),
 )
+
+
+def _buckets(pool: PoolStats) -> list[tuple[str, float]]:
+    """The remote-hit latency histogram's cumulative buckets, Prometheus style."""
+    bounds = [*map(str, pool.remote_seconds_bounds), "+Inf"]
+    return list(zip(bounds, itertools.accumulate(pool.remote_seconds_counts), strict=True))
 
 
 class StoreCollector(Collector):
@@ -134,6 +151,22 @@ class StoreCollector(Collector):
             for pool in snap.pools:
                 counter.add_metric([pool.engine_id], getattr(pool, field))
             yield counter
+        seconds = HistogramMetricFamily(
+            "ecd_pool_remote_seconds",
+            "Seconds a remote hit took, from its local allocation to its commit",
+            labels=["engine_id"],
+        )
+        for pool in snap.pools:
+            seconds.add_metric([pool.engine_id], _buckets(pool), pool.remote_seconds_sum)
+        yield seconds
+        peers = GaugeMetricFamily(
+            "ecd_peer_keys",
+            "READY keys a peer daemon holds, as last heard, by its state",
+            labels=["address", "state"],
+        )
+        for peer in snap.peers:
+            peers.add_metric([peer.address, peer.state], peer.keys)
+        yield peers
 
 
 def snapshot_on_loop(store: Store, loop: asyncio.AbstractEventLoop) -> Callable[[], Stats]:

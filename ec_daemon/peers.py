@@ -5,30 +5,34 @@ Watch streams (a snapshot of READY keys, then commit, evict, abort, delete and d
 What it knows is a hint for routing a local miss to a peer, never a promise: the pull pins the
 entry on the peer (Acquire) before it reads, and a peer that no longer has it answers MISS. Keys
 are kept as bytes, although 64-bit hashes would take ~77 B whatever the key's length, because the
-daemon will also tell its own watchers (the vLLM connector's ready view) which keys its peers
-hold, and take them back one by one when a peer is lost.
+daemon also tells its own watchers (the vLLM connector's ready view) which keys its peers hold,
+and takes them back one by one when a peer is lost; with each key its size (from the events),
+so a pull can reserve the local entry before the peer answers. Each peer pool is also attached
+once per connection (its PoolInfo: geometry, compat key, where its blocks are read), so that
+only pools this daemon can read from count.
 
-Scale. Memory is about 170 bytes per (peer, READY key) for a 64-byte key such as an mm_hash hex
-digest (measured in a follower: 168 B; ~330 B for a 256-byte key): 8 peers of 65,536 entries each
-~90 MB, 32 peers ~350 MB. Events: every commit and eviction anywhere reaches every other daemon,
+Scale. Memory is about 210 bytes per (peer, READY key) for a 64-byte key such as an mm_hash hex
+digest (measured in a follower: 168 B with keys alone; the size adds ~40 B: ~10 B of dict over
+set and a 28-byte int; ~370 B for a 256-byte key): 8 peers of 65,536 entries each ~110 MB, 32
+peers ~440 MB. Events: every commit and eviction anywhere reaches every other daemon,
 so with N daemons each making r events/s, each daemon applies (N - 1) x r events/s and the fleet
 N x (N - 1) x r; a peer that restarts or reconnects sends its whole snapshot again. Applying them
 is mostly gRPC and protobuf: a follower took in a 50,000-key snapshot at 7,000-10,000 events/s
 here (2 cores shared with the peer daemon), so 1,000 events/s costs a daemon about a tenth of a
-core. Beyond about a million (peer, key) pairs (~170 MB), or a few thousand events/s per
+core. Beyond about a million (peer, key) pairs (~210 MB), or a few thousand events/s per
 daemon, a directory service (sharded by key, fed by the same Watch streams) should answer
-`holders` instead: it is the one question the pull asks, so it is the seam where that service
-plugs in.
+`holdings` instead: it is the one question the pull asks (and `pools` the one the republished
+keys ask), so it is the seam where that service plugs in.
 """
 
 from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ec_client.types import EventType, WatchEvent
+from ec_client.types import EventType, PoolInfo, WatchEvent
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,18 @@ class PeerState(enum.Enum):
     SELF = "self"  # the address is this daemon's own (same boot epoch): not followed
 
 
+Change = Callable[[str, bytes], None]
+
+
 @dataclass
 class _Peer:
     state: PeerState = PeerState.CONNECTING
     boot_epoch: str = ""
     error: str = ""
-    pools: dict[str, set[bytes]] = field(default_factory=dict)  # engine_id -> READY keys
-
-    def forget(self) -> None:
-        self.pools.clear()
+    pools: dict[str, dict[bytes, int]] = field(default_factory=dict)  # engine_id -> key -> nbytes
+    # engine_id -> what its OpenPool (attach) answered; None: not readable (unknown to it, or
+    # it refused the attach). Learned once per pool and connection, before its keys are applied.
+    infos: dict[str, PoolInfo | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,15 @@ class PeerView:
     error: str  # why its last stream ended; empty while it never broke
 
 
+@dataclass(frozen=True)
+class Holding:
+    """A peer holding a key READY: where to ask for it, its size, and where its pool is read."""
+
+    address: str
+    nbytes: int
+    pool: PoolInfo
+
+
 _ADDS = {EventType.SNAPSHOT, EventType.COMMITTED}
 _REMOVES = {EventType.EVICTED, EventType.ABORTED, EventType.DELETED}
 
@@ -116,12 +132,20 @@ _REMOVES = {EventType.EVICTED, EventType.ABORTED, EventType.DELETED}
 class PeerDirectory:
     def __init__(self) -> None:
         self._peers: dict[str, _Peer] = {}
+        self._listeners: list[Change] = []
+
+    def listen(self, changed: Change) -> None:
+        """Call `changed(engine_id, key)` after anything a peer holds of that key changed (a peer
+        gained or lost it, or its pool became readable or not)."""
+        self._listeners.append(changed)
 
     def add(self, address: str) -> None:
         self._peers.setdefault(address, _Peer())
 
     def remove(self, address: str) -> None:
-        self._peers.pop(address, None)
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            self._forget(peer)
 
     def opened(self, address: str, boot_epoch: str, is_self: bool = False) -> None:
         """A connection to the daemon with `boot_epoch` is open and its snapshot follows, unless
@@ -131,25 +155,44 @@ class PeerDirectory:
             self._set_epoch(peer, boot_epoch)
             peer.state = PeerState.SELF if is_self else PeerState.SYNCING
 
+    def needs_pool(self, address: str, engine_id: str) -> bool:
+        """Whether the peer's pool `engine_id` has not been attached on this connection yet."""
+        peer = self._peers.get(address)
+        return peer is not None and engine_id not in peer.infos
+
+    def attached(self, address: str, engine_id: str, info: PoolInfo | None) -> None:
+        """What attaching to the peer's pool answered (None: it cannot be read from)."""
+        peer = self._peers.get(address)
+        if peer is not None and peer.state in (PeerState.SYNCING, PeerState.SYNCED):
+            peer.infos[engine_id] = info
+            self._changed(engine_id, peer.pools.get(engine_id, {}))
+
     def apply(self, address: str, event: WatchEvent) -> None:
         peer = self._peers.get(address)
         if peer is None or peer.state not in (PeerState.SYNCING, PeerState.SYNCED):
             return
         self._set_epoch(peer, event.boot_epoch)
+        pool = peer.pools.get(event.engine_id)
         if event.type is EventType.SYNCED:
             peer.state = PeerState.SYNCED
         elif event.type is EventType.POOL_DROPPED:
-            peer.pools.pop(event.engine_id, None)
+            peer.infos.pop(event.engine_id, None)  # a pool made anew may differ: attach again
+            if peer.pools.pop(event.engine_id, None):
+                self._changed(event.engine_id, pool or {})
         elif event.type in _ADDS:
-            peer.pools.setdefault(event.engine_id, set()).add(event.key)
-        elif event.type in _REMOVES and event.engine_id in peer.pools:
-            peer.pools[event.engine_id].discard(event.key)
+            held = peer.pools.setdefault(event.engine_id, {})
+            new = event.key not in held
+            held[event.key] = event.nbytes
+            if new:
+                self._changed(event.engine_id, (event.key,))
+        elif event.type in _REMOVES and pool is not None and pool.pop(event.key, None) is not None:
+            self._changed(event.engine_id, (event.key,))
 
     def broken(self, address: str, why: str) -> None:
         """Its stream ended or its connection failed: what it held is unknown until it resyncs."""
         peer = self._peers.get(address)
         if peer is not None:
-            peer.forget()
+            self._forget(peer)
             peer.state = PeerState.DOWN
             peer.error = why
 
@@ -158,6 +201,23 @@ class PeerDirectory:
         return [
             address for address, peer in self._peers.items() if key in peer.pools.get(engine_id, ())
         ]
+
+    def holdings(self, engine_id: str, key: bytes) -> list[Holding]:
+        """The peers holding `key` READY in a pool `engine_id` that was attached."""
+        found = []
+        for address, peer in self._peers.items():
+            nbytes = peer.pools.get(engine_id, {}).get(key)
+            info = peer.infos.get(engine_id)
+            if nbytes is not None and info is not None:
+                found.append(Holding(address, nbytes, info))
+        return found
+
+    def pools(self, engine_id: str) -> Iterator[tuple[PoolInfo, Mapping[bytes, int]]]:
+        """Each attached peer pool `engine_id` with its READY keys."""
+        for peer in self._peers.values():
+            info = peer.infos.get(engine_id)
+            if info is not None:
+                yield info, peer.pools.get(engine_id, {})
 
     def views(self) -> list[PeerView]:
         return [
@@ -171,10 +231,21 @@ class PeerDirectory:
             for address, peer in sorted(self._peers.items())
         ]
 
-    @staticmethod
-    def _set_epoch(peer: _Peer, boot_epoch: str) -> None:
+    def _set_epoch(self, peer: _Peer, boot_epoch: str) -> None:
         # A new epoch is a restarted daemon: nothing the old one held is known to have survived
         # until the new one's snapshot says so.
         if boot_epoch and boot_epoch != peer.boot_epoch:
-            peer.forget()
+            self._forget(peer)
             peer.boot_epoch = boot_epoch
+
+    def _forget(self, peer: _Peer) -> None:
+        pools = peer.pools
+        peer.pools, peer.infos = {}, {}
+        for engine_id, keys in pools.items():
+            self._changed(engine_id, keys)
+
+    def _changed(self, engine_id: str, keys: Iterable[bytes]) -> None:
+        if self._listeners:
+            for key in list(keys):
+                for changed in self._listeners:
+                    changed(engine_id, key)

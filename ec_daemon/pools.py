@@ -12,6 +12,9 @@ in place for inspection; OpenPool of its engine_id fails until an operator remov
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
 slot table, at most about 2% more (see ec_client.layout), counted apart as reserved bytes.
+A `PoolListener` (the transport, when the daemon has peers: DESIGN §13) is told when a pool is
+served (created or adopted) and when it is withdrawn (dropped or refused); what it answers, where
+peers read the pool, travels in the pool's PoolInfo.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from ec_client.layout import (
     POOL_FILE_PREFIX,
@@ -51,11 +55,30 @@ class PoolSettings:
 
 
 @dataclass(frozen=True)
+class TransferPoint:
+    """Where peer daemons read a pool: a transfer engine endpoint and the address of block 0."""
+
+    endpoint: str
+    base: int
+
+
+class PoolListener(Protocol):
+    def serving(self, engine_id: str, path: Path, geometry: Geometry) -> TransferPoint | None:
+        """The daemon serves this pool from now on; None if peers cannot read it."""
+        ...
+
+    def withdrawn(self, engine_id: str) -> None:
+        """The daemon no longer serves the pool (its file may be gone or changed)."""
+        ...
+
+
+@dataclass(frozen=True)
 class Pool:
-    """A pool the daemon serves: its file and the index of its entries."""
+    """A pool the daemon serves: its file, the index of its entries, where peers read it."""
 
     file: PoolFile
     index: PoolIndex
+    transfer: TransferPoint | None = None
 
     @property
     def engine_id(self) -> str:
@@ -78,6 +101,8 @@ class Pool:
             compat_key=header.compat_key,
             max_entries=geometry.num_slots,
             created=created,
+            transfer_endpoint=self.transfer.endpoint if self.transfer else "",
+            transfer_base=self.transfer.base if self.transfer else 0,
         )
 
 
@@ -88,11 +113,13 @@ class PoolRegistry:
         clock: Callable[[], float],
         publish: Callable[[WatchEvent], None],
         boot_epoch: str,
+        listener: PoolListener | None = None,
     ) -> None:
         self.settings = settings
         self._clock = clock
         self._publish = publish
         self._boot_epoch = boot_epoch
+        self._listener = listener
         self._pools: dict[str, Pool] = {}
         self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
 
@@ -112,7 +139,7 @@ class PoolRegistry:
                 file.close()
                 self.refuse(engine_id, path, f"slot table does not verify: {exc}")
                 continue
-            self._pools[engine_id] = Pool(file, index)
+            self._pools[engine_id] = self._serve(file, index)
             log.info(
                 "pool adopted",
                 extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
@@ -181,7 +208,7 @@ class PoolRegistry:
                 f"{exc.filename} exists but the daemon did not create it; remove it and retry",
                 Reason.POOL_UNVERIFIED,
             ) from exc
-        pool = Pool(file, self._new_index(engine_id, geometry, file))
+        pool = self._serve(file, self._new_index(engine_id, geometry, file))
         self._pools[engine_id] = pool
         log.info(
             "pool created",
@@ -192,6 +219,15 @@ class PoolRegistry:
             },
         )
         return pool
+
+    def _serve(self, file: PoolFile, index: PoolIndex) -> Pool:
+        header = file.header
+        transfer = (
+            self._listener.serving(header.engine_id, file.path, header.geometry)
+            if self._listener is not None
+            else None
+        )
+        return Pool(file, index, transfer)
 
     @staticmethod
     def _check_same(pool: Pool, geometry: Geometry | None, compat_key: str) -> None:
@@ -285,6 +321,8 @@ class PoolRegistry:
         """Stop serving the pool (the store has undone what sessions held in it); its file stays
         until the caller unlinks or closes it."""
         del self._pools[pool.engine_id]
+        if self._listener is not None and pool.transfer is not None:
+            self._listener.withdrawn(pool.engine_id)
         self._publish(WatchEvent(EventType.POOL_DROPPED, pool.engine_id, b"", 0, self._boot_epoch))
 
     def close(self, drop_pools: bool) -> None:

@@ -1,11 +1,14 @@
 """Running the daemon: startup checks, the store, listeners, the lease reaper, readiness and stop.
 
 Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
--> adopt pool files left by a previous daemon -> warn about what will run badly (not tmpfs,
-memlock) -> metrics endpoint -> bind and start the gRPC server -> health SERVING and READY=1.
+-> with peers, start the transfer engine -> adopt pool files left by a previous daemon (each
+registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock) ->
+metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
+READY=1.
 Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, end
-Watch streams, let in-flight RPCs finish for shutdown_grace -> stop the metrics endpoint -> close
-pool files (they stay: they are the cache).
+Watch streams, let in-flight RPCs finish for shutdown_grace -> stop the metrics endpoint -> stop
+following peers, abort the pulls in flight -> close pool files (they stay: they are the cache)
+-> stop the transfer engine.
 """
 
 from __future__ import annotations
@@ -23,15 +26,20 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
+from ec_client._connection import TLSFiles
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
+from ec_daemon.peer_follower import PeerAccess, PeerSet
+from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
 from ec_daemon.pool import FileAccess
 from ec_daemon.pools import PoolSettings
+from ec_daemon.remote import Remote, ServedPools, peer_stats
 from ec_daemon.service import EncoderCacheService, add_to_server
 from ec_daemon.store import Store, StoreConfig
+from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
 
 log = logging.getLogger("ecd.server")
@@ -54,9 +62,97 @@ class Daemon:
     metrics_server: WSGIServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    peers: Peers | None = None
 
 
-def build_store(config: Config, budget: int, hub: EventHub) -> Store:
+@dataclass
+class Peers:
+    """What a daemon with peers runs besides the rest (DESIGN §13): the transfer engine its
+    pools are registered with, the directory of what peers hold, the followers feeding it, and
+    the pulls."""
+
+    transport: Transport
+    host: str  # where peers reach this node
+    directory: PeerDirectory = field(default_factory=PeerDirectory)
+    remote: Remote | None = None
+    followers: PeerSet | None = None
+    task: asyncio.Task[None] | None = None
+
+    def connect(self, config: Config, store: Store, hub: EventHub) -> Remote:
+        """The followers (not started yet) and the pulls that use their sessions."""
+        tcp = PeerEntry.parse(config.tcp)
+        own = {peer_address(tcp.host, tcp.port), peer_address(self.host, tcp.port)}
+        self.followers = PeerSet(
+            [PeerEntry.parse(p) for p in config.peers],
+            own,
+            self.directory,
+            peer_access(config, store.boot_epoch),
+            interval_s=config.peer_refresh,
+        )
+        self.remote = Remote(
+            store,
+            hub.publish,
+            self.directory,
+            self.transport,
+            self.followers.client,
+            config.pull_timeout,
+        )
+        return self.remote
+
+    def follow(self) -> None:
+        """Follow the peers' Watch streams, on this loop (see peer_follower)."""
+        if self.followers is not None:
+            self.task = asyncio.create_task(self.followers.run())
+
+    async def stop(self) -> None:
+        """Stop following (the sessions on peers close: their pins go) and abort the pulls."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.remote is not None:
+            await self.remote.close()
+
+    async def close(self, grace_s: float) -> None:
+        """Stop the transfer engine. It waits for its reads in flight (one from a peer gone
+        silent mid-read lasts up to 30 s): no longer than grace_s, the process is exiting."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.transport.close), grace_s)
+        except TimeoutError:
+            log.warning("transfer engine still busy at exit", extra={"grace_s": grace_s})
+
+
+def start_peers(config: Config) -> Peers:
+    """The transfer engine peers read this daemon's pools through, on the address they reach
+    it at (--transfer-host, else --tcp's host)."""
+    if not config.tcp:
+        raise checks.StartupError(
+            "--peer needs --tcp HOST:PORT: peers follow and ask this daemon over TCP"
+        )
+    host = config.transfer_host or PeerEntry.parse(config.tcp).host
+    if host in ("0.0.0.0", "::"):
+        raise checks.StartupError(
+            f"--tcp {config.tcp} listens on every address: set --transfer-host to the one "
+            "peers reach this node at"
+        )
+    try:
+        transport = MooncakeTransport(host, config.transfer_protocol, config.transfer_devices)
+    except TransportError as exc:
+        raise checks.StartupError(str(exc)) from exc
+    return Peers(transport, host)
+
+
+def peer_access(config: Config, own_epoch: str) -> PeerAccess:
+    """How this daemon calls its peers: its token and TLS files for them."""
+    try:
+        token = config.peer_token_file.read_text().strip() if config.peer_token_file else None
+    except OSError as exc:
+        raise checks.StartupError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    files = (config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key)
+    tls = TLSFiles(*files) if any(files) else None
+    return PeerAccess(own_epoch=own_epoch, token=token, tls=tls)
+
+
+def build_store(config: Config, budget: int, hub: EventHub, peers: Peers | None = None) -> Store:
     access = FileAccess(config.pool_mode, checks.group_id(config.pool_group))
     pools = PoolSettings(
         shm_dir=config.shm_dir,
@@ -66,7 +162,13 @@ def build_store(config: Config, budget: int, hub: EventHub) -> Store:
         max_pool_bytes=config.max_pool_bytes,
         file_access=access,
     )
-    return Store(StoreConfig(pools, config.lease_ttl), clock=time.monotonic, publish=hub.publish)
+    return Store(
+        StoreConfig(pools, config.lease_ttl),
+        clock=time.monotonic,
+        publish=hub.publish,
+        pool_listener=ServedPools(peers.transport) if peers is not None else None,
+        peers=(lambda: peer_stats(peers.directory)) if peers is not None else tuple,
+    )
 
 
 async def start(config: Config) -> Daemon:
@@ -92,8 +194,10 @@ async def start(config: Config) -> Daemon:
     for lock in locks:
         lock.acquire()
     hub = EventHub()
-    store = build_store(config, budget, hub)
+    peers = start_peers(config) if config.peers else None
+    store = build_store(config, budget, hub, peers)
     store.adopt_pools()
+    remote = peers.connect(config, store, hub) if peers is not None else None
     for check, problem in checks.environment_warnings(config.shm_dir, budget).items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
@@ -109,7 +213,12 @@ async def start(config: Config) -> Daemon:
         ]
     )
     service = EncoderCacheService(
-        store, hub, Limits(max_batch=config.max_batch), observe=metrics.observe, guard=guard
+        store,
+        hub,
+        Limits(max_batch=config.max_batch),
+        observe=metrics.observe,
+        guard=guard,
+        remote=remote,
     )
     add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -129,7 +238,9 @@ async def start(config: Config) -> Daemon:
     await server.start()
     secure_socket(config)
 
-    daemon = Daemon(config, store, hub, server, health_servicer, locks, metrics_server)
+    daemon = Daemon(config, store, hub, server, health_servicer, locks, metrics_server, peers=peers)
+    if peers is not None:
+        peers.follow()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
@@ -146,6 +257,8 @@ async def start(config: Config) -> Daemon:
             "tls": "mutual" if config.tls_client_ca else "on" if tls else "off",
             "auth": "tokens+acl" if config.acl_file else "tokens" if guard.enabled else "off",
             "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
+            "peers": ",".join(config.peers) or "off",
+            "transfer": peers.transport.endpoint if peers else "off",
             "shm_dir": str(config.shm_dir),
             "max_bytes": budget,
             "pools": len(store.stats().pools),
@@ -248,7 +361,11 @@ async def stop(daemon: Daemon) -> None:
         daemon.metrics_server.server_close()
     for task in daemon.tasks:
         task.cancel()
+    if daemon.peers is not None:
+        await daemon.peers.stop()
     daemon.store.close(drop_pools=daemon.config.drop_pools_on_exit)
+    if daemon.peers is not None:
+        await daemon.peers.close(daemon.config.shutdown_grace)
     daemon.config.socket.unlink(missing_ok=True)
     for lock in daemon.locks:
         lock.release()

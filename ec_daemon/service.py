@@ -26,6 +26,7 @@ from ec_daemon import validate
 from ec_daemon.auth import Action, Guard
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
+from ec_daemon.remote import Remote
 from ec_daemon.store import Store
 
 log = logging.getLogger("ecd.service")
@@ -216,7 +217,9 @@ def pool_info_pb(p: api.PoolInfo) -> pb.PoolInfo:
 
 def stats_pb(s: api.Stats) -> pb.StatsReply:
     return pb.StatsReply(
-        **mirrored(s, "pools"), pools=[pb.PoolStats(**mirrored(p)) for p in s.pools]
+        **mirrored(s, "pools", "peers"),
+        pools=[pb.PoolStats(**mirrored(p)) for p in s.pools],
+        peers=[pb.PeerStats(**mirrored(p)) for p in s.peers],
     )
 
 
@@ -227,6 +230,7 @@ def watch_event_pb(e: api.WatchEvent) -> pb.WatchEvent:
         engine_id=e.engine_id,
         key=e.key,
         nbytes=e.nbytes,
+        remote=e.remote,
     )
 
 
@@ -250,12 +254,15 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         limits: validate.Limits,
         observe: Callable[[str, float], None] = lambda method, seconds: None,
         guard: Guard | None = None,
+        remote: Remote | None = None,
     ) -> None:
+        """remote: pulls from peer daemons, with --peer."""
         self.store = store
         self.hub = hub
         self.limits = limits
         self.observe = observe
         self.guard = guard or Guard(None, None)
+        self.remote = remote
 
     def authorize(
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -447,6 +454,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         wait_ms = validate.wait_ms(request.wait_ms)
         keys = list(request.keys)
         checked = checked_keys(keys)
+        if self.remote is not None:  # keys only peers hold: pulled, and waited for
+            await self.remote.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if wait_ms:
             await self._wait_ready(request.session_id, engine_id, valid(checked), wait_ms)
         results = per_item(
@@ -518,6 +527,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(acquires),
             valid(allocates),
         )
+        if self.remote is not None:  # acquires only peers can answer: pulled, and waited for
+            result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
         reply = pb.StepReply(boot_epoch=self.epoch)
         for lease in result.releases:
             put_lease_result(reply.releases.add(), lease)
@@ -573,8 +584,11 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             if engine_id:
                 self.store.pool_info(engine_id)  # NOT_FOUND for a pool that does not exist
             # Snapshot and subscription in one synchronous step, so no event falls between.
+            remote = self.remote if request.include_remote else None
             snapshot = self.store.ready_snapshot(engine_id) if request.snapshot else []
-            subscription = self.hub.subscribe(engine_id)
+            if remote is not None and request.snapshot:
+                snapshot += remote.snapshot(engine_id)
+            subscription = self.hub.subscribe(engine_id, include_remote=remote is not None)
         except CoreError as exc:
             await abort(self.store, context, exc)
             return

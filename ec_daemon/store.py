@@ -11,6 +11,7 @@ checks the session's role for calls that write entries (PRODUCE) or pin them (CO
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from ec_client import __version__
 from ec_client import types as api
 from ec_daemon.errors import Code, CoreError
 from ec_daemon.index import Entry, Outcome
-from ec_daemon.pools import Pool, PoolRegistry, PoolSettings
+from ec_daemon.pools import Pool, PoolListener, PoolRegistry, PoolSettings
 from ec_daemon.sessions import CONSUME, PRODUCE, Session, SessionTable
 
 log = logging.getLogger("ecd.store")
@@ -43,6 +44,22 @@ class SessionEnd:
     released: int
 
 
+@dataclass(frozen=True)
+class PullSlot:
+    """A local entry being filled from a peer daemon (DESIGN §13): PENDING under a session of
+    its own that no client holds and no lease ends, so only its pull commits or aborts it, and
+    a pull never touches another pull's entry (a pool dropped and made anew, the same key
+    pulled again)."""
+
+    engine_id: str
+    key: bytes
+    session_id: str
+    extents: tuple[api.Extent, ...]
+    block_size: int
+    nbytes: int
+    entry: Entry  # to free its blocks once a transfer given up on is over
+
+
 def item_result(key: bytes, outcome: Outcome) -> api.ItemResult:
     return api.ItemResult(key, outcome.status, outcome.message)
 
@@ -53,13 +70,19 @@ class Store:
         config: StoreConfig,
         clock: Callable[[], float],
         publish: Callable[[api.WatchEvent], None] = lambda event: None,
+        pool_listener: PoolListener | None = None,
+        peers: Callable[[], tuple[api.PeerStats, ...]] = tuple,
     ) -> None:
-        """publish: receives every event of every pool (the EventHub, in the daemon)."""
+        """publish: receives every event of every pool (the EventHub, in the daemon).
+        pool_listener: told of every pool served and withdrawn (the transport, with peers).
+        peers: the peer daemons followed, for Stats."""
         self.config = config
         self.boot_epoch = secrets.token_hex(8)
         self.lease_expiries = 0
         self._sessions = SessionTable(config.lease_ttl_s, clock)
-        self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch)
+        self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch, pool_listener)
+        self._peers = peers
+        self._pulls = itertools.count(1)
         self._clock = clock
         self._started = clock()
 
@@ -125,6 +148,8 @@ class Store:
         """What OpenPool would answer for an existing pool; NOT_FOUND if there is none."""
         return self._pools.get(engine_id).info(created=False)
 
+    def engine_ids(self) -> list[str]:
+        return [pool.engine_id for pool in self._pools.all()]
     def drop_pool(self, engine_id: str, force: bool) -> int:
         """Delete a pool and its file; refused while entries are PENDING or pinned, unless
         forced. Returns how many entries went with it."""
@@ -209,6 +234,10 @@ class Store:
     ) -> list[api.AcquireResult]:
         session = self._sessions.touch(session_id, CONSUME)
         return self._acquire(session, self._pools.get(engine_id), keys)
+
+    def may_consume(self, session_id: str) -> None:
+        """Renew the session's lease; PERMISSION_DENIED unless its role may Acquire."""
+        self._sessions.touch(session_id, CONSUME)
 
     def release(self, session_id: str, lease_ids: Sequence[int]) -> list[api.LeaseResult]:
         return self._release(self._sessions.touch(session_id, CONSUME), lease_ids)
@@ -315,6 +344,65 @@ class Store:
             results.append(api.LeaseResult(lease_id, api.Status.OK, ""))
         return results
 
+    # ---- pulls from peer daemons (the orchestration is ec_daemon.remote's) --------------------
+
+    def pull_allocate(self, engine_id: str, key: bytes, nbytes: int, peer: str) -> PullSlot | None:
+        """Reserve `nbytes` for `key`, PENDING, before it is pulled from a peer: local askers
+        wait for it and local producers are told PENDING (single flight across nodes). Its shape
+        and dtype come with the commit. None if the key is here already or there is no room."""
+        pool = self._pools.get(engine_id)
+        if pool.index.get(key) is not None:
+            return None
+        session_id = f"ecd-pull-{next(self._pulls)}"
+        spec = api.TensorSpec((nbytes,), "uint8", nbytes)
+        outcome = pool.index.allocate(key, spec, session_id, f"ecd-pull from {peer}")
+        if outcome.status is not api.Status.ALLOCATED or outcome.entry is None:
+            return None
+        entry = outcome.entry
+        block_size = pool.index.geometry.block_size_bytes
+        return PullSlot(engine_id, key, session_id, entry.extents, block_size, nbytes, entry)
+
+    def pull_reading(self, slot: PullSlot) -> None:
+        """A transfer-engine read into the pull's blocks starts (counted: one per remote hit)."""
+        pool = self._find(slot.engine_id)
+        if pool is not None:
+            pool.index.counters.remote_reads += 1
+
+    def pull_commit(
+        self, slot: PullSlot, spec: api.TensorSpec, checksum: int, seconds: float
+    ) -> bool:
+        """The bytes landed: READY with the peer's shape, dtype and checksum. False when the
+        entry is gone (its pool dropped meanwhile) or the peer's entry is another size."""
+        pool = self._find(slot.engine_id)
+        if pool is None:
+            return False
+        index = pool.index
+        if index.commit(slot.key, slot.session_id, checksum, spec).status is not api.Status.OK:
+            return False
+        index.counters.remote_hits += 1
+        index.counters.remote_bytes += spec.nbytes
+        index.remote_seconds.observe(seconds)
+        return True
+
+    def pull_abort(self, slot: PullSlot, writing: bool) -> None:
+        """The pull fetched nothing: the entry goes (its waiters see a miss). `writing`: a
+        transfer may still write its blocks, so they are held until `pull_done`."""
+        pool = self._find(slot.engine_id)
+        if pool is None:
+            return
+        index = pool.index
+        if writing:
+            index.abandon(slot.key, slot.session_id)
+        else:
+            index.abort(slot.key, slot.session_id)
+        index.counters.remote_misses += 1
+
+    def pull_done(self, slot: PullSlot) -> None:
+        """Nothing writes into an abandoned pull's blocks any more: free them."""
+        pool = self._find(slot.engine_id)
+        if pool is not None:
+            pool.index.release_held(slot.entry)
+
     def lookup(self, engine_id: str, keys: Sequence[bytes]) -> list[api.LookupResult]:
         index = self._pools.get(engine_id).index
         results = []
@@ -388,6 +476,7 @@ class Store:
             lease_expiries=self.lease_expiries,
             version=__version__,
             pools=tuple(p.stats() for p in pools),
+            peers=self._peers(),
         )
 
     def check(self) -> None:

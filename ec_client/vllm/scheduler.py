@@ -10,7 +10,10 @@ at its next call into the connector, before anything depends on it. Per step:
         by a synchronous Step: the first such request of a step always, later ones while the
         step's waiting stays within a share of the step's time (`ecd_pins`, see pins.py), so a
         lone request is never held back; the others have their items pinned in the background
-        and wait one step (see loads.py).
+        and wait one step (see loads.py). Items only a peer daemon holds (the ready view counts
+        them: DESIGN §13) are never pinned at once: their Acquire pulls them from the peer and
+        waits for the transfer, so they are pinned in the background, and their request waits a
+        step.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
         for the wanted items, entries for this step's new outputs. The metadata orders the
@@ -160,7 +163,11 @@ class SchedulerSide:
         )
         if admitted or not self._may_pin_now():
             return admitted
-        wanted = self.loads.wanted(request.request_id)
+        # Only items READY in this daemon's pool: an item only a peer daemon holds is pulled
+        # by the Acquire that pins it, which waits for the transfer: that is for the background.
+        wanted = [
+            k for k in self.loads.wanted(request.request_id) if self.view.has_local(k.encode())
+        ]
         if not wanted:
             return False  # held for another reason (waiting for an item not in the pool)
         self._pin_now(wanted)

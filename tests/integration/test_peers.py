@@ -153,6 +153,24 @@ async def test_an_address_that_is_this_daemon_is_marked_self_and_not_followed(
         assert view(directory, address).state is PeerState.SELF
 
 
+async def test_a_follower_ignores_the_daemons_own_token_and_tls_settings_in_its_environment(
+    peer: tuple[Daemon, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ECD_TOKEN_FILE, ECD_TLS_CERT and ECD_TLS_KEY configure a daemon's own server (a token
+    file of NAME TOKEN lines, its certificate): its calls to peers must not take them as a
+    client's."""
+    _, address = peer
+    _, server, _ = make_pki(tmp_path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"peer {TOKEN}\n")
+    monkeypatch.setenv("ECD_TOKEN_FILE", str(tokens))
+    monkeypatch.setenv("ECD_TLS_CERT", str(server.cert))
+    monkeypatch.setenv("ECD_TLS_KEY", str(server.key))
+    directory = PeerDirectory()
+    async with following(address, directory):  # a plaintext peer requiring no token
+        await eventually(lambda: synced(directory, address), "the peer, in plaintext")
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, TLSFiles]]:
     """A daemon requiring a token and a client certificate: its address, and what to present."""

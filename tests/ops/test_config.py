@@ -144,3 +144,30 @@ def test_reference_table_lists_every_setting_as_help_does() -> None:
         assert cells[:3] == [setting.name, setting.flag, setting.env]
         assert setting.flag in help_text and setting.env in help_text
         assert cells[3] == setting.show(setting.default)
+
+
+@pytest.mark.parametrize(
+    ("way", "source"),
+    [
+        ("flag", "flag --peer"),
+        ("env", "env ECD_PEERS"),
+        ("file", "file {toml}"),
+    ],
+)
+def test_peers_are_a_repeated_flag_a_comma_separated_variable_or_a_toml_list(
+    tmp_path: Path, way: str, source: str
+) -> None:
+    given = ["10.0.0.8:7878", "ecd-peers.ecd.svc.cluster.local:7878", "[fd00::9]:7878"]
+    flags = [arg for peer in given for arg in ("--peer", peer)] if way == "flag" else []
+    env = {"ECD_PEERS": " , ".join(given)} if way == "env" else None
+    toml = f"peers = {given!r}".replace("'", '"') if way == "file" else None
+    rows = table(print_config(tmp_path, *flags, env=env, toml=toml))
+    assert rows["peers"] == (",".join(given), source.format(toml=tmp_path / "ecd.toml"))
+
+
+def test_a_peer_that_is_not_host_port_is_refused_naming_where_it_came_from(
+    tmp_path: Path,
+) -> None:
+    result = print_config(tmp_path, env={"ECD_PEERS": "10.0.0.8:7878,node9"})
+    assert result.returncode == 2
+    assert "peers from env ECD_PEERS: peer 'node9' is not HOST:PORT" in result.stderr

@@ -15,6 +15,7 @@ from ecd_testing import REPO
 
 from ec_client.units import parse_size
 from ec_daemon.config import Config
+from ec_daemon.peers import PeerEntry
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
@@ -161,3 +162,31 @@ def test_daemonset_and_its_client(serve_config: Callable[..., Config]) -> None:
     transfer = ec_transfer_config(vllm)["ec_connector_extra_config"]
     assert transfer["ecd_address"] == f"unix://{config.socket}"
     assert transfer["ecd_pool"], "engines on a node share one cache through a named pool"
+
+
+def test_daemonset_with_peers_follows_every_daemon_through_a_headless_service(
+    serve_config: Callable[..., Config],
+) -> None:
+    service, policy, daemonset = load("daemonset-peers.yaml")
+    spec = pod_spec(daemonset)
+    ecd = container(spec, "ecd")
+    env = {e["name"]: e for e in ecd["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    config = serve_config(ecd["args"])
+    check_probes(ecd, config)
+    # Peers: the headless Service in front of these very pods, at the port they listen on.
+    [peer] = [PeerEntry.parse(p) for p in config.peers]
+    tcp = PeerEntry.parse(config.tcp)
+    selector = service["spec"]["selector"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert selector == daemonset["spec"]["template"]["metadata"]["labels"]
+    assert peer.host.startswith(service["metadata"]["name"] + ".") and peer.port == tcp.port
+    assert [p["port"] for p in service["spec"]["ports"]] == [tcp.port]
+    # Each daemon is reached, and read, at its own pod IP (Kubernetes expands $(POD_IP)).
+    assert tcp.host == config.transfer_host == "$(POD_IP)"
+    # Only other daemons reach the gRPC port and the transfer engine's ports.
+    peers_rule = policy["spec"]["ingress"][0]
+    assert policy["spec"]["podSelector"] == peers_rule["from"][0]["podSelector"]
+    assert peers_rule["from"] == [{"podSelector": {"matchLabels": selector}}]
+    ports = {p["port"]: p.get("endPort") for p in peers_rule["ports"]}
+    assert ports == {tcp.port: None, 15000: 17000}

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ecd_testing import Daemon, run_ecd, running_daemon
+from ecd_testing import Daemon, run_ecd, running_daemon, wait_until
+from peer_testing import needs_mooncake, peer_args
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import AllocateItem, Client
@@ -76,8 +77,23 @@ def assert_pool_equals(samples: Samples, pool: PoolStats) -> None:
     assert pool_value(samples, "ecd_pool_entries", state="ready") == pool.entries_ready
     assert pool_value(samples, "ecd_pool_pinned_entries") == pool.entries_pinned
     assert pool_value(samples, "ecd_pool_pins") == pool.pins
-    for counter in ("hits", "misses", "evictions", "no_space", "commits", "aborts"):
+    assert pool_value(samples, "ecd_pool_held_bytes") == pool.held_blocks * block
+    for counter in (
+        "hits",
+        "misses",
+        "evictions",
+        "no_space",
+        "commits",
+        "aborts",
+        "remote_hits",
+        "remote_misses",
+        "remote_bytes",
+        "remote_reads",
+    ):
         assert pool_value(samples, f"ecd_pool_{counter}_total") == getattr(pool, counter), counter
+    hits = pool_value(samples, "ecd_pool_remote_seconds_count")
+    assert hits == sum(pool.remote_seconds_counts) == pool.remote_hits
+    assert pool_value(samples, "ecd_pool_remote_seconds_sum") == pool.remote_seconds_sum
 
 
 @pytest.fixture
@@ -159,3 +175,30 @@ def test_metrics_port_in_use_stops_the_daemon_at_startup(tmp_path: Path, shm_dir
         result = run_ecd("serve", *args)
     assert result.returncode == 2
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+
+
+@needs_mooncake
+def test_pulls_from_a_peer_and_the_peers_state_are_scraped_as_stats_reports_them() -> None:
+    port = free_port()
+    near, far = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    with (
+        running_daemon(*peer_args(far, [near, far])) as peer,
+        running_daemon(*peer_args(near, [near, far], "--metrics-port", str(port))) as daemon,
+        peer.client() as producer,
+        daemon.client() as consumer,
+    ):
+        for client in (producer, consumer):
+            client.open_pool(POOL, BLOCK, CAPACITY)
+        [allocated] = producer.allocate(POOL, [FULL])
+        producer.commit(POOL, [FULL.key])
+        wait_until(lambda: consumer.stats().peers[0].keys == 1)
+        [hit] = consumer.acquire(POOL, [FULL.key])
+        assert (allocated.status, hit.status) == (Status.ALLOCATED, Status.HIT)
+        consumer.release([hit.lease_id])
+
+        samples, stats = scrape(port), consumer.stats()
+        assert_equals_stats(samples, stats)
+        assert stats.pools[0].remote_hits == 1
+        [peer_stats] = stats.peers
+        labels = frozenset({"address": far, "state": "synced"}.items())
+        assert samples[("ecd_peer_keys", labels)] == peer_stats.keys == 1

@@ -45,15 +45,15 @@ class FakeClient:
     def __init__(self) -> None:
         self.streams: queue.Queue[FakeStream] = queue.Queue()
 
-    def open_watch(self, engine_id: str, snapshot: bool) -> FakeStream:
-        assert snapshot
+    def open_watch(self, engine_id: str, snapshot: bool, include_remote: bool) -> FakeStream:
+        assert snapshot and include_remote
         stream = FakeStream()
         self.streams.put(stream)
         return stream
 
 
-def event(type: EventType, key: str = "") -> WatchEvent:
-    return WatchEvent(type, "p", key.encode(), 1, "epoch")
+def event(type: EventType, key: str = "", remote: bool = False) -> WatchEvent:
+    return WatchEvent(type, "p", key.encode(), 1, "epoch", remote)
 
 
 def eventually(check: Callable[[], bool]) -> None:
@@ -134,3 +134,28 @@ def test_what_the_scheduler_learned_first_is_known_before_the_event(setup: Any) 
     assert view.has(b"mine")
     view.discard(b"mine")
     assert not view.has(b"mine")
+
+
+def test_keys_peers_hold_count_as_available_but_not_as_local(setup: Any) -> None:
+    view, client, _ = setup
+    stream = client.streams.get(timeout=5)
+    stream.items.put(event(EventType.SNAPSHOT, "here"))
+    stream.items.put(event(EventType.SNAPSHOT, "there", remote=True))
+    stream.items.put(event(EventType.SYNCED))
+    eventually(lambda: view.has(b"there"))
+    assert view.has_local(b"here") and not view.has_local(b"there")
+    stream.items.put(event(EventType.COMMITTED, "later", remote=True))
+    eventually(lambda: view.has(b"later"))
+    assert not view.has_local(b"later")
+
+
+def test_a_key_a_peer_stops_holding_stays_if_it_is_here(setup: Any) -> None:
+    view, client, _ = setup
+    stream = synced(client, "k")
+    stream.items.put(event(EventType.COMMITTED, "k", remote=True))
+    stream.items.put(event(EventType.COMMITTED, "only-there", remote=True))
+    eventually(lambda: view.has(b"only-there"))
+    stream.items.put(event(EventType.EVICTED, "k", remote=True))
+    stream.items.put(event(EventType.EVICTED, "only-there", remote=True))
+    eventually(lambda: not view.has(b"only-there"))
+    assert view.has_local(b"k")

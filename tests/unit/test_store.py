@@ -71,6 +71,20 @@ def test_open_pool_again_with_the_same_geometry_attaches(store: Store) -> None:
     assert info.pool_uuid == store.pool_info("p").pool_uuid
 
 
+@pytest.mark.parametrize("compat_key", ["", "model-a"])
+def test_open_pool_without_a_geometry_attaches_by_name(store: Store, compat_key: str) -> None:
+    info = open_pool(store, "p", 0, 0, compat_key)
+    assert not info.created
+    assert (info.block_size_bytes, info.num_blocks) == (BLOCK, 16)
+
+
+def test_open_pool_without_a_geometry_creates_nothing(store: Store) -> None:
+    with pytest.raises(CoreError) as info:
+        open_pool(store, "absent", 0, 0)
+    assert (info.value.code, info.value.reason) == (Code.NOT_FOUND, Reason.UNKNOWN_POOL)
+    assert store.engine_ids() == ["p"]
+
+
 def test_open_pool_with_another_geometry_is_refused_naming_both(store: Store) -> None:
     with pytest.raises(CoreError) as info:
         open_pool(store, "p", 2 * BLOCK, 16 * BLOCK, "model-a")

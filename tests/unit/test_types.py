@@ -11,11 +11,13 @@ from ec_client.types import (
     EntryInfo,
     EntryState,
     EventType,
+    PeerStats,
     PoolInfo,
     PoolStats,
     Role,
     Stats,
     Status,
+    WatchEvent,
 )
 
 
@@ -25,6 +27,14 @@ def fields(value: type) -> set[str]:
 
 def test_pool_stats_has_exactly_the_fields_of_its_message() -> None:
     assert fields(PoolStats) == set(pb.PoolStats.DESCRIPTOR.fields_by_name)
+
+
+def test_peer_stats_has_exactly_the_fields_of_its_message() -> None:
+    assert fields(PeerStats) == set(pb.PeerStats.DESCRIPTOR.fields_by_name)
+
+
+def test_watch_event_has_exactly_the_fields_of_its_message() -> None:
+    assert fields(WatchEvent) == set(pb.WatchEvent.DESCRIPTOR.fields_by_name)
 
 
 def test_entry_info_has_the_fields_of_its_message_with_spec_for_tensor() -> None:

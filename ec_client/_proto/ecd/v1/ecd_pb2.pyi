@@ -162,7 +162,7 @@ class OpenPoolRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries")
+    __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,8 @@ class PoolInfo(_message.Message):
     POOL_UUID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BASE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     path: str
     block_size_bytes: int
@@ -181,7 +183,9 @@ class PoolInfo(_message.Message):
     pool_uuid: str
     compat_key: str
     max_entries: int
-    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ...) -> None: ...
+    transfer_endpoint: str
+    transfer_base: int
+    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ..., transfer_base: _Optional[int] = ...) -> None: ...
 
 class OpenPoolReply(_message.Message):
     __slots__ = ("boot_epoch", "pool", "created")
@@ -504,7 +508,7 @@ class ListEntriesReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries")
+    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -526,6 +530,14 @@ class PoolStats(_message.Message):
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SECONDS_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SECONDS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_READS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     capacity_bytes: int
     block_size_bytes: int
@@ -547,7 +559,29 @@ class PoolStats(_message.Message):
     compat_key: str
     reserved_bytes: int
     max_entries: int
-    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ...) -> None: ...
+    remote_hits: int
+    remote_misses: int
+    remote_bytes: int
+    remote_seconds_bounds: _containers.RepeatedScalarFieldContainer[float]
+    remote_seconds_counts: _containers.RepeatedScalarFieldContainer[int]
+    remote_seconds_sum: float
+    held_blocks: int
+    remote_reads: int
+    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ...) -> None: ...
+
+class PeerStats(_message.Message):
+    __slots__ = ("address", "state", "boot_epoch", "keys", "error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: str
+    boot_epoch: str
+    keys: int
+    error: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., boot_epoch: _Optional[str] = ..., keys: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("engine_id",)
@@ -556,7 +590,7 @@ class StatsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes")
+    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "peers")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -566,6 +600,7 @@ class StatsReply(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     uptime_s: float
     max_bytes: int
@@ -575,26 +610,31 @@ class StatsReply(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     version: str
     capacity_bytes: int
-    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStats]
+    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("engine_id", "snapshot")
+    __slots__ = ("engine_id", "snapshot", "include_remote")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_REMOTE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     snapshot: bool
-    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    include_remote: bool
+    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., include_remote: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes")
+    __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes", "remote")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     type: EventType
     engine_id: str
     key: bytes
     nbytes: int
-    def __init__(self, boot_epoch: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., engine_id: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    remote: bool
+    def __init__(self, boot_epoch: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., engine_id: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., remote: _Optional[bool] = ...) -> None: ...
