@@ -143,9 +143,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 p.misses,
                 p.evictions,
                 p.no_space,
-                p.compat_key or "-",
                 f"{p.remote_hits}/{p.remote_misses}",
                 format_size(p.remote_bytes),
+                p.compat_key or "-",  # last: the longest, of any length
             )
             for p in stats.pools
         ]
@@ -161,9 +161,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "MISSES",
             "EVICTIONS",
             "NO_SPACE",
-            "COMPAT_KEY",
             "REMOTE_HITS/MISSES",
             "REMOTE_BYTES",
+            "COMPAT_KEY",
         )
         pools = table(headers, rows) if rows else "(no pools)"
         return f"{head}\n\n{pools}" + (f"\n\n{peer_table(stats.peers)}" if stats.peers else "")

@@ -150,6 +150,7 @@ class Store:
 
     def engine_ids(self) -> list[str]:
         return [pool.engine_id for pool in self._pools.all()]
+
     def drop_pool(self, engine_id: str, force: bool) -> int:
         """Delete a pool and its file; refused while entries are PENDING or pinned, unless
         forced. Returns how many entries went with it."""
