@@ -12,7 +12,6 @@ import os
 import struct
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from ec_client.layout import (
@@ -33,14 +32,6 @@ from ec_daemon.errors import Code, CoreError, Reason
 _MARK = struct.Struct("<I")
 
 
-@dataclass(frozen=True)
-class FileAccess:
-    """Permissions of pool files: 0600, or 0660 with a group that consumers run as."""
-
-    mode: int = 0o600
-    gid: int | None = None
-
-
 class PoolFile:
     def __init__(self, path: Path, header: Header, fd: int) -> None:
         self.path = path
@@ -54,7 +45,8 @@ class PoolFile:
         engine_id: str,
         geometry: Geometry,
         compat_key: str,
-        access: FileAccess,
+        mode: int,
+        gid: int | None,
     ) -> PoolFile:
         """Create the file with all its pages allocated up front, then write a verified header.
 
@@ -63,11 +55,11 @@ class PoolFile:
         """
         path = shm_dir / pool_file_name(engine_id)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(path, flags, access.mode)
+        fd = os.open(path, flags, mode)
         try:
-            os.fchmod(fd, access.mode)
-            if access.gid is not None:
-                os.fchown(fd, -1, access.gid)
+            os.fchmod(fd, mode)  # the umask must not narrow it
+            if gid is not None:
+                os.fchown(fd, -1, gid)
             try:
                 os.posix_fallocate(fd, 0, geometry.file_size)
             except OSError as exc:

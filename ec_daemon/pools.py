@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -38,7 +38,7 @@ from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.eviction import POLICIES
 from ec_daemon.index import PoolIndex
-from ec_daemon.pool import FileAccess, PoolFile
+from ec_daemon.pool import PoolFile
 
 log = logging.getLogger("ecd.pools")
 
@@ -51,7 +51,9 @@ class PoolSettings:
     # Entries (slots, 512 bytes of file each) a pool can hold; None: sized from its capacity.
     entries_per_pool: int | None = None
     max_pool_bytes: int | None = None  # capacity one pool may ask for; None: the whole budget
-    file_access: FileAccess = field(default_factory=FileAccess)
+    # Pool files: 0600, or 0660 with the group consumers run as (--pool-mode, --pool-group).
+    file_mode: int = 0o600
+    file_gid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,12 @@ class PoolRegistry:
             )
         try:
             file = PoolFile.create(
-                self.settings.shm_dir, engine_id, geometry, compat_key, self.settings.file_access
+                self.settings.shm_dir,
+                engine_id,
+                geometry,
+                compat_key,
+                self.settings.file_mode,
+                self.settings.file_gid,
             )
         except FileExistsError as exc:
             raise CoreError(

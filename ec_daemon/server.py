@@ -34,7 +34,6 @@ from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
 from ec_daemon.peer_follower import PeerAccess, PeerSet
 from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
-from ec_daemon.pool import FileAccess
 from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools, peer_stats
 from ec_daemon.service import EncoderCacheService, add_to_server
@@ -153,14 +152,14 @@ def peer_access(config: Config, own_epoch: str) -> PeerAccess:
 
 
 def build_store(config: Config, budget: int, hub: EventHub, peers: Peers | None = None) -> Store:
-    access = FileAccess(config.pool_mode, checks.group_id(config.pool_group))
     pools = PoolSettings(
         shm_dir=config.shm_dir,
         max_bytes=budget,
         eviction=config.eviction,
         entries_per_pool=config.entries_per_pool,
         max_pool_bytes=config.max_pool_bytes,
-        file_access=access,
+        file_mode=config.pool_mode,
+        file_gid=checks.group_id(config.pool_group),
     )
     return Store(
         StoreConfig(pools, config.lease_ttl),
