@@ -247,7 +247,9 @@ class Owed:
                 if due:
                     self._sending += 1
             if not due:
-                time.sleep(self._linger_s)
+                with self._lock:  # woken early by close (or new debts: due is worked out anew)
+                    if not self._closed:
+                        self._lock.wait(self._linger_s)
                 continue
             try:
                 for engine_id in due:

@@ -1,0 +1,216 @@
+"""Owed: what a client owes the daemon with nobody waiting (ec_client/owed.py), with fake copies
+and a fake sender; no daemon.
+
+Proves: a debt goes only once its copy landed (or, when flushing, after waiting for it); a commit
+whose copy failed leaves as an abort and its owner hears why; each debt gets its own answer and
+the rest of a Step's answers go back to the caller; the background thread sends what a quiet pool
+is owed, and leaves a busy pool's debts to its next Step; a commit is reported owed until its
+answer came; flush sends everything and waits, or says it ran out of time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from ec_client.errors import EcdError
+from ec_client.owed import Debt, Owed, Parcel
+from ec_client.types import (
+    AcquireResult,
+    ItemResult,
+    LeaseResult,
+    Status,
+    StepResult,
+)
+
+POOL = "pool"
+
+
+class FakeCopy:
+    """A copy in flight until `land()`; `fail()` makes it land with a device error."""
+
+    def __init__(self) -> None:
+        self.landed = threading.Event()
+        self.error: Exception | None = None
+
+    def land(self) -> None:
+        self.landed.set()
+
+    def fail(self) -> None:
+        self.error = RuntimeError("CUDA error: an illegal memory access")
+        self.landed.set()
+
+    def done(self) -> bool:
+        return self.landed.is_set()
+
+    def wait(self) -> None:
+        assert self.landed.wait(5), "the test never landed this copy"
+        if self.error is not None:
+            raise self.error
+
+
+class Answers:
+    """Records what each debt was told."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, Any] = {}
+
+    def debt(self, name: str, copy: FakeCopy | None = None, **fields: Any) -> Debt:
+        return Debt(settle=lambda answer: self.got.__setitem__(name, answer), copy=copy, **fields)
+
+
+class Sender:
+    """The background's send: records parcels, and answers them (or holds them) as told."""
+
+    def __init__(self) -> None:
+        self.parcels: list[tuple[str, Parcel]] = []
+        self.sent = threading.Event()
+        self.hold = False
+
+    def __call__(self, engine_id: str, parcel: Parcel) -> None:
+        self.parcels.append((engine_id, parcel))
+        self.sent.set()
+        if not self.hold:
+            parcel.settle(answer(parcel))
+
+
+def answer(parcel: Parcel) -> StepResult:
+    """What a daemon would answer a Step carrying exactly this parcel: all OK."""
+    return StepResult(
+        tuple(LeaseResult(d.lease_id, Status.OK, "") for d in parcel.releases),
+        tuple(ItemResult(d.key, Status.OK, "") for d in parcel.commits),
+        tuple(ItemResult(d.key, Status.OK, "") for d in parcel.aborts),
+        (),
+        (),
+    )
+
+
+def owed(linger_s: float = 60.0) -> tuple[Owed, Sender]:
+    """An Owed whose pools had a Step a moment ago: with the default linger, what they are owed
+    waits for their next Step (the test's take) rather than go in the background."""
+    sender = Sender()
+    o = Owed(sender, linger_s)
+    for engine_id in (POOL, "other"):
+        o.take(engine_id)
+    return o, sender
+
+
+def test_a_debt_goes_only_once_its_copy_landed() -> None:
+    o, _ = owed()
+    answers = Answers()
+    flying, landed = FakeCopy(), FakeCopy()
+    landed.land()
+    o.commits(POOL, [answers.debt("a", flying, key=b"a"), answers.debt("b", landed, key=b"b")])
+    assert [d.key for d in o.take(POOL).commits] == [b"b"]
+    flying.land()
+    assert [d.key for d in o.take(POOL).commits] == [b"a"]
+    o.close()
+
+
+def test_taking_with_wait_carries_every_debt_after_its_copy_landed() -> None:
+    o, _ = owed()
+    copy = FakeCopy()
+    o.releases(POOL, [Answers().debt("pin", copy, lease_id=7)])
+    threading.Timer(0.05, copy.land).start()
+    parcel = o.take(POOL, wait=True)
+    assert parcel.release_ids() == [7] and copy.done()
+    o.close()
+
+
+def test_a_commit_whose_copy_failed_leaves_as_an_abort_and_its_owner_hears_why() -> None:
+    o, _ = owed()
+    answers, copy = Answers(), FakeCopy()
+    o.commits(POOL, [answers.debt("a", copy, key=b"a")])
+    copy.fail()
+    parcel = o.take(POOL)
+    assert parcel.commits == [] and parcel.abort_keys() == [b"a"]
+    assert isinstance(answers.got["a"], EcdError) and "illegal memory access" in str(
+        answers.got["a"]
+    )
+    o.close()
+
+
+def test_each_debt_gets_its_answer_and_the_rest_of_the_step_goes_back_to_the_caller() -> None:
+    answers = Answers()
+    parcel = Parcel(
+        releases=[answers.debt("pin", lease_id=3)], commits=[answers.debt("a", key=b"a")]
+    )
+    theirs = AcquireResult(b"x", Status.HIT, "", 9, (), None, 0)
+    rest = parcel.settle(
+        StepResult(
+            (LeaseResult(3, Status.OK, ""),),
+            (ItemResult(b"a", Status.OK, ""), ItemResult(b"mine", Status.OK, "")),
+            (),
+            (theirs,),
+            (),
+        )
+    )
+    assert answers.got["pin"].lease_id == 3 and answers.got["a"].key == b"a"
+    assert [r.key for r in rest.commits] == [b"mine"] and rest.acquires == (theirs,)
+    assert rest.releases == ()
+
+
+def test_a_failed_step_tells_every_debt_it_carried() -> None:
+    answers = Answers()
+    parcel = Parcel(releases=[answers.debt("pin", lease_id=1)], aborts=[answers.debt("a")])
+    error = EcdError(grpc.StatusCode.UNAVAILABLE, "the daemon went away")
+    parcel.fail(error)
+    assert answers.got == {"pin": error, "a": error}
+
+
+def test_the_background_sends_what_a_quiet_pool_is_owed() -> None:
+    o, sender = owed(linger_s=0.01)
+    answers, copy = Answers(), FakeCopy()
+    copy.land()
+    o.commits(POOL, [answers.debt("a", copy, key=b"a")])
+    assert sender.sent.wait(5)
+    [(engine_id, parcel)] = sender.parcels
+    assert engine_id == POOL and parcel.commit_pairs() == [(b"a", 0)]
+    assert answers.got["a"].status is Status.OK
+    o.close()
+
+
+def test_a_busy_pools_debts_wait_for_its_next_step() -> None:
+    o, sender = owed(linger_s=0.3)  # a Step to the pool just went out: it is not quiet
+    o.commits(POOL, [Answers().debt("a", key=b"a")])
+    assert not sender.sent.wait(0.1)  # not yet: the pool's next Step would carry it
+    assert [d.key for d in o.take(POOL).commits] == [b"a"]
+    o.close()
+
+
+def test_a_commit_counts_as_owed_until_its_answer_came() -> None:
+    o, _ = owed()
+    copy = FakeCopy()
+    o.commits(POOL, [Answers().debt("a", copy, key=b"a")])
+    assert o.commits_owed(POOL) == {b"a": False}  # copy in flight
+    copy.land()
+    assert o.commits_owed(POOL) == {b"a": True}  # may ride on the next Step
+    parcel = o.take(POOL)
+    assert o.commits_owed(POOL) == {b"a": False}  # in transit: not visible yet
+    parcel.settle(answer(parcel))
+    assert o.commits_owed(POOL) == {}
+    o.close()
+
+
+def test_flush_sends_everything_owed_and_returns_once_answered() -> None:
+    o, sender = owed()
+    answers, copy = Answers(), FakeCopy()
+    o.commits(POOL, [answers.debt("a", copy, key=b"a")])
+    o.releases("other", [answers.debt("pin", lease_id=5)])
+    threading.Timer(0.05, copy.land).start()
+    o.flush(5)
+    assert sorted(e for e, _ in sender.parcels) == ["other", POOL]
+    assert set(answers.got) == {"a", "pin"}
+    o.close()
+
+
+def test_flush_says_so_when_an_answer_does_not_come_in_time() -> None:
+    o, sender = owed()
+    sender.hold = True  # the daemon never answers
+    o.commits(POOL, [Answers().debt("a", key=b"a")])
+    with pytest.raises(TimeoutError, match="still running"):
+        o.flush(0.1)
+    o.close()

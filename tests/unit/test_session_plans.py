@@ -1,0 +1,186 @@
+"""The decisions every client call makes (ec_client/_session.py), driven by a scripted daemon: no
+gRPC, no sockets. The same plans run under Client and AsyncClient, so this is where their rules
+are pinned down.
+
+Proves: UNAVAILABLE is retried with growing pauses until the connect deadline; a lost session is
+reopened, with its pools, and the call retried once; a reply from a restarted daemon reopens the
+session and still answers; a call the daemon cut off at shutdown is retried when it is safe and
+otherwise raised saying it may have taken effect; a pool that cannot be reopened is skipped;
+two callers that notice one restart reopen it once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+import pytest
+
+from ec_client import _wire
+from ec_client._connection import Options
+from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
+from ec_client.errors import EcdError
+from ec_client.types import Role
+
+UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+SESSION_LOST = EcdError(grpc.StatusCode.NOT_FOUND, "unknown session", "unknown_session")
+CUT_OFF = EcdError(grpc.StatusCode.CANCELLED, "cancelled")
+POOL_GONE = EcdError(grpc.StatusCode.NOT_FOUND, "pool 'p' does not exist", "unknown_pool")
+
+
+class ScriptedDaemon:
+    """Answers each Send with the next outcome of the script (a reply or an EcdError), and drives
+    Reopen steps as the clients do; records the methods sent and the pauses taken."""
+
+    def __init__(self, state: SessionState, *script: Any) -> None:
+        self.state = state
+        self.script = list(script)
+        self.sent: list[str] = []
+        self.pauses: list[float] = []
+
+    def run(self, plan: Plan[Any], reply: Any = None, error: EcdError | None = None) -> Any:
+        """Drive the plan to its end; reply or error: the outcome of a Send it already made."""
+        while True:
+            step = advance(plan, reply, error)
+            reply, error = None, None
+            if isinstance(step, Done):
+                return step.value
+            if isinstance(step, Send):
+                self.sent.append(step.call.method)
+                outcome = self.script.pop(0)
+                if isinstance(outcome, EcdError):
+                    error = outcome
+                else:
+                    reply = outcome
+            elif isinstance(step, Pause):
+                self.pauses.append(step.seconds)
+            elif isinstance(step, Reopen) and step.generation == self.state.generation:
+                try:
+                    self.run(self.state.reopen())
+                except EcdError as exc:
+                    error = exc
+                else:
+                    self.state.tell_restart()
+
+
+def session(epoch: str = "epoch-1", sid: str = "s1") -> pb.OpenSessionReply:
+    return pb.OpenSessionReply(session_id=sid, boot_epoch=epoch, lease_ttl_ms=10_000)
+
+
+def lookup_reply(epoch: str = "epoch-1") -> pb.LookupReply:
+    return pb.LookupReply(
+        boot_epoch=epoch, results=[pb.LookupResult(key=b"k", state=pb.ENTRY_READY)]
+    )
+
+
+def pool_reply(epoch: str = "epoch-1") -> pb.OpenPoolReply:
+    return pb.OpenPoolReply(
+        boot_epoch=epoch,
+        pool=pb.PoolInfo(engine_id="p", block_size_bytes=4096, num_blocks=16),
+    )
+
+
+def opened(connect_timeout_s: float = 5.0) -> SessionState:
+    """A state with an open session on epoch-1 and pool p opened."""
+    options = Options.make("unix:///x", "test", Role.BOTH, connect_timeout_s, 5.0, None, None)
+    state = SessionState(options)
+    daemon = ScriptedDaemon(state, session(), pool_reply())
+    daemon.run(state.open())
+    daemon.run(state.open_pool(_wire.open_pool("p", 4096, 16 * 4096, "")))
+    return state
+
+
+def test_unavailable_is_retried_with_growing_pauses_until_it_answers() -> None:
+    state = opened()
+    daemon = ScriptedDaemon(state, UNAVAILABLE, UNAVAILABLE, lookup_reply())
+    [result] = daemon.run(state.call(_wire.lookup("p", ["k"])))
+    assert result.key == b"k"
+    assert daemon.sent == ["Lookup"] * 3
+    assert daemon.pauses == [0.05, 0.1]
+
+
+def test_unavailable_past_the_connect_deadline_is_raised() -> None:
+    state = opened(connect_timeout_s=0.0)
+    daemon = ScriptedDaemon(state, UNAVAILABLE)
+    with pytest.raises(EcdError) as raised:
+        daemon.run(state.call(_wire.lookup("p", ["k"])))
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE and daemon.pauses == []
+
+
+def test_a_lost_session_is_reopened_with_its_pools_and_the_call_retried_once() -> None:
+    state = opened()
+    restarts: list[str] = []
+    state.on_restart.append(restarts.append)
+    daemon = ScriptedDaemon(
+        state,
+        SESSION_LOST,
+        session("epoch-2", "s2"),
+        pool_reply("epoch-2"),
+        lookup_reply("epoch-2"),
+    )
+    daemon.run(state.call(_wire.lookup("p", ["k"])))
+    assert daemon.sent == ["Lookup", "OpenSession", "OpenPool", "Lookup"]
+    assert (state.session_id, state.boot_epoch, restarts) == ("s2", "epoch-2", ["epoch-2"])
+
+
+def test_a_reply_from_a_restarted_daemon_reopens_the_session_and_still_answers() -> None:
+    state = opened()
+    daemon = ScriptedDaemon(
+        state, lookup_reply("epoch-2"), session("epoch-2", "s2"), pool_reply("epoch-2")
+    )
+    [result] = daemon.run(state.call(_wire.lookup("p", ["k"])))
+    assert result.key == b"k"
+    assert daemon.sent == ["Lookup", "OpenSession", "OpenPool"]
+    assert state.boot_epoch == "epoch-2"
+
+
+def test_a_safe_call_cut_off_at_shutdown_is_retried() -> None:
+    state = opened()
+    daemon = ScriptedDaemon(state, CUT_OFF, lookup_reply())
+    daemon.run(state.call(_wire.lookup("p", ["k"])))
+    assert daemon.sent == ["Lookup", "Lookup"]
+
+
+def test_an_unsafe_call_cut_off_at_shutdown_says_it_may_have_taken_effect() -> None:
+    state = opened()
+    daemon = ScriptedDaemon(state, CUT_OFF)
+    with pytest.raises(EcdError, match="may or may not have taken effect") as raised:
+        daemon.run(state.call(_wire.commit("p", ["k"], None)))
+    assert raised.value.reason == "shutting_down" and daemon.sent == ["Commit"]
+
+
+def test_a_safe_call_whose_daemon_does_not_come_back_says_it_shut_down() -> None:
+    state = opened(connect_timeout_s=0.0)
+    daemon = ScriptedDaemon(state, CUT_OFF)
+    with pytest.raises(EcdError, match="shut down during Lookup"):
+        daemon.run(state.call(_wire.lookup("p", ["k"])))
+
+
+def test_a_pool_that_cannot_be_reopened_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    state = opened()
+    daemon = ScriptedDaemon(
+        state, SESSION_LOST, session("epoch-2", "s2"), POOL_GONE, lookup_reply("epoch-2")
+    )
+    with caplog.at_level(logging.WARNING, "ec_client"):
+        daemon.run(state.call(_wire.lookup("p", ["k"])))
+    assert daemon.sent == ["Lookup", "OpenSession", "OpenPool", "Lookup"]
+    assert "pool p not reopened" in caplog.text
+
+
+def test_a_restart_noticed_by_two_callers_is_reopened_once() -> None:
+    state = opened()
+    second = state.call(_wire.lookup("p", ["k"]))
+    assert isinstance(advance(second, None, None), Send)  # its Lookup is on its way
+    daemon = ScriptedDaemon(
+        state,
+        SESSION_LOST,
+        session("epoch-2", "s2"),
+        pool_reply("epoch-2"),
+        lookup_reply("epoch-2"),
+    )
+    daemon.run(state.call(_wire.lookup("p", ["k"])))  # the first caller notices and reopens
+    daemon.script.append(lookup_reply("epoch-2"))
+    daemon.run(second, error=SESSION_LOST)  # the second learns of it too, late
+    assert daemon.sent == ["Lookup", "OpenSession", "OpenPool", "Lookup", "Lookup"]
