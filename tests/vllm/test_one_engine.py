@@ -148,3 +148,14 @@ def test_after_shutdown_no_item_is_reported_cached(engine: EngineFactory) -> Non
     assert e.connector.has_cache_item("img-a")
     e.close()
     assert not e.connector.has_cache_item("img-a")  # the pin went with the session
+
+
+def test_an_item_is_a_hit_at_the_step_after_its_save_was_reported(engine: EngineFactory) -> None:
+    e = engine()
+    e.step(request("r1", "img-a"))  # encoded; its entry allocated in the background
+    saving = e.schedule()
+    assert set(saving.metadata.saves) == {"img-a"}
+    e.finish(e.run(saving))  # the workers report the copy: its Commit goes at once
+    e.answered()
+    following = e.schedule([request("r2", "img-a")])
+    assert following.load == {"img-a"} and not following.encode and not following.held
