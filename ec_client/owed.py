@@ -108,12 +108,11 @@ class _Pool:
 
     releases: list[Debt] = field(default_factory=list)
     commits: list[Debt] = field(default_factory=list)
-    aborts: list[Debt] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
 
     def owing(self) -> bool:
-        return bool(self.releases or self.commits or self.aborts)
+        return bool(self.releases or self.commits)
 
 
 class Owed:
@@ -137,9 +136,6 @@ class Owed:
 
     def commits(self, engine_id: str, debts: Sequence[Debt]) -> None:
         self._owe(lambda: self._pool(engine_id).commits.extend(debts))
-
-    def aborts(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        self._owe(lambda: self._pool(engine_id).aborts.extend(debts))
 
     def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
         self._owe(lambda: self._pool(engine_id).releases.extend(debts))
@@ -167,7 +163,7 @@ class Owed:
             parcel = Parcel(
                 _split(pool.releases, wait),
                 _split(pool.commits, wait),
-                _split(pool.aborts, wait),
+                [],  # aborts: those of commits whose copy failed, added as they are found
                 lambda delivered: self._delivered(pool, delivered),
             )
             pool.in_transit.update(d.key for d in parcel.commits)
