@@ -50,7 +50,8 @@ bench: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests/gpu -v -s $(PYTEST_ARGS)
 
-# make gpu-check runs on a bare GPU machine (Python 3.12, torch with CUDA, no vLLM, no network):
+# make gpu-check runs on a bare GPU machine (Python 3.12 with torch+CUDA, numpy, transformers and
+# timm, as it is lent; no vLLM, no network):
 # it needs no venv, only `python3` (PYTHON=... to choose another) and the wheels `make gpu-wheels`
 # put in .whl (git-ignored; carry it with the checkout). Those are the packages whose versions the
 # generated protobuf code, the daemon and the test suite depend on, for CPython 3.12 x86_64.

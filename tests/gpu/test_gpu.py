@@ -19,17 +19,18 @@ from typing import Any
 import pytest
 import torch
 from ecd_testing import Daemon
+from stream_testing import SLEEP, cache_block
 
 from ec_client import Client, Consumer, EntryState, PoolMapping, Producer, PutStatus, TensorMover
 from ec_client import mapping as mapping_module
 from ec_client.cuda_runtime import cuda_runtime
 from ec_client.mover import byte_view, spec_of
-from ec_client.types import Extent
+from ec_client.owed import Parcel
+from ec_client.types import Extent, StepResult
 
 POOL = "gpu"
 BLOCK = 7168
 MiB = 1 << 20
-SLEEP = 400_000_000  # GPU cycles: a few hundred ms, far longer than any copy here
 
 
 @pytest.fixture
@@ -53,15 +54,6 @@ def ready(endpoint_user: Producer | Consumer) -> TensorMover:
     """Its CUDA mover, made now: registering the pool (host calls that may wait for the device)
     must not happen while a test holds a stream busy."""
     return endpoint_user.endpoint.mover("cuda")
-
-
-def cache_block(stream: torch.cuda.Stream | None, nbytes: int) -> None:
-    """Leave a free block of nbytes in the allocator's cache for `stream`, so the next
-    allocation of that size there reuses it instead of calling cudaMalloc (which may wait for
-    the device)."""
-    assert stream is not None
-    with torch.cuda.stream(stream):
-        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
 
 def test_a_cuda_mover_registers_the_pool(client: Client) -> None:
@@ -107,19 +99,22 @@ def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
     mapping = mapping_of(client)
     allocated: list[Extent] = []
     at_commit: list[torch.Tensor] = []
-    real_allocate, real_commit = client.allocate, client.commit
+    real_step, real_commit_pairs = client.step, Parcel.commit_pairs
 
-    def allocate(*args: Any) -> Any:
-        results = real_allocate(*args)
-        allocated.extend(results[0].extents)
-        return results
+    def step(*args: Any, **kwargs: Any) -> StepResult:  # the put's Allocate rides in a Step
+        result = real_step(*args, **kwargs)
+        for answer in result.allocates:
+            allocated.extend(answer.extents)
+        return result
 
-    def commit(*args: Any) -> Any:
-        at_commit.append(torch.cat([mapping.region(x).clone() for x in allocated])[: 16 * MiB])
-        return real_commit(*args)
+    def commit_pairs(parcel: Parcel) -> list[tuple[bytes, int]]:  # a Step carrying a Commit
+        pairs = real_commit_pairs(parcel)
+        if pairs:
+            at_commit.append(torch.cat([mapping.region(x).clone() for x in allocated])[: 16 * MiB])
+        return pairs
 
-    monkeypatch.setattr(client, "allocate", allocate)
-    monkeypatch.setattr(client, "commit", commit)
+    monkeypatch.setattr(client, "step", step)
+    monkeypatch.setattr(Parcel, "commit_pairs", commit_pairs)
     producer = Producer(client, POOL)
     ready(producer)
     torch.cuda._sleep(SLEEP)
@@ -133,12 +128,15 @@ def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
 
 def test_the_callers_stream_waits_for_a_load(client: Client) -> None:
     expected = pattern(32 * MiB, 3)
-    Producer(client, POOL).put("ordered", expected)
+    producer = Producer(client, POOL)
+    producer.put("ordered", expected)
+    producer.flush()  # committed: READY for the Acquire below
     expected_gpu = expected.cuda()
     [hit] = client.acquire(POOL, ["ordered"])
     assert hit.spec is not None
     mover = ready(Consumer(client, POOL))
     cache_block(mover.load_stream, 32 * MiB)
+    cache_block(torch.cuda.current_stream(), 32 * MiB)  # for torch.equal's result
     torch.cuda.synchronize()
     with torch.cuda.stream(mover.load_stream):
         torch.cuda._sleep(SLEEP)  # the copy queues behind this
@@ -242,6 +240,8 @@ def test_closing_a_mapping_waits_for_copies_in_flight(client: Client) -> None:
     mapping = mapping_of(client)
     mover = TensorMover(mapping, "cuda")
     assert mover.load_stream is not None
+    cache_block(mover.load_stream, 16 * BLOCK)  # for the load's output
+    torch.cuda.synchronize()
     with torch.cuda.stream(mover.load_stream):
         torch.cuda._sleep(SLEEP)
     _, transfer = mover.load([Extent(0, 16)], spec_of(torch.empty(16 * BLOCK, dtype=torch.uint8)))

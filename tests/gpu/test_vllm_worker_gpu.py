@@ -1,10 +1,13 @@
 """The vLLM connector's worker side with CUDA tensors (skipped without a GPU): `make test-gpu`.
 
 The worker runs in this process inside vLLM's real V2-runner wrapper (ActiveECConnector), as
-vLLM's worker would, next to the scheduler side. Proves: encoder outputs on the GPU are saved
-into the pool and committed only once the worker reported the device-to-host copy landed; a
-load puts a CUDA tensor in the encoder cache, bit-identical, usable at once on the compute
-stream; the worker registered the pool with CUDA at start, before its first step.
+vLLM's worker would, next to the scheduler side. Proves: an encoder output on the GPU is copied
+into the pool only after the kernels producing it ran (the copy is ordered a step after the
+encode, while they are held back) and committed only once the worker reported the copy landed;
+a load puts a CUDA tensor in the encoder cache, bit-identical, usable at once on the compute
+stream (its copy held back behind a busy load stream); the worker registered the pool with CUDA
+at start. vLLM is not on the bare GPU machine, so `make gpu-check` skips this file: `make
+test-gpu` runs it where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from unittest.mock import patch
 import pytest
 import torch
 from ecd_testing import Daemon
+from stream_testing import SLEEP, cache_block
 
 pytest.importorskip("vllm.config", reason="the vLLM connector's GPU test needs vLLM installed")
 
 from vllm_testing import DTYPE, ROWS, WIDTH, Engine, EngineSpec, request
 
-from ec_client import EntryState, PoolMapping
+from ec_client import EntryState, PoolMapping, TensorMover
+from ec_client.vllm import ECDaemonConnector
 from ec_client.vllm.metadata import WorkerRank
 from ec_client.vllm.offline import finish_step
 
@@ -54,6 +59,14 @@ class CudaWorker:
         engine.answered()  # a step outlasts the daemon's round trips
         return step.load
 
+    def mover(self) -> TensorMover:
+        """The worker's CUDA mover (made at its start)."""
+        connector = self.active.ec_connector
+        assert isinstance(connector, ECDaemonConnector)
+        mover = connector.worker_side._mover
+        assert mover is not None and mover.load_stream is not None
+        return mover
+
     def close(self) -> None:
         self._state.ensure_ec_transfer_shutdown()
 
@@ -77,26 +90,57 @@ def settle(engine: Engine, worker: CudaWorker) -> None:
     raise AssertionError("transfers still pending")
 
 
-def test_a_cuda_output_is_saved_and_loaded_back_to_cuda_bit_identical(
-    engine_and_worker: tuple[Engine, CudaWorker], daemon: Daemon
+def saved(engine: Engine, worker: CudaWorker, key: str, expected: torch.Tensor) -> None:
+    """`key` encoded in one step into a tensor whose producing kernels are still queued (behind
+    a sleep) when the next step orders its copy: the save must wait for them, and the entry
+    stays PENDING until the copy landed and the worker reported it."""
+    output = torch.zeros_like(expected)
+    worker.step(engine, [request(f"encode-{key}", key)], {key: output})  # kept, not copied yet
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    output.copy_(expected)  # "the encoder's kernels", queued behind the sleep
+    worker.step(engine, [], {})  # orders the copy while the compute stream is still busy
+    assert state(engine, key) is EntryState.PENDING  # not committed before the copy landed
+    settle(engine, worker)
+    assert state(engine, key) is EntryState.READY
+
+
+def state(engine: Engine, key: str) -> EntryState:
+    return engine.scheduler.client.lookup(engine.pool, [key])[0].state
+
+
+def test_a_cuda_output_is_saved_once_its_kernels_ran_and_committed_once_its_copy_landed(
+    engine_and_worker: tuple[Engine, CudaWorker],
 ) -> None:
     engine, worker = engine_and_worker
-    base = torch.randn(ROWS, WIDTH, device="cuda")
-    output = (base @ torch.randn(WIDTH, WIDTH, device="cuda")).to(DTYPE)  # kernels in flight
-    worker.step(engine, [request("r1", "img-a")], {"img-a": output})
-    settle(engine, worker)
-    with daemon.client() as c:
-        assert c.lookup(engine.pool, ["img-a"])[0].state is EntryState.READY
-    r2 = request("r2", "img-a")
-    loaded_keys: set[str] = set()
-    for _ in range(3):
-        loaded_keys = worker.step(engine, [r2], {})
-        if loaded_keys:
-            break
+    expected = torch.randn(ROWS, WIDTH, device="cuda").to(DTYPE)
+    saved(engine, worker, "img-a", expected)
+    stored = engine.scheduler.client.pool_info(engine.pool)
+    [hit] = engine.scheduler.client.acquire(engine.pool, ["img-a"])
+    assert hit.spec is not None
+    region = torch.cat([PoolMapping.open(stored).region(e) for e in hit.extents])
+    engine.scheduler.client.release([hit.lease_id])
+    assert torch.equal(region[: hit.spec.nbytes], expected.view(torch.uint8).flatten().cpu())
+
+
+def test_a_load_is_in_the_encoder_cache_bit_identical_and_usable_at_once_on_the_compute_stream(
+    engine_and_worker: tuple[Engine, CudaWorker],
+) -> None:
+    engine, worker = engine_and_worker
+    expected = torch.randn(ROWS, WIDTH, device="cuda").to(DTYPE)
+    saved(engine, worker, "img-a", expected)
+    mover = worker.mover()
+    nbytes = expected.numel() * expected.element_size()
+    cache_block(mover.load_stream, nbytes)  # for the load's output
+    cache_block(torch.cuda.current_stream(), expected.numel())  # for torch.equal's result
+    torch.cuda.synchronize()
+    with torch.cuda.stream(mover.load_stream):
+        torch.cuda._sleep(SLEEP)  # the load's copy queues behind this
+    loaded_keys = worker.step(engine, [request("r2", "img-a")], {})  # pinned at once: loads now
     assert loaded_keys == {"img-a"}
     loaded = worker.encoder_cache["img-a"]
-    assert loaded.device.type == "cuda"
-    assert torch.equal(loaded.view(torch.int16), output.view(torch.int16))  # bit-identical
+    same = torch.equal(loaded, expected)  # on the compute stream, no host sync before it
+    assert loaded.device.type == "cuda" and same
     settle(engine, worker)
 
 
