@@ -13,12 +13,13 @@ Lifecycle of an entry:
 - A READY entry removed while pinned (Delete, or its pool dropped with force) leaves the index at
   once but keeps its blocks until its last pin is released, so a consumer never reads blocks that
   were handed to someone else.
-- A PENDING entry pulled from a peer daemon whose read was given up on while the transfer engine
-  may still write into it is *abandoned*: it leaves the index at once (its waiters see it go) but
-  its blocks are *held* until the engine is done with them (`release_held`).
+- An entry whose blocks a transfer engine is writing (a pull from a peer daemon: `writing`)
+  that is removed however it is (the pull given up on, an operator's Delete, ...) leaves the
+  index at once (its waiters see it go) but its blocks are *held* until the engine is done with
+  them (`writes_over`).
 
 Invariant (`check`): free blocks + blocks held by entries (indexed, removed-but-pinned, or
-abandoned) == num_blocks, and no block is in two places.
+held while being written) == num_blocks, and no block is in two places.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Entry:
     committed_at: float = 0.0
     commit_seq: int = 0
     removed: bool = False  # left the index while pinned: blocks return at the last unpin
+    writing: bool = False  # a transfer engine writes its blocks: removal holds them till it ends
 
     @property
     def blocks(self) -> int:
@@ -137,7 +139,7 @@ class PoolIndex:
         self._allocator = ExtentAllocator(geometry.num_blocks)
         self._entries: dict[bytes, Entry] = {}
         self._orphans: set[Entry] = set()  # removed while pinned
-        self._held: set[Entry] = set()  # abandoned: a transfer may still write their blocks
+        self._held: set[Entry] = set()  # removed while `writing`: blocks return at writes_over
         self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
         self._evictable_blocks = 0  # blocks of READY entries with no pins
         self._evictable_entries = 0
@@ -280,22 +282,10 @@ class PoolIndex:
         self.counters.aborts += 1
         return Outcome(Status.OK, entry=entry)
 
-    def abandon(self, key: bytes, session_id: str) -> Outcome:
-        """Abort a PENDING entry whose blocks may still be written (a transfer given up on but
-        not over): it leaves the index now, its blocks stay held until `release_held`."""
-        entry = self._entries.get(key)
-        problem = self._not_pending_of(entry, session_id, "abandon")
-        if problem is not None or entry is None:
-            return problem or Outcome(Status.NOT_FOUND)
-        del self._entries[key]
-        entry.removed = True
-        self._held.add(entry)
-        self.counters.aborts += 1
-        self._emit(EventType.ABORTED, key, entry.spec.nbytes)
-        return Outcome(Status.OK, entry=entry)
-
-    def release_held(self, entry: Entry) -> None:
-        """Nothing writes into an abandoned entry's blocks any more: they are free again."""
+    def writes_over(self, entry: Entry) -> None:
+        """Nothing writes into the entry's blocks any more: if it was removed meanwhile, they
+        are free again."""
+        entry.writing = False
         if entry in self._held:
             self._held.discard(entry)
             self._release_space(entry)
@@ -469,6 +459,8 @@ class PoolIndex:
         entry.removed = True
         if entry.pins:
             self._orphans.add(entry)
+        elif entry.writing:
+            self._held.add(entry)
         else:
             self._release_space(entry)
         if event is not None:

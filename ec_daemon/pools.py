@@ -270,10 +270,15 @@ class PoolRegistry:
         return PoolIndex(engine_id, geometry, file, policy, self._clock, emit)
 
     def get(self, engine_id: str) -> Pool:
+        """The pool; NOT_FOUND, saying why, when it is not served."""
         pool = self._pools.get(engine_id)
         if pool is None:
             raise self._missing(engine_id)
         return pool
+
+    def find(self, engine_id: str) -> Pool | None:
+        """The pool, or None when it is not served (no error to build)."""
+        return self._pools.get(engine_id)
 
     def _missing(self, engine_id: str) -> CoreError:
         """NOT_FOUND for a pool that is not served, saying why: refused, or not there."""

@@ -15,10 +15,11 @@ this daemon can read (same engine_id, block size and compat key), pulls it:
 Whatever fails (the peer lost the key, died or went silent; the read failed; the pull timeout ran
 out) aborts the local entry: its waiters see it go (a miss, or they wait on within their wait_ms)
 and nothing partial is ever READY. A read given up on while the engine may still write into the
-entry's blocks keeps them *held* (`Store.pull_abort(writing=True)`) until the transport says the
-read is over. A read that fails from a peer that restarted behind the same transfer endpoint is
-tried once more: the engine's cached descriptor of that endpoint is stale for the first read
-(Mooncake 0.3.13; `MC_DISABLE_METACACHE=1` for peers that restart at fixed ports).
+entry's blocks keeps them *held* (as any removal of an entry being written does:
+`Store.pull_reading`) until the transport says the read is over. A read that fails from a peer
+that restarted behind the same transfer endpoint is tried once more: the engine's cached
+descriptor of that endpoint is stale for the first read (Mooncake 0.3.13;
+`MC_DISABLE_METACACHE=1` for peers that restart at fixed ports).
 
 Waiting. An acquire of a key being pulled waits for the pull, up to the longer of its wait_ms and
 the pull timeout, so a caller with wait_ms 0 (Consumer.get, a Step) gets a remote hit in one
@@ -206,7 +207,7 @@ class Remote:
     def start(self, engine_id: str, keys: Sequence[bytes]) -> dict[bytes, asyncio.Future[None]]:
         """Start pulling the keys that are not here but that readable peer pools hold; the
         futures of those pulls and of the pulls already in flight among `keys`."""
-        local = self._store.pool_info(engine_id)
+        local: PoolInfo | None = None  # built for the first key a peer holds: most keys are here
         waits: dict[bytes, asyncio.Future[None]] = {}
         for found in self._store.lookup(engine_id, keys):
             key = found.key
@@ -214,13 +215,15 @@ class Remote:
             if pull is not None and found.state is EntryState.PENDING:
                 waits[key] = pull.done
             elif found.state is EntryState.ABSENT and key not in waits:
-                pull = self._begin(engine_id, key, local)
-                if pull is not None:
-                    waits[key] = pull.done
+                held = self._directory.holdings(engine_id, key)
+                if held:
+                    local = local or self._store.pool_info(engine_id)
+                    pull = self._begin(engine_id, key, readable_holdings(held, local))
+                    if pull is not None:
+                        waits[key] = pull.done
         return waits
 
-    def _begin(self, engine_id: str, key: bytes, local: PoolInfo) -> Pull | None:
-        holdings = [h for h in self._directory.holdings(engine_id, key) if readable(h.pool, local)]
+    def _begin(self, engine_id: str, key: bytes, holdings: list[Holding]) -> Pull | None:
         if not holdings:
             return None
         first = holdings[0]
@@ -272,6 +275,7 @@ class Remote:
                     )
                     return None
                 pull.reading = None
+                self._store.pull_read_over(slot)
                 error = read.exception()
                 if error is None:
                     self._read_epochs[endpoint] = peer.boot_epoch
@@ -321,10 +325,9 @@ class Remote:
         if landed is None or not self._store.pull_commit(
             slot, landed.spec, landed.checksum, seconds
         ):
-            writing = reading is not None and not reading.done()
-            self._store.pull_abort(slot, writing)
-            if reading is not None and writing:
-                reading.add_done_callback(lambda _: self._store.pull_done(slot))
+            self._store.pull_abort(slot)
+        if reading is not None:  # given up on mid-read: its blocks are free once it is over
+            reading.add_done_callback(lambda _: self._store.pull_read_over(slot))
         if self._pulls.get((slot.engine_id, slot.key)) is pull:
             del self._pulls[(slot.engine_id, slot.key)]
         pull.done.set_result(None)
@@ -388,7 +391,7 @@ class Remote:
         if published is None:
             return
         local, keys = published
-        holdings = [h for h in self._directory.holdings(engine_id, key) if readable(h.pool, local)]
+        holdings = readable_holdings(self._directory.holdings(engine_id, key), local)
         if bool(holdings) == (key in keys):
             return
         if holdings:
@@ -418,6 +421,11 @@ class Remote:
             }
             known = self._published[engine_id] = (local.pool_uuid, keys)
         return local, known[1]
+
+
+def readable_holdings(holdings: list[Holding], local: PoolInfo) -> list[Holding]:
+    """The peer pools among `holdings` that this daemon may read into its pool `local`."""
+    return [h for h in holdings if readable(h.pool, local)]
 
 
 def peer_stats(directory: PeerDirectory) -> tuple[PeerStats, ...]:

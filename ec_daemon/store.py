@@ -52,12 +52,24 @@ class PullSlot:
     pulled again)."""
 
     engine_id: str
-    key: bytes
-    session_id: str
-    extents: tuple[api.Extent, ...]
     block_size: int
-    nbytes: int
-    entry: Entry  # to free its blocks once a transfer given up on is over
+    entry: Entry  # PENDING under the pull's own session until the pull commits or aborts it
+
+    @property
+    def key(self) -> bytes:
+        return self.entry.key
+
+    @property
+    def session_id(self) -> str:
+        return self.entry.session_id
+
+    @property
+    def extents(self) -> tuple[api.Extent, ...]:
+        return self.entry.extents
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.spec.nbytes  # the same at the commit, which sets the real shape
 
 
 def item_result(key: bytes, outcome: Outcome) -> api.ItemResult:
@@ -111,12 +123,12 @@ class Store:
     def _end_session(self, session: Session) -> SessionEnd:
         aborted = 0
         for engine_id, key in sorted(session.pending):
-            pool = self._find(engine_id)
+            pool = self._pools.find(engine_id)
             if pool is not None and pool.index.abort(key, session.id).status is api.Status.OK:
                 aborted += 1
         released = 0
         for lease in list(session.leases.values()):
-            pool = self._find(lease.engine_id)
+            pool = self._pools.find(lease.engine_id)
             if pool is not None:
                 pool.index.unpin(lease.entry)
                 released += 1
@@ -192,12 +204,6 @@ class Store:
         dropped = pool.index.drop_all()
         self._pools.remove(pool)
         return dropped
-
-    def _find(self, engine_id: str) -> Pool | None:
-        try:
-            return self._pools.get(engine_id)
-        except CoreError:
-            return None
 
     # ---- entries -------------------------------------------------------------------------------
 
@@ -352,29 +358,34 @@ class Store:
         wait for it and local producers are told PENDING (single flight across nodes). Its shape
         and dtype come with the commit. None if the key is here already or there is no room."""
         pool = self._pools.get(engine_id)
-        if pool.index.get(key) is not None:
-            return None
         session_id = f"ecd-pull-{next(self._pulls)}"
         spec = api.TensorSpec((nbytes,), "uint8", nbytes)
         outcome = pool.index.allocate(key, spec, session_id, f"ecd-pull from {peer}")
         if outcome.status is not api.Status.ALLOCATED or outcome.entry is None:
             return None
-        entry = outcome.entry
-        block_size = pool.index.geometry.block_size_bytes
-        return PullSlot(engine_id, key, session_id, entry.extents, block_size, nbytes, entry)
+        return PullSlot(engine_id, pool.index.geometry.block_size_bytes, outcome.entry)
 
     def pull_reading(self, slot: PullSlot) -> None:
-        """A transfer-engine read into the pull's blocks starts (counted: one per remote hit)."""
-        pool = self._find(slot.engine_id)
+        """A transfer-engine read into the pull's blocks starts (counted: one per remote hit).
+        Until `pull_read_over`, removing the entry, however it is removed, holds its blocks."""
+        pool = self._pools.find(slot.engine_id)
         if pool is not None:
             pool.index.counters.remote_reads += 1
+            slot.entry.writing = True
+
+    def pull_read_over(self, slot: PullSlot) -> None:
+        """Nothing writes into the pull's blocks any more (the read landed, failed, or ended
+        after the pull gave up on it)."""
+        pool = self._pools.find(slot.engine_id)
+        if pool is not None:
+            pool.index.writes_over(slot.entry)
 
     def pull_commit(
         self, slot: PullSlot, spec: api.TensorSpec, checksum: int, seconds: float
     ) -> bool:
         """The bytes landed: READY with the peer's shape, dtype and checksum. False when the
         entry is gone (its pool dropped meanwhile) or the peer's entry is another size."""
-        pool = self._find(slot.engine_id)
+        pool = self._pools.find(slot.engine_id)
         if pool is None:
             return False
         index = pool.index
@@ -385,24 +396,14 @@ class Store:
         index.remote_seconds.observe(seconds)
         return True
 
-    def pull_abort(self, slot: PullSlot, writing: bool) -> None:
-        """The pull fetched nothing: the entry goes (its waiters see a miss). `writing`: a
-        transfer may still write its blocks, so they are held until `pull_done`."""
-        pool = self._find(slot.engine_id)
+    def pull_abort(self, slot: PullSlot) -> None:
+        """The pull fetched nothing: the entry goes (its waiters see a miss); blocks a read may
+        still write stay held until `pull_read_over`."""
+        pool = self._pools.find(slot.engine_id)
         if pool is None:
             return
-        index = pool.index
-        if writing:
-            index.abandon(slot.key, slot.session_id)
-        else:
-            index.abort(slot.key, slot.session_id)
-        index.counters.remote_misses += 1
-
-    def pull_done(self, slot: PullSlot) -> None:
-        """Nothing writes into an abandoned pull's blocks any more: free them."""
-        pool = self._find(slot.engine_id)
-        if pool is not None:
-            pool.index.release_held(slot.entry)
+        pool.index.abort(slot.key, slot.session_id)
+        pool.index.counters.remote_misses += 1
 
     def lookup(self, engine_id: str, keys: Sequence[bytes]) -> list[api.LookupResult]:
         index = self._pools.get(engine_id).index

@@ -290,6 +290,31 @@ async def test_a_read_past_the_timeout_holds_its_blocks_until_it_is_over(
     pair.check()
 
 
+async def test_an_entry_deleted_while_its_read_runs_keeps_its_blocks_until_the_read_is_over(
+    pair: Pair,
+) -> None:
+    pair.store_on_peer(b"k", os.urandom(2 * BLOCK))
+    pair.local.transport.hold = True
+    waits = pair.remote.start(POOL, [b"k"])
+    for _ in range(20):  # until the pull's read is in flight
+        if pair.local.transport.held:
+            break
+        await asyncio.sleep(0.01)
+    [deleted] = pair.local.store.delete(POOL, [b"k"])  # an operator's `ecd delete`
+    assert deleted.status is Status.OK and pair.state(b"k") is EntryState.ABSENT
+    stats = pair.local.stats()
+    assert stats.held_blocks == 2 and stats.free_blocks == stats.num_blocks - 2
+    pair.local.store.check()
+
+    pair.local.transport.finish_held()  # the engine is done writing the blocks
+    await asyncio.wait(set(waits.values()))
+    await settle(pair)
+    stats = pair.local.stats()
+    assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
+    assert pair.state(b"k") is EntryState.ABSENT  # the pull found its entry gone
+    pair.check()
+
+
 @pytest.mark.parametrize(("block", "compat_key"), [(2 * BLOCK, "model"), (BLOCK, "other-model")])
 async def test_a_peer_pool_of_another_geometry_or_model_is_never_read(
     shm_dirs: tuple[Path, Path], block: int, compat_key: str
