@@ -16,7 +16,7 @@ from typing import Any
 
 from ec_client.address import daemon_socket_path
 from ec_client.units import parse_size
-from ec_daemon.peers import PeerEntry
+from ec_daemon.peers import PeerEntry, peer_address
 
 ENV_PREFIX = "ECD_"
 
@@ -94,7 +94,7 @@ def _peers(value: str | list[str]) -> tuple[str, ...]:
     """HOST:PORT entries: a list (repeated flag, TOML array) or comma-separated text (env)."""
     entries = value.split(",") if isinstance(value, str) else value
     parsed = [PeerEntry.parse(str(entry)) for entry in entries if str(entry).strip()]
-    return tuple(f"[{p.host}]:{p.port}" if ":" in p.host else f"{p.host}:{p.port}" for p in parsed)
+    return tuple(peer_address(p.host, p.port) for p in parsed)
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,9 @@ class PeerEntry:
         return False
 
 
-def peer_address(ip: str, port: int) -> str:
-    """A gRPC target for one peer: `ip:port`, `[ip]:port` for IPv6."""
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+def peer_address(host: str, port: int) -> str:
+    """`host:port`, `[host]:port` for an IPv6 address: a gRPC target, a transfer endpoint."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def peer_addresses(

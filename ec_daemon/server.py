@@ -28,6 +28,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 
 from ec_client._connection import TLSFiles
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client.token_file import client_token
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
@@ -143,9 +144,12 @@ def start_peers(config: Config) -> Peers:
 def peer_access(config: Config, own_epoch: str) -> PeerAccess:
     """How this daemon calls its peers: its token and TLS files for them."""
     try:
-        token = config.peer_token_file.read_text().strip() if config.peer_token_file else None
+        # the file clients read too: its only token (`NAME TOKEN` lines, or the bare token)
+        token = client_token(config.peer_token_file, None) if config.peer_token_file else None
     except OSError as exc:
         raise checks.StartupError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise checks.StartupError(f"--peer-token-file: {exc}") from exc
     files = (config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key)
     tls = TLSFiles(*files) if any(files) else None
     return PeerAccess(own_epoch=own_epoch, token=token, tls=tls)
@@ -260,7 +264,7 @@ async def start(config: Config) -> Daemon:
             "transfer": peers.transport.endpoint if peers else "off",
             "shm_dir": str(config.shm_dir),
             "max_bytes": budget,
-            "pools": len(store.stats().pools),
+            "pools": len(store.engine_ids()),
             "boot_epoch": store.boot_epoch,
             "pid": os.getpid(),
         },

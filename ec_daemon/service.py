@@ -167,22 +167,26 @@ def put_item_result(into: pb.ItemResult, r: api.ItemResult) -> None:
     into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
 
 
+def put_extents(
+    into: pb.AllocateResult | pb.AcquireResult, extents: tuple[api.Extent, ...], packed: bool
+) -> None:
+    """A Step's reply packs them as `runs`; Allocate's and Acquire's keep `extents` messages."""
+    if packed:
+        into.runs.extend(runs_pb(extents))
+    else:
+        into.extents.extend(extents_pb(extents))
+
+
 def put_allocate_result(into: pb.AllocateResult, r: api.AllocateResult, packed: bool) -> None:
     into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
-    if packed:
-        into.runs.extend(runs_pb(r.extents))
-    else:
-        into.extents.extend(extents_pb(r.extents))
+    put_extents(into, r.extents, packed)
 
 
 def put_acquire_result(into: pb.AcquireResult, r: api.AcquireResult, packed: bool) -> None:
     into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
     if r.spec is not None:
         into.lease_id, into.checksum = r.lease_id, r.checksum
-        if packed:
-            into.runs.extend(runs_pb(r.extents))
-        else:
-            into.extents.extend(extents_pb(r.extents))
+        put_extents(into, r.extents, packed)
         tensor = into.tensor
         tensor.shape.extend(r.spec.shape)
         tensor.dtype, tensor.nbytes = r.spec.dtype, r.spec.nbytes
@@ -454,10 +458,12 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         wait_ms = validate.wait_ms(request.wait_ms)
         keys = list(request.keys)
         checked = checked_keys(keys)
+        # One deadline for both waits: a pull's wait counts against wait_ms.
+        deadline = asyncio.get_running_loop().time() + wait_ms / 1000
         if self.remote is not None:  # keys only peers hold: pulled, and waited for
             await self.remote.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if wait_ms:
-            await self._wait_ready(request.session_id, engine_id, valid(checked), wait_ms)
+            await self._wait_ready(request.session_id, engine_id, valid(checked), deadline)
         results = per_item(
             keys,
             checked,
@@ -470,16 +476,16 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         return reply
 
     async def _wait_ready(
-        self, session_id: str, engine_id: str, keys: list[bytes], wait_ms: int
+        self, session_id: str, engine_id: str, keys: list[bytes], deadline: float
     ) -> None:
-        """Wait until every key is READY or wait_ms has passed. A key PENDING or not there yet
-        is waited for; one aborted meanwhile is waited for again (another producer may take it
-        over). Each round's lookup and its waiters' registration happen in one synchronous step
-        (wait_settled registers before it first awaits), so no commit slips between them. Pins
-        are taken only after the wait, so a caller that gives up while waiting holds nothing,
-        and a wait the daemon's shutdown ends is UNAVAILABLE, safe to retry."""
+        """Wait until every key is READY or the deadline (the event loop's time) has passed. A
+        key PENDING or not there yet is waited for; one aborted meanwhile is waited for again
+        (another producer may take it over). Each round's lookup and its waiters' registration
+        happen in one synchronous step (wait_settled registers before it first awaits), so no
+        commit slips between them. Pins are taken only after the wait, so a caller that gives up
+        while waiting holds nothing, and a wait the daemon's shutdown ends is UNAVAILABLE, safe
+        to retry."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_ms / 1000
         while (waits := self.store.keys_to_wait_for(session_id, engine_id, keys)) and (
             left := deadline - loop.time()
         ) > 0:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ec_client.types import Extent
+from ec_daemon.peers import peer_address
 
 
 class TransportError(Exception):
@@ -286,8 +287,7 @@ class MooncakeTransport:
                 f"the Mooncake transfer engine did not start ({protocol} on {host}, devices "
                 f"{devices or 'any'}); its log on stderr says why"
             )
-        bracketed = f"[{host}]" if ":" in host else host
-        self._endpoint = f"{bracketed}:{self._engine.get_rpc_port()}"
+        self._endpoint = peer_address(host, self._engine.get_rpc_port())
         self._regions = MappedRegions()
         self._reads = ThreadPoolExecutor(max_reads, thread_name_prefix="ecd-transfer")
 

@@ -6,7 +6,6 @@ batch fails alone.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
@@ -17,6 +16,7 @@ from ec_client.layout import (
     MAX_COMPAT_KEY_BYTES,
     MAX_KEY_BYTES,
     MAX_NDIM,
+    tensor_nbytes,
 )
 from ec_client.types import TensorSpec
 from ec_daemon.errors import Code, CoreError
@@ -62,11 +62,11 @@ def key_problem(key: bytes) -> str | None:
 
 def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
     """The validated spec of an Allocate item, or a message saying what is wrong with it."""
-    if not 0 < len(key) <= MAX_KEY_BYTES:
-        return key_problem(key) or ""
+    problem = key_problem(key)
+    if problem is not None:
+        return problem
     dtype, nbytes, shape = spec.dtype, spec.nbytes, tuple(spec.shape)
-    itemsize = DTYPES.get(dtype)
-    if itemsize is None:
+    if dtype not in DTYPES:
         return f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}"
     if not 1 <= len(shape) <= MAX_NDIM:
         return f"shape {list(shape)} has {len(shape)} dimensions: expected 1 to {MAX_NDIM}"
@@ -74,7 +74,7 @@ def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
         return f"shape {list(shape)} has a dimension that is not positive"
     if nbytes <= 0:
         return f"nbytes {nbytes} must be positive"
-    expected = math.prod(shape) * itemsize[1]
+    expected = tensor_nbytes(shape, dtype)
     if nbytes != expected:
         return f"nbytes {nbytes} disagrees with shape {list(shape)} of {dtype}: expected {expected}"
     return TensorSpec(shape, dtype, nbytes)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ecd_testing import DEFAULT_ARGS, run_ecd, running_daemon
 
-from ec_daemon import config
+from ec_daemon import config, server
 
 GiB = 1 << 30
 
@@ -171,3 +171,13 @@ def test_a_peer_that_is_not_host_port_is_refused_naming_where_it_came_from(
     result = print_config(tmp_path, env={"ECD_PEERS": "10.0.0.8:7878,node9"})
     assert result.returncode == 2
     assert "peers from env ECD_PEERS: peer 'node9' is not HOST:PORT" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "text", ["s3cret\n", "peers s3cret  # the token this daemon presents\n"], ids=["bare", "named"]
+)
+def test_the_peer_token_file_is_read_as_a_token_file(tmp_path: Path, text: str) -> None:
+    token_file = tmp_path / "peer.token"
+    token_file.write_text(text)
+    loaded, _ = config.load({"peer_token_file": str(token_file)}, {}, None)
+    assert server.peer_access(loaded, "epoch").token == "s3cret"
