@@ -112,6 +112,13 @@ def cut_off_at_shutdown(error: EcdError) -> bool:
     return error.code == grpc.StatusCode.CANCELLED or error.reason == "shutting_down"
 
 
+def not_opened(engine_id: str) -> EcdError:
+    return EcdError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"pool {engine_id!r} was not opened by this client; call open_pool first",
+    )
+
+
 def session_lost(error: EcdError) -> bool:
     return error.code == grpc.StatusCode.NOT_FOUND and error.reason == "unknown_session"
 
@@ -207,10 +214,7 @@ class SessionState:
     def reopen_pool(self, engine_id: str) -> Plan[PoolInfo]:
         call = self.pools.get(engine_id)
         if call is None:
-            raise EcdError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pool {engine_id!r} was not opened by this client; call open_pool first",
-            )
+            raise not_opened(engine_id)
         return (yield from self.open_pool(call))
 
     def drop_pool(self, engine_id: str, force: bool) -> Plan[int]:
@@ -228,10 +232,7 @@ class SessionState:
     def pool_info(self, engine_id: str) -> PoolInfo:
         info = self.pool_infos.get(engine_id)
         if info is None:
-            raise EcdError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pool {engine_id!r} was not opened by this client; call open_pool first",
-            )
+            raise not_opened(engine_id)
         return info
 
     def restarted(self, epoch: str) -> bool:

@@ -346,20 +346,10 @@ class Client:
         results are what its own call answers. It also carries what this client owes the pool
         (see `owed`); the results returned are those of the parts given here."""
         parcel = self.owed.take(engine_id)
-        call = _wire.step(
-            engine_id,
-            parcel.release_ids() + list(releases),
-            parcel.commit_pairs() + _wire.commit_pairs(commits, checksums),
-            parcel.abort_keys() + list(map(key_bytes, aborts)),
-            acquires,
-            allocates,
+        call = parcel.step(
+            engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
         )
-        try:
-            result = self._run(call)
-        except EcdError as error:
-            parcel.fail(error)
-            raise
-        return parcel.settle(result)
+        return parcel.deliver(self._run, call)
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         """State (ABSENT, PENDING, READY), size and pins of each key; pins nothing."""

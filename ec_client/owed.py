@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from ec_client import _wire
 from ec_client.errors import EcdError
-from ec_client.types import StepResult
+from ec_client.types import AllocateItem, Key, StepResult
 
 Settle = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
 
@@ -99,6 +99,37 @@ class Parcel:
         for debt in self.releases + self.commits + self.aborts:
             debt.settle(error)
         self.delivered(self)
+
+    def step(
+        self,
+        engine_id: str,
+        releases: Sequence[int] = (),
+        commits: Sequence[tuple[bytes, int]] = (),
+        aborts: Sequence[Key] = (),
+        acquires: Sequence[Key] = (),
+        allocates: Sequence[AllocateItem] = (),
+    ) -> _wire.Call[StepResult]:
+        """A Step carrying this parcel, each part ahead of the caller's own items."""
+        return _wire.step(
+            engine_id,
+            self.release_ids() + list(releases),
+            self.commit_pairs() + list(commits),
+            self.abort_keys() + list(aborts),
+            acquires,
+            allocates,
+        )
+
+    def deliver(
+        self, run: Callable[[_wire.Call[StepResult]], StepResult], call: _wire.Call[StepResult]
+    ) -> StepResult:
+        """Run the Step that carries this parcel; every debt hears its answer (or the error,
+        which is raised too); returns the caller's answers."""
+        try:
+            result = run(call)
+        except EcdError as error:
+            self.fail(error)
+            raise
+        return self.settle(result)
 
 
 @dataclass
@@ -288,12 +319,7 @@ def send_parcel(
     """The background's send: a Step of the parcel alone, through the client's call rules."""
 
     def send(engine_id: str, parcel: Parcel) -> None:
-        call = _wire.step(
-            engine_id, parcel.release_ids(), parcel.commit_pairs(), parcel.abort_keys()
-        )
-        try:
-            parcel.settle(run(call))
-        except EcdError as error:
-            parcel.fail(error)
+        with contextlib.suppress(EcdError):  # each debt heard of it
+            parcel.deliver(run, parcel.step(engine_id))
 
     return send

@@ -240,16 +240,14 @@ def main(argv: list[str] | None = None) -> None:
     contenders += [] if args.no_eccpu else [("ECCPUConnector", "-")]
     results: dict[tuple[str, str, str, float], Outcome] = {}
     for name, pins in contenders:
+        mode = pins if pins != "-" else PIN_MODES[0]  # ECCPUConnector has none: any will do
         warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
-        one_run(name, warm, "burst", args.address, pins if pins != "-" else PIN_MODES[0])
+        one_run(name, warm, "burst", args.address, mode)
         for step_ms in step_times:
             workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
             for pattern in patterns:
                 runs = [
-                    one_run(
-                        name, workload, pattern, args.address, pins if pins != "-" else PIN_MODES[0]
-                    )
-                    for _ in range(args.runs)
+                    one_run(name, workload, pattern, args.address, mode) for _ in range(args.runs)
                 ]
                 results[(name, pins, pattern, step_ms)] = median_outcome(runs)
     if args.json:
