@@ -21,6 +21,9 @@ from collections.abc import Callable
 
 MODES = ("auto", "ahead", "every")  # the first is the default
 SMOOTHING = 0.2  # weight of the newest sample in the running averages
+# An idle engine does not step: the gap before its next step is no step time. A sample counts
+# for at most this many times the average, so a gap cannot open the pins' budget wide for long.
+MAX_STEP_GROWTH = 4.0
 
 
 class PinPolicy:
@@ -39,7 +42,10 @@ class PinPolicy:
         """A scheduler step's metadata was built: a new step starts."""
         now = self._clock()
         if self._step_began is not None:
-            self._step_s = _average(self._step_s, now - self._step_began)
+            sample = now - self._step_began
+            if self._step_s:
+                sample = min(sample, MAX_STEP_GROWTH * self._step_s)
+            self._step_s = _average(self._step_s, sample)
         self._step_began = now
         self._waited_s = 0.0
 

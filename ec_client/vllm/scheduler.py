@@ -54,8 +54,8 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import tensor_nbytes
-from ec_client.ready_view import ReadyView
 from ec_client.types import (
+    AcquireResult,
     AllocateItem,
     ItemResult,
     LeaseResult,
@@ -131,14 +131,13 @@ class SchedulerSide:
         self.loads = LoadBook(config.load_reports)
         self.saves = SaveBook()
         self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
-        self.blocked_s = 0.0  # scheduler-thread time spent waiting on the daemon, in all
         self.pins = PinPolicy(config.pins, config.pin_share, time.perf_counter)
         self._closed = False
         self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
         self._unavailable: set[str] = set()
         self._generation = self._current_generation()
         self._no_width: set[str] = set()  # modalities already warned about
-        self.view = ReadyView(self.client, config.pool, self._attach)
+        self.view = self.client.view(config.pool)  # reattaches by reopening the pool
         self.view.wait_synced(config.connect_timeout_s)
 
     def _attach(self) -> None:
@@ -319,9 +318,14 @@ class SchedulerSide:
                 self.view.add(key.encode())
         self._log_refused("abort", zip(sent.aborts, result.aborts, strict=True))
         self._log_refused("release", zip(sent.releases, result.releases, strict=True))
-        for key in self.loads.acquired(sent.acquires, result.acquires, self._loadable):
-            self.view.discard(key.encode())
+        self._pinned(sent.acquires, result.acquires)
         self.saves.allocated(list(sent.allocates), result.allocates)
+
+    def _pinned(self, keys: Sequence[str], answers: Sequence[AcquireResult]) -> None:
+        """The daemon answered pins of `keys`: the book takes the hits; a key found gone is
+        gone from the view too."""
+        for key in self.loads.acquired(keys, answers, self._loadable):
+            self.view.discard(key.encode())
 
     def _lost(self, sent: Sent, error: EcdError) -> None:
         """The Step did not reach the daemon: owed things are owed again, asked things go
@@ -364,12 +368,9 @@ class SchedulerSide:
             self.loads.give_up(keys)
             return
         finally:
-            waited = time.perf_counter() - started
-            self.blocked_s += waited
-            self.pins.pinned(waited)
+            self.pins.pinned(time.perf_counter() - started)
         self._check_generation()
-        for key in self.loads.acquired(keys, acquired, self._loadable):
-            self.view.discard(key.encode())
+        self._pinned(keys, acquired)
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -25,26 +25,36 @@ def test_auto_always_pins_the_first_request_of_a_step_at_once() -> None:
     assert policy.may_pin_now()
 
 
-def test_auto_pins_more_while_the_waiting_stays_within_its_share_of_the_step() -> None:
-    clock = FakeClock()
-    policy = PinPolicy("auto", 0.2, clock)
-    steps(policy, clock, 0.100)  # 100 ms steps: 20 ms of pins a step
+def pins_at_once(policy: PinPolicy, seconds_each: float = 0.0009) -> int:
+    """How many requests of this step the policy pins at once."""
     pinned = 0
     while policy.may_pin_now():
-        policy.pinned(0.0009)
+        policy.pinned(seconds_each)
         pinned += 1
-    assert pinned == 22
+    return pinned
 
 
-def test_auto_pins_fewer_when_steps_are_short() -> None:
+@pytest.mark.parametrize(
+    ("step_s", "pinned"),
+    [(0.100, 22), (0.010, 2)],  # 20 ms of pins a step at 100 ms steps, 2 ms at 10 ms
+    ids=["100ms-steps", "10ms-steps"],
+)
+def test_auto_pins_while_the_waiting_stays_within_its_share_of_the_step(
+    step_s: float, pinned: int
+) -> None:
     clock = FakeClock()
     policy = PinPolicy("auto", 0.2, clock)
-    steps(policy, clock, 0.010)  # 10 ms steps: 2 ms of pins a step
-    pinned = 0
-    while policy.may_pin_now():
-        policy.pinned(0.0009)
-        pinned += 1
-    assert pinned == 2
+    steps(policy, clock, step_s)
+    assert pins_at_once(policy) == pinned
+
+
+def test_an_idle_gap_between_steps_does_not_open_the_budget() -> None:
+    clock = FakeClock()
+    policy = PinPolicy("auto", 0.2, clock)
+    steps(policy, clock, 0.010)
+    clock.advance(60.0)  # the engine had nothing to do for a minute
+    policy.step_began()
+    assert pins_at_once(policy) <= 3  # a 16 ms step at most: 3.2 ms of pins, not 2.4 s
 
 
 def test_ahead_never_pins_at_once_and_every_always_does() -> None:
