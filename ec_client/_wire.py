@@ -372,8 +372,15 @@ def pool_stats(message: pb.PoolStats) -> api.PoolStats:
     )
 
 
-def watch_request(engine_id: str, snapshot: bool, include_remote: bool) -> pb.WatchRequest:
-    return pb.WatchRequest(engine_id=engine_id, snapshot=snapshot, include_remote=include_remote)
+def watch_request(
+    engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool = False
+) -> pb.WatchRequest:
+    return pb.WatchRequest(
+        engine_id=engine_id,
+        snapshot=snapshot,
+        include_remote=include_remote,
+        include_pending=include_pending,
+    )
 
 
 def watch_event(event: pb.WatchEvent) -> api.WatchEvent:

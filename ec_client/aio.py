@@ -193,10 +193,14 @@ class AsyncClient:
         return await self._run(_wire.stats(engine_id))
 
     async def watch(
-        self, engine_id: str = "", snapshot: bool = False, include_remote: bool = False
+        self,
+        engine_id: str = "",
+        snapshot: bool = False,
+        include_remote: bool = False,
+        include_pending: bool = False,
     ) -> AsyncIterator[WatchEvent]:
         stream = self._stub.Watch(
-            _wire.watch_request(engine_id, snapshot, include_remote),
+            _wire.watch_request(engine_id, snapshot, include_remote, include_pending),
             metadata=self.options.metadata,
         )
         try:

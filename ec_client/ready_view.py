@@ -17,6 +17,11 @@ With peer daemons (DESIGN §13) the stream also carries the keys peers hold (inc
 events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
 a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
 entries, for callers that must not wait on a transfer (vLLM's synchronous pin).
+
+It also follows the keys being written (include_pending: PENDING events, in the snapshot too),
+so that `pending` tells a caller a producer is writing a key right now: worth waiting for its
+commit rather than encoding the item again (the disaggregated flow, where the same request
+reaches the consumer as soon as the encoder engine answered, before its save is committed).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ class Stream(Protocol):
 
 
 class Watcher(Protocol):
-    def open_watch(self, engine_id: str, snapshot: bool, include_remote: bool) -> Stream: ...
+    def open_watch(
+        self, engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool
+    ) -> Stream: ...
 
 
 class ReadyView:
@@ -58,6 +65,7 @@ class ReadyView:
         self._lock = threading.Lock()
         self._ready: set[bytes] = set()
         self._remote: set[bytes] = set()  # keys peer daemons hold (whether here or not)
+        self._pending: set[bytes] = set()  # keys being written into this daemon's pool
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._synced = threading.Event()
         self._closed = threading.Event()
@@ -83,11 +91,16 @@ class ReadyView:
         """READY in this daemon's pool: an Acquire pins it without a transfer."""
         return key in self._ready and self._synced.is_set()
 
+    def pending(self, key: bytes) -> bool:
+        """PENDING in this daemon's pool: a producer is writing it; its commit is to come."""
+        return key in self._pending and self._synced.is_set()
+
     def add(self, key: bytes) -> None:
         """This process committed `key` itself: known READY before the event comes back."""
         with self._lock:
             self._ready.add(key)
             self._added.add(key)
+            self._pending.discard(key)
 
     def discard(self, key: bytes) -> None:
         """An Acquire found `key` gone (here and at the peers) before the event came."""
@@ -125,26 +138,35 @@ class ReadyView:
         """Follow one Watch stream until it ends; returns whether it got as far as SYNCED."""
         with self._lock:
             self._added.clear()
-        stream = self._client.open_watch(self._engine_id, snapshot=True, include_remote=True)
+        stream = self._client.open_watch(
+            self._engine_id, snapshot=True, include_remote=True, include_pending=True
+        )
         with self._lock:
             self._stream = stream
         if self._closed.is_set():
             stream.cancel()  # close() ran between the loop's check and the assignment
         snapshot: set[bytes] = set()
         remote: set[bytes] = set()
+        pending: set[bytes] = set()
         for event in stream:
             if event.type is EventType.SNAPSHOT:
                 (remote if event.remote else snapshot).add(event.key)
+            elif event.type is EventType.PENDING:
+                with self._lock:
+                    (self._pending if self._synced.is_set() else pending).add(event.key)
             elif event.type is EventType.SYNCED:
                 with self._lock:
                     # A key committed here after the stream opened may be missing from the
                     # snapshot, its event still to come: the client must read its own writes.
                     self._ready = snapshot | self._added
                     self._remote = remote
+                    self._pending = pending - self._ready
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
                 with self._lock:
                     (self._remote if event.remote else self._ready).add(event.key)
+                    if not event.remote:
+                        self._pending.discard(event.key)
             elif event.type in _GONE:
                 with self._lock:
                     if event.remote:
@@ -152,6 +174,7 @@ class ReadyView:
                     else:
                         self._ready.discard(event.key)
                         self._added.discard(event.key)
+                        self._pending.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()

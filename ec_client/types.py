@@ -60,7 +60,8 @@ class EntryState(enum.Enum):
 
 class EventType(enum.Enum):
     """What a Watch event says. SNAPSHOT and SYNCED exist only on a stream; the others are what
-    the daemon's core publishes as entries change."""
+    the daemon's core publishes as entries change. PENDING reaches only watchers that ask for
+    it (include_pending): an entry was allocated, its producer is writing it."""
 
     SNAPSHOT = "snapshot"
     SYNCED = "synced"
@@ -69,6 +70,7 @@ class EventType(enum.Enum):
     ABORTED = "aborted"
     DELETED = "deleted"
     POOL_DROPPED = "pool_dropped"
+    PENDING = "pending"
 
 
 class Role(enum.Enum):

@@ -30,6 +30,7 @@ class Subscription:
     engine_id: str
     limit: int
     include_remote: bool = False  # also the keys peer daemons hold (events with `remote`)
+    include_pending: bool = False  # also PENDING events (entries allocated, being written)
     queue: asyncio.Queue[WatchEvent | StreamEnd] = field(default_factory=asyncio.Queue)
     ended: bool = False
 
@@ -37,6 +38,8 @@ class Subscription:
         if self.ended or (self.engine_id and event.engine_id != self.engine_id):
             return
         if event.remote and not self.include_remote:
+            return
+        if event.type is EventType.PENDING and not self.include_pending:
             return
         if self.queue.qsize() >= self.limit:
             self.end(StreamEnd.OVERFLOW)
@@ -57,11 +60,12 @@ class EventHub:
         self.waits_ended = False  # the daemon is stopping: no wait lasts any longer
 
     def publish(self, event: WatchEvent) -> None:
-        # Any event about a key settles its waiters: it became READY or went away. A dropped pool
-        # settles every waiter of that pool. What peers hold settles nothing here (a pull's own
-        # entry does, when it commits or aborts).
+        # Any other event about a key settles its waiters: it became READY or went away. A
+        # dropped pool settles every waiter of that pool. What peers hold settles nothing here
+        # (a pull's own entry does, when it commits or aborts), nor does an allocation: the
+        # waiters wait for the commit.
         settled: list[tuple[str, bytes]]
-        if event.remote:
+        if event.remote or event.type is EventType.PENDING:
             settled = []
         elif event.type is EventType.POOL_DROPPED:
             settled = [k for k in self._waiters if k[0] == event.engine_id]
@@ -96,8 +100,12 @@ class EventHub:
                     if not waiting:
                         del self._waiters[(engine_id, key)]
 
-    def subscribe(self, engine_id: str, include_remote: bool = False) -> Subscription:
-        subscription = Subscription(engine_id, self._watch_queue_limit, include_remote)
+    def subscribe(
+        self, engine_id: str, include_remote: bool = False, include_pending: bool = False
+    ) -> Subscription:
+        subscription = Subscription(
+            engine_id, self._watch_queue_limit, include_remote, include_pending
+        )
         self._subscriptions.add(subscription)
         return subscription
 

@@ -229,6 +229,7 @@ class PoolIndex:
             created_at=self._clock(),
         )
         self._entries[key] = entry
+        self._emit(EventType.PENDING, key, spec.nbytes)
         return Outcome(Status.ALLOCATED, entry=entry)
 
     def commit(

@@ -591,10 +591,11 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 self.store.pool_info(engine_id)  # NOT_FOUND for a pool that does not exist
             # Snapshot and subscription in one synchronous step, so no event falls between.
             remote = self.remote if request.include_remote else None
-            snapshot = self.store.ready_snapshot(engine_id) if request.snapshot else []
+            pending = request.include_pending
+            snapshot = self.store.ready_snapshot(engine_id, pending) if request.snapshot else []
             if remote is not None and request.snapshot:
                 snapshot += remote.snapshot(engine_id)
-            subscription = self.hub.subscribe(engine_id, include_remote=remote is not None)
+            subscription = self.hub.subscribe(engine_id, remote is not None, pending)
         except CoreError as exc:
             await abort(self.store, context, exc)
             return

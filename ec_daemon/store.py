@@ -453,17 +453,23 @@ class Store:
 
     # ---- observation ---------------------------------------------------------------------------
 
-    def ready_snapshot(self, engine_id: str = "") -> list[api.WatchEvent]:
-        """Every READY entry of one pool (or all), as the snapshot that begins a Watch. The
-        caller subscribes to live events in the same synchronous step, so none falls between."""
+    def ready_snapshot(
+        self, engine_id: str = "", include_pending: bool = False
+    ) -> list[api.WatchEvent]:
+        """Every READY entry of one pool (or all), as the snapshot that begins a Watch, and with
+        include_pending every PENDING one as a PENDING event. The caller subscribes to live
+        events in the same synchronous step, so none falls between."""
         pools = [self._pools.get(engine_id)] if engine_id else self._pools.all()
+        snapshot_of = {api.EntryState.READY: api.EventType.SNAPSHOT}
+        if include_pending:
+            snapshot_of[api.EntryState.PENDING] = api.EventType.PENDING
         return [
             api.WatchEvent(
-                api.EventType.SNAPSHOT, pool.engine_id, e.key, e.spec.nbytes, self.boot_epoch
+                snapshot_of[e.state], pool.engine_id, e.key, e.spec.nbytes, self.boot_epoch
             )
             for pool in pools
             for e in pool.index.entries()
-            if e.state is api.EntryState.READY
+            if e.state in snapshot_of
         ]
 
     def stats(self, engine_id: str = "") -> api.Stats:

@@ -288,7 +288,8 @@ class Engine:
 
     def answered(self) -> None:
         """Wait until the daemon answered every Step the scheduler side sent."""
-        self.scheduler.client.settle(10)
+        if self.scheduler.client is not None:  # None: the daemon was never reached
+            self.scheduler.client.settle(10)
 
     def admit(self, req: Request, max_steps: int = 3) -> tuple[int, StepResult]:
         """Step with `req` until it gets past ensure_cache_available; returns how many steps it

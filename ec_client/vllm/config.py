@@ -15,6 +15,11 @@ Keys of `ec_connector_extra_config`:
   between engines (a producer and a consumer engine) or to keep it across engine restarts.
 - `ecd_wait_ms`: how long a consumer holds a request back while an item it needs is not in the
   pool yet (another engine may be encoding it), before encoding it itself. Default 0.
+- `ecd_pending_wait_ms`: how long a consumer holds a request back while an item it needs is
+  being written into the pool (another engine encoded it and its save is on its way), before
+  encoding it itself. Default 2000: in the disaggregated flow the same request reaches the
+  prefill/decode engine as soon as the encoder engine answered, a step or two before that
+  engine's save is committed; waiting is cheaper than encoding again, and bounded by this.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon is unreachable. Default 2.
 - `ecd_pins`: when a request's cached items are pinned (see pins.py): `auto` (default) pins the
@@ -61,6 +66,7 @@ class ConnectorConfig:
     is_producer: bool
     is_consumer: bool
     wait_s: float
+    pending_wait_s: float
     pins: str  # "auto", "ahead" or "every": see `ecd_pins`
     pin_share: float
     connect_timeout_s: float
@@ -119,6 +125,7 @@ class ConnectorConfig:
             is_producer=bool(ec.is_ec_producer),
             is_consumer=bool(ec.is_ec_consumer),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
+            pending_wait_s=_number(extra, "ecd_pending_wait_ms", 2000) / 1000,
             pins=_choice(extra, "ecd_pins", PIN_MODES),
             pin_share=_number(extra, "ecd_pin_share", 0.2),
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),

@@ -83,11 +83,14 @@ class LoadBook:
         ready: Callable[[str], bool],
         now: float,
         wait_s: float,
+        pending: Callable[[str], bool] = lambda key: False,
+        pending_wait_s: float = 0.0,
     ) -> bool:
         """Whether the request may be scheduled now: every key it still needs is pinned, or is
-        to be encoded. A key the pool has READY is wanted (pinned at the next flush); with
-        wait_s, a key the pool lacks is waited for that long (another engine may be encoding
-        it). Either holds the request back this step."""
+        to be encoded. A key the pool has READY is wanted (pinned at the next flush); a key
+        `pending` in the pool (a producer is writing it) is waited for up to pending_wait_s,
+        and with wait_s a key the pool lacks up to that long (another engine may be about to
+        encode it). Any of these holds the request back this step."""
         admitted = True
         for key in keys:
             self._by_request[request_id].add(key)
@@ -102,9 +105,9 @@ class LoadBook:
             elif key in self._wanted or ready(key):
                 self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
-            elif wait_s > 0:
+            elif (limit := max(wait_s, pending_wait_s) if pending(key) else wait_s) > 0:
                 since = self._absent_since.setdefault((request_id, key), now)
-                admitted = admitted and now - since >= wait_s
+                admitted = admitted and now - since >= limit
         return admitted
 
     def pinned(self, key: str) -> bool:

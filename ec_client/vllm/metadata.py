@@ -50,7 +50,7 @@ class ECDaemonConnectorMetadata(ECConnectorMetadata):
     worker keeps them (a reference to the tensor) until a later step's `saves` orders their copy
     or `cancelled` says they will not be saved (see saves.py)."""
 
-    pool: PoolInfo
+    pool: PoolInfo | None  # None until the scheduler side first reached the daemon
     saves: dict[str, SaveOrder] = field(default_factory=dict)
     loads: dict[str, LoadOrder] = field(default_factory=dict)
     save_intents: set[str] = field(default_factory=set)

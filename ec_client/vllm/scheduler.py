@@ -29,16 +29,26 @@ hazard ECCPUConnector has within a step).
 
 The daemon is an optimisation, never a dependency of a request: while it is unreachable (the
 Watch stream is down) the connector sends nothing, answers every has_cache_item with False and
-saves nothing, so requests are encoded as if there were no cache. When our session is new (the
-daemon restarted, or our lease ran out) or the pool was recreated, everything held in the old one
-is void: its pins and PENDING entries are gone, and requests whose loads were in flight fail
-(take_unavailable_requests) rather than risk bytes that may have been overwritten.
+saves nothing, so requests are encoded as if there were no cache. That holds from the start too:
+a daemon not reachable when the engine starts is tried again in the background (`NothingReady`
+stands for the pool's view until then).
+
+A consumer holds a request back while an item it needs is being written into the pool (the
+view's `pending`: another engine encoded it, its save is not committed yet), up to
+`ecd_pending_wait_ms`, then loads it: in the disaggregated flow the request reaches this engine
+as soon as the encoder engine answered, a step or two before that engine commits.
+
+When our session is new (the daemon restarted, or our lease ran out) or the pool was recreated,
+everything held in the old one is void: its pins and PENDING entries are gone, and requests
+whose loads were in flight fail (take_unavailable_requests) rather than risk bytes that may have
+been overwritten.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -54,6 +64,7 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import tensor_nbytes
+from ec_client.ready_view import ReadyView
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -79,6 +90,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ec_client.vllm")
 
 CALL_TIMEOUT_S = 10.0
+# While the daemon was never reached, how often the connector tries again.
+CONNECT_RETRY_FIRST_S = 0.5
+CONNECT_RETRY_MAX_S = 5.0
 
 
 class PoolRefused(RuntimeError):
@@ -102,48 +116,106 @@ class Sent:
         return bool(self.releases or self.commits or self.aborts or self.acquires or self.allocates)
 
 
+class NothingReady:
+    """The view of the pool before the daemon was first reached: nothing READY, never synced,
+    so the connector sends nothing and every input is encoded."""
+
+    synced = False
+
+    def has(self, key: bytes) -> bool:
+        return False
+
+    has_local = pending = has
+
+    def add(self, key: bytes) -> None:
+        pass
+
+    discard = add
+
+    def close(self) -> None:
+        pass
+
+
 class SchedulerSide:
     def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
         self._vllm_config = vllm_config
         self.config = config
+        self.loads = LoadBook(config.load_reports)
+        self.saves = SaveBook()
+        self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
+        self.pins = PinPolicy(config.pins, config.pin_share, time.perf_counter)
+        self._closed = threading.Event()
+        self._connecting = threading.Lock()  # a late connect against shutdown
+        self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
+        self._unavailable: set[str] = set()
+        self._no_width: set[str] = set()  # modalities already warned about
+        # Set once, when the daemon is first reached: the view last, so that a synced view
+        # always means a client and a generation to go with it.
+        self.client: Client | None = None
+        self._generation = ("", "")
+        self.view: ReadyView | NothingReady = NothingReady()
+        try:
+            self._connect()
+        except EcdError as error:
+            if error.code is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            # The daemon is an optimisation, never a dependency of the engine: it may start
+            # after the engine (pods and units start in any order) or be restarting.
+            log.warning(
+                "ecd is not reachable, the engine encodes everything until it is: %s", error
+            )
+            threading.Thread(target=self._connect_later, name="ecd-connect", daemon=True).start()
+
+    def _connect(self) -> None:
+        """Open a session and the pool (create or attach), then follow the pool. PoolRefused if
+        the pool is another engine's: a configuration error, said at once."""
+        c = self.config
         role = {(True, True): Role.BOTH, (True, False): Role.PRODUCER}.get(
-            (config.is_producer, config.is_consumer), Role.CONSUMER
+            (c.is_producer, c.is_consumer), Role.CONSUMER
         )
-        self.client = Client(
-            config.address,
-            name=config.client_name,
+        client = Client(
+            c.address,
+            name=c.client_name,
             role=role,
-            connect_timeout_s=config.connect_timeout_s,
+            connect_timeout_s=c.connect_timeout_s,
             call_timeout_s=CALL_TIMEOUT_S,
         )
         try:
-            self._attach()
+            client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
         except EcdError as error:
-            self.client.close()
+            client.close()
             if error.code is grpc.StatusCode.FAILED_PRECONDITION:
                 raise PoolRefused(
-                    f"ecd at {self.client.target} refused pool {config.pool!r} to this engine: "
+                    f"ecd at {client.target} refused pool {c.pool!r} to this engine: "
                     f"{error.message}. Engines share a pool only with the same model, dtype, "
                     "embedding width, vLLM version and ec_cpu_bytes; give this engine another "
                     "ecd_pool."
                 ) from None
             raise
-        self.loads = LoadBook(config.load_reports)
-        self.saves = SaveBook()
-        self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
-        self.pins = PinPolicy(config.pins, config.pin_share, time.perf_counter)
-        self._closed = False
-        self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
-        self._unavailable: set[str] = set()
-        self._generation = self._current_generation()
-        self._no_width: set[str] = set()  # modalities already warned about
-        self.view = self.client.view(config.pool)  # reattaches by reopening the pool
-        self.view.wait_synced(config.connect_timeout_s)
+        self.client = client
+        self._generation = self._current_generation(client)
+        view = client.view(c.pool)  # reattaches by reopening the pool
+        view.wait_synced(c.connect_timeout_s)
+        self.view = view
 
-    def _attach(self) -> None:
-        """OpenPool: create or attach; idempotent, so also the way back after a restart."""
-        c = self.config
-        self.client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
+    def _connect_later(self) -> None:
+        """Until the daemon is first reached: try again, backing off to CONNECT_RETRY_MAX_S."""
+        delay = CONNECT_RETRY_FIRST_S
+        while not self._closed.wait(delay):
+            try:
+                with self._connecting:
+                    if self._closed.is_set():
+                        return
+                    self._connect()
+            except PoolRefused as refused:
+                log.error("%s The engine runs without the cache.", refused)
+                return
+            except EcdError as error:
+                log.debug("ecd still not reachable: %s", error)
+                delay = min(2 * delay, CONNECT_RETRY_MAX_S)
+                continue
+            log.info("ecd reached at %s: the cache is in use", self.config.address or "default")
+            return
 
     # ---- vLLM's scheduler calls, in step order -------------------------------------------------
 
@@ -157,9 +229,7 @@ class SchedulerSide:
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
         wait_s = self.config.wait_s if self.view.synced else 0.0
-        admitted = self.loads.admit(
-            request.request_id, needed, self._ready, time.monotonic(), wait_s
-        )
+        admitted = self._admit(request.request_id, needed, wait_s)
         if admitted or not self._may_pin_now():
             return admitted
         # Only items READY in this daemon's pool: an item only a peer daemon holds is pulled
@@ -170,10 +240,12 @@ class SchedulerSide:
         if not wanted:
             return False  # held for another reason (waiting for an item not in the pool)
         self._pin_now(wanted)
-        return self.loads.admit(request.request_id, needed, self._ready, time.monotonic(), wait_s)
+        return self._admit(request.request_id, needed, wait_s)
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self.config.is_consumer and not self._closed and self.loads.pinned(identifier)
+        return (
+            self.config.is_consumer and not self._closed.is_set() and self.loads.pinned(identifier)
+        )
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
@@ -190,20 +262,15 @@ class SchedulerSide:
         self._absorb()
         self.pins.step_began()
         if self.view.synced:
-            self._send(
-                "flush",
-                releases=self.loads.take_releases(),
-                commits=self.saves.take_landed(),
-                aborts=self.saves.take_failed(),
-                acquires=self.loads.take_wanted(),
-                allocates=self.saves.take_planned(),
+            self._send_owed(
+                "flush", acquires=self.loads.take_wanted(), allocates=self.saves.take_planned()
             )
         else:  # the daemon is away: waiting requests encode, and this step saves nothing
             self.loads.give_up()
-            self.saves.take_planned()
+            self.saves.give_up(self.saves.take_planned())  # no intents: nothing is kept
         saves, cancelled = self.saves.take_orders()
         return ECDaemonConnectorMetadata(
-            pool=self.client.pool_info(self.config.pool),
+            pool=self.client.pool_info(self.config.pool) if self.client else None,
             saves=saves,
             loads=self.loads.take_step(),
             save_intents=self.saves.intents(),
@@ -224,12 +291,7 @@ class SchedulerSide:
         for transfer_id, rank in meta.loaded:
             self.loads.report(transfer_id, rank)
         if self.view.synced:  # commit what landed at once: a hit for the very next step
-            self._send(
-                "report",
-                releases=self.loads.take_releases(),
-                commits=self.saves.take_landed(),
-                aborts=self.saves.take_failed(),
-            )
+            self._send_owed("report")
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         self.loads.drop_holder(request.request_id, request.mm_features[index].identifier)
@@ -247,17 +309,44 @@ class SchedulerSide:
         return self.view.synced and bool(self.loads.busy() or self.saves.busy() or self._sent)
 
     def shutdown(self) -> None:
-        """Closing the session makes the daemon abort our PENDING entries and release our pins.
-        A private pool (the default, per-run name) cannot be found by anyone else: drop it.
-        From now on nothing is promised: no pin survives the session."""
-        self._closed = True
+        """Commit the saves whose copies landed and release what the workers are done with,
+        then close the session: the daemon aborts our other PENDING entries and releases our
+        pins. A private pool (the default, per-run name) cannot be found by anyone else: drop
+        it. From now on nothing is promised: no pin survives the session."""
+        with self._connecting:  # a late connect either finished or will not start
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        client = self.client
+        if client is None:
+            return  # the daemon was never reached
+        self._absorb()
+        if self.view.synced:
+            self._send_owed("shutdown")
         self.view.close()
         if self.config.pool_is_private:
             with contextlib.suppress(EcdError):
-                self.client.drop_pool(self.config.pool, force=True)
-        self.client.close()
+                client.drop_pool(self.config.pool, force=True)
+        client.close()  # after the background Steps are answered (within its settle time)
 
     # ---- Steps -----------------------------------------------------------------------------------
+
+    def _send_owed(
+        self,
+        why: str,
+        acquires: Sequence[str] = (),
+        allocates: dict[str, TensorSpec] | None = None,
+    ) -> None:
+        """One Step with everything owed (releases, commits of landed saves, aborts of failed
+        ones) and what is asked."""
+        self._send(
+            why,
+            releases=self.loads.take_releases(),
+            commits=self.saves.take_landed(),
+            aborts=self.saves.take_failed(),
+            acquires=acquires,
+            allocates=allocates,
+        )
 
     def _send(
         self,
@@ -282,8 +371,9 @@ class SchedulerSide:
         items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in sent.allocates.items()]
         pool = self.config.pool
         self.rpcs[why] += 1
-        future = self.client.later(
-            lambda: self.client.step(
+        client = self._reached()
+        future = client.later(
+            lambda: client.step(
                 pool,
                 releases=sent.releases,
                 commits=sent.commits,
@@ -362,7 +452,7 @@ class SchedulerSide:
         self.rpcs["pin"] += 1
         started = time.perf_counter()
         try:
-            acquired = self.client.step(self.config.pool, acquires=keys).acquires
+            acquired = self._reached().step(self.config.pool, acquires=keys).acquires
         except EcdError as error:
             log.warning("ecd pin failed, the items are encoded: %s", error)
             self.loads.give_up(keys)
@@ -374,13 +464,21 @@ class SchedulerSide:
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    def _current_generation(self) -> tuple[str, str]:
+    def _reached(self) -> Client:
+        """The client, where the view is synced (so the daemon was reached)."""
+        if self.client is None:
+            raise RuntimeError("ecd was never reached: nothing may be sent")
+        return self.client
+
+    def _current_generation(self, client: Client) -> tuple[str, str]:
         """Our pins and PENDING entries live as long as our session and the pool file: a new
         session (daemon restarted, or our lease ran out) or a new pool UUID voids them."""
-        return self.client.session_id, self.client.pool_info(self.config.pool).pool_uuid
+        return client.session_id, client.pool_info(self.config.pool).pool_uuid
 
     def _check_generation(self) -> None:
-        generation = self._current_generation()
+        if self.client is None:
+            return
+        generation = self._current_generation(self.client)
         if generation == self._generation:
             return
         self._generation = generation
@@ -394,8 +492,22 @@ class SchedulerSide:
             len(failed),
         )
 
+    def _admit(self, request_id: str, needed: list[str], wait_s: float) -> bool:
+        return self.loads.admit(
+            request_id,
+            needed,
+            self._ready,
+            time.monotonic(),
+            wait_s,
+            pending=self._pending,
+            pending_wait_s=self.config.pending_wait_s,
+        )
+
     def _ready(self, key: str) -> bool:
         return self.view.has(key.encode())
+
+    def _pending(self, key: str) -> bool:
+        return self.view.pending(key.encode())
 
     def _loadable(self, spec: TensorSpec) -> bool:
         """Encoder outputs are (rows, width) in the model dtype; anything else is not ours."""

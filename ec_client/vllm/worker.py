@@ -117,7 +117,8 @@ class WorkerSide:
     def begin(self, meta: ECDaemonConnectorMetadata) -> None:
         if not (self.loads or self.saves):
             return
-        self._map(meta.pool)
+        if meta.pool is not None:  # None until the scheduler side reached the daemon
+            self._map(meta.pool)
         if self.saves:
             self._unsaved = set(meta.saves)
             self._intents = meta.save_intents
@@ -137,12 +138,11 @@ class WorkerSide:
     def load(self, meta: ECDaemonConnectorMetadata, encoder_cache: dict[str, torch.Tensor]) -> None:
         if not self.loads:
             return  # a later pipeline stage: it never reads input embeddings
-        mover = self._map(meta.pool)
         for key, order in meta.loads.items():
             if key in encoder_cache:  # already here: nothing is read from the pool
                 self._loaded.append(order.transfer_id)
                 continue
-            tensor, transfer = mover.load(order.extents, order.spec)
+            tensor, transfer = self._mover_of(meta).load(order.extents, order.spec)
             encoder_cache[key] = tensor
             self._loading.append((order.transfer_id, transfer))
 
@@ -169,7 +169,7 @@ class WorkerSide:
             log.warning("not saving %s: %s", key, why)
             self._failed.append(key)
             return
-        self._saving.append((key, self._map(meta.pool).save(tensor, order.extents)))
+        self._saving.append((key, self._mover_of(meta).save(tensor, order.extents)))
 
     def report(self) -> ECDaemonWorkerMetadata | None:
         """Close the step: orders never carried out failed; finished copies are reported."""
@@ -196,6 +196,12 @@ class WorkerSide:
         if self._created_private_pool:
             with contextlib.suppress(EcdError), self._client() as client:
                 client.drop_pool(self.config.pool, force=True)
+
+    def _mover_of(self, meta: ECDaemonConnectorMetadata) -> TensorMover:
+        """The mover for a step that orders copies: it names its pool."""
+        if meta.pool is None:
+            raise RuntimeError("a step ordered copies without naming the pool")
+        return self._map(meta.pool)
 
     def _map(self, pool: PoolInfo) -> TensorMover:
         """The mover for this pool; maps it on first use and again if the daemon recreated it."""

@@ -86,6 +86,26 @@ def test_watch_streams_a_snapshot_then_live_events(daemon: Daemon) -> None:
         events.close()
 
 
+def test_a_watch_with_include_pending_also_streams_the_entries_being_written(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("writing", (1,), "uint8")])
+        events = c.watch(POOL, snapshot=True, include_pending=True)
+        assert [(e.type, e.key) for e in (next(events), next(events))] == [
+            (EventType.PENDING, b"writing"),
+            (EventType.SYNCED, b""),
+        ]
+        c.allocate(POOL, [AllocateItem("next", (1,), "uint8")])
+        c.commit(POOL, ["writing"])
+        assert [(e.type, e.key) for e in (next(events), next(events))] == [
+            (EventType.PENDING, b"next"),
+            (EventType.COMMITTED, b"writing"),
+        ]
+        events.close()
+
+
 def test_a_watch_cancelled_from_another_thread_ends_its_iteration_quietly(daemon: Daemon) -> None:
     with daemon.client() as c:
         c.open_pool(POOL, BLOCK, 64 * BLOCK)

@@ -100,3 +100,26 @@ async def test_ending_waits_settles_every_waiter_and_every_later_wait_at_once() 
     await asyncio.wait_for(waiting, 1.0)
     await asyncio.wait_for(hub.wait_settled("q", [b"k"], 60.0), 1.0)
     assert not hub._waiters
+
+
+async def test_an_allocation_does_not_settle_a_waiter_its_commit_does() -> None:
+    hub = EventHub()
+    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 5.0))
+    await asyncio.sleep(0)
+    hub.publish(event(EventType.PENDING))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    hub.publish(event(EventType.COMMITTED))
+    await asyncio.wait_for(waiting, 1.0)
+
+
+async def test_pending_events_reach_only_subscriptions_that_asked_for_them() -> None:
+    hub = EventHub()
+    plain, pending = hub.subscribe("p"), hub.subscribe("p", include_pending=True)
+    hub.publish(event(EventType.PENDING))
+    hub.publish(event(EventType.COMMITTED))
+    assert [plain.queue.get_nowait()] == [event(EventType.COMMITTED)]
+    assert [pending.queue.get_nowait(), pending.queue.get_nowait()] == [
+        event(EventType.PENDING),
+        event(EventType.COMMITTED),
+    ]

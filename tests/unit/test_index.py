@@ -69,8 +69,8 @@ def test_an_allocated_entry_is_pending_and_invisible_to_pins() -> None:
 def test_commit_journals_the_entry_before_telling_watchers() -> None:
     index, journal, sink = make_index()
     put(index, b"k", 2)
-    assert sink.events == [(EventType.COMMITTED, b"k")]
-    assert sink.journaled_at_event == [True]
+    assert sink.events == [(EventType.PENDING, b"k"), (EventType.COMMITTED, b"k")]
+    assert sink.journaled_at_event == [False, True]
     [record] = journal.records.values()
     assert record.key == b"k" and record.extents == ((0, 2),)
 
@@ -79,8 +79,8 @@ def test_an_evicted_entry_is_erased_from_the_journal_before_watchers_hear_of_it(
     index, _, sink = make_index(blocks=2, slots=2)
     put(index, b"old", 2)
     index.allocate(b"new", spec(2 * BLOCK), "s", "producer")
-    assert sink.events[-1] == (EventType.EVICTED, b"old")
-    assert sink.journaled_at_event[-1] is False
+    assert sink.events[-2:] == [(EventType.EVICTED, b"old"), (EventType.PENDING, b"new")]
+    assert sink.journaled_at_event[-2] is False
 
 
 def test_a_removed_entry_is_erased_from_the_journal_before_its_blocks_are_reused() -> None:

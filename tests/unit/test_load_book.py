@@ -55,6 +55,28 @@ def test_with_a_wait_an_absent_key_holds_the_request_that_long() -> None:
     assert book.admit("r1", ["k"], ready(), now=12.0, wait_s=2.0)
 
 
+def test_a_key_being_written_holds_the_request_until_it_is_ready() -> None:
+    book = LoadBook(1)
+    writing = ready("k")
+    assert not book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=writing, pending_wait_s=2.0)
+    assert not book.admit("r1", ["k"], ready(), 11.0, 0.0, pending=writing, pending_wait_s=2.0)
+    # Committed: wanted, so pinned at the next flush, then loaded.
+    assert not book.admit("r1", ["k"], ready("k"), 11.5, 0.0, pending=ready(), pending_wait_s=2.0)
+    assert book.wanted() == ["k"]
+
+
+def test_a_key_being_written_for_too_long_is_encoded_after_the_pending_wait() -> None:
+    book = LoadBook(1)
+    writing = ready("k")
+    assert not book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=writing, pending_wait_s=2.0)
+    assert book.admit("r1", ["k"], ready(), 12.0, 0.0, pending=writing, pending_wait_s=2.0)
+
+
+def test_an_absent_key_nobody_writes_does_not_wait_for_the_pending_wait() -> None:
+    book = LoadBook(1)
+    assert book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=ready(), pending_wait_s=2.0)
+
+
 def test_a_missed_key_does_not_hold_its_request_back_again() -> None:
     book = LoadBook(1)
     book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)

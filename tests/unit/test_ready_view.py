@@ -45,8 +45,10 @@ class FakeClient:
     def __init__(self) -> None:
         self.streams: queue.Queue[FakeStream] = queue.Queue()
 
-    def open_watch(self, engine_id: str, snapshot: bool, include_remote: bool) -> FakeStream:
-        assert snapshot and include_remote
+    def open_watch(
+        self, engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool
+    ) -> FakeStream:
+        assert snapshot and include_remote and include_pending
         stream = FakeStream()
         self.streams.put(stream)
         return stream
@@ -102,6 +104,30 @@ def test_commits_and_removals_are_followed(setup: Any) -> None:
         eventually(lambda: not view.has(b"b"))
         stream.items.put(event(EventType.COMMITTED, "b"))
         eventually(lambda: view.has(b"b"))
+
+
+def test_keys_being_written_are_pending_until_committed_or_aborted(setup: Any) -> None:
+    view, client, _ = setup
+    stream = client.streams.get(timeout=5)
+    stream.items.put(event(EventType.PENDING, "a"))  # in the snapshot
+    stream.items.put(event(EventType.SYNCED))
+    eventually(lambda: view.pending(b"a"))
+    stream.items.put(event(EventType.PENDING, "b"))  # live
+    eventually(lambda: view.pending(b"b"))
+
+    stream.items.put(event(EventType.COMMITTED, "a"))
+    stream.items.put(event(EventType.ABORTED, "b"))
+    eventually(lambda: view.has(b"a") and not view.pending(b"a") and not view.pending(b"b"))
+    assert not view.has(b"b")
+
+
+def test_a_key_this_process_committed_is_no_longer_pending(setup: Any) -> None:
+    view, client, _ = setup
+    stream = synced(client)
+    stream.items.put(event(EventType.PENDING, "a"))
+    eventually(lambda: view.pending(b"a"))
+    view.add(b"a")
+    assert view.has(b"a") and not view.pending(b"a")
 
 
 def test_a_broken_stream_forgets_everything_then_reattaches_and_resyncs(setup: Any) -> None:

@@ -360,7 +360,7 @@ def test_closing_a_session_aborts_and_releases_at_once(store: Store) -> None:
         store.allocate(sid, "p", [(b"x", spec(BLOCK))])
 
 
-def test_events_tell_of_commits_aborts_evictions_and_deletes(
+def test_events_tell_of_allocations_commits_aborts_evictions_and_deletes(
     shm_dir: Path, clock: FakeClock
 ) -> None:
     events: list[WatchEvent] = []
@@ -374,9 +374,12 @@ def test_events_tell_of_commits_aborts_evictions_and_deletes(
     store.delete("p", [b"c"])
     assert {(e.engine_id, e.boot_epoch) for e in events} == {("p", store.boot_epoch)}
     assert [(e.type, e.key) for e in events] == [
+        (EventType.PENDING, b"a"),
         (EventType.COMMITTED, b"a"),
         (EventType.EVICTED, b"a"),
+        (EventType.PENDING, b"b"),
         (EventType.ABORTED, b"b"),
+        (EventType.PENDING, b"c"),
         (EventType.COMMITTED, b"c"),
         (EventType.DELETED, b"c"),
     ]

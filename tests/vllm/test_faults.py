@@ -80,11 +80,28 @@ def test_while_the_daemon_is_down_requests_are_encoded_without_stalling_the_step
     assert after.loaded == {"img-a": digest(encoder_output("img-a"))}
 
 
+def test_an_engine_started_while_the_daemon_is_down_encodes_then_uses_it_once_it_is_up(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    daemon.stop()
+    e = engine(pool="durable")  # no error: the daemon is an optimisation
+    step = e.schedule([request("r1", "img-a")])
+    assert step.encode == {"img-a": ROWS} and step.metadata.pool is None
+    assert not e.finish(e.run(step)) and not e.connector.has_pending_push_work()
+
+    daemon.start()
+    wait_until(lambda: e.scheduler.view.synced, timeout_s=15)
+    e.save("r2", "img-b")
+    _, after = e.admit(request("r3", "img-b"))
+    assert after.loaded == {"img-b": digest(encoder_output("img-b"))}
+
+
 def test_a_worker_killed_mid_save_leaves_nothing_pending_once_its_engine_stops(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     producer = engine(role="ec_producer", pool="shared")
-    consumer = engine(role="ec_consumer", pool="shared")
+    # Not waiting for PENDING entries: a consumer's wait is bounded (test_two_engines).
+    consumer = engine(role="ec_consumer", pool="shared", extra={"ecd_pending_wait_ms": 0})
     producer.schedule([request("p1", "img-a")])
     producer.answered()  # allocated: PENDING in the daemon
     producer.workers[0].kill()  # before it copied anything

@@ -1,8 +1,9 @@
 """Two engines on one node sharing one pool by name (`ecd_pool`): an encoder engine
 (ec_producer) and a prefill/decode engine (ec_consumer), with no network transfer at all.
 
-Proves: the consumer loads what the producer saved, bit-identical, without encoding it; with
-ecd_wait_ms it waits for an item still being encoded elsewhere instead of encoding it twice; a
+Proves: the consumer loads what the producer saved, bit-identical, without encoding it; it
+waits for an item the producer is writing (PENDING in the pool) instead of encoding it twice,
+by default, and with ecd_wait_ms also for an item the producer has not even allocated yet; a
 producer does not save what the pool has; an engine that could misread the pool (other model,
 width or capacity) is refused at start with a message that says why; unnamed pools are private
 to their engine and dropped when it stops.
@@ -44,6 +45,24 @@ def test_a_consumer_with_ecd_wait_ms_waits_for_an_item_the_producer_is_still_enc
     wait_until(lambda: consumer.scheduler.view.has(b"img-a"))
     _, result = consumer.admit(waiting)
     assert result.step.load == {"img-a"} and not result.step.encode
+
+
+def test_a_consumer_waits_for_an_item_the_producer_is_writing_and_loads_it(
+    engine: EngineFactory,
+) -> None:
+    producer = engine(role="ec_producer", pool=SHARED)
+    consumer = engine(role="ec_consumer", pool=SHARED)  # the default ecd_pending_wait_ms
+    encoding = producer.schedule([request("p1", "img-a")])
+    producer.answered()  # allocated: PENDING in the pool, the copy still to come
+    wait_until(lambda: consumer.scheduler.view.pending(b"img-a"))
+    waiting = request("c1", "img-a")
+    assert consumer.step(waiting).step.held == {"c1"}  # not encoded: its save is on its way
+    producer.finish(producer.run(encoding))
+    producer.settle()
+    wait_until(lambda: consumer.scheduler.view.has(b"img-a"))
+    _, result = consumer.admit(waiting)
+    assert result.step.load == {"img-a"} and not result.step.encode
+    assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
 
 
 def test_a_consumer_without_ecd_wait_ms_encodes_a_missing_item_at_once(

@@ -48,6 +48,7 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_ABORTED: _ClassVar[EventType]
     EVENT_DELETED: _ClassVar[EventType]
     EVENT_POOL_DROPPED: _ClassVar[EventType]
+    EVENT_PENDING: _ClassVar[EventType]
 ROLE_UNSPECIFIED: Role
 ROLE_PRODUCER: Role
 ROLE_CONSUMER: Role
@@ -78,6 +79,7 @@ EVENT_EVICTED: EventType
 EVENT_ABORTED: EventType
 EVENT_DELETED: EventType
 EVENT_POOL_DROPPED: EventType
+EVENT_PENDING: EventType
 
 class Extent(_message.Message):
     __slots__ = ("start", "count")
@@ -614,14 +616,16 @@ class StatsReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("engine_id", "snapshot", "include_remote")
+    __slots__ = ("engine_id", "snapshot", "include_remote", "include_pending")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PENDING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     snapshot: bool
     include_remote: bool
-    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., include_remote: _Optional[bool] = ...) -> None: ...
+    include_pending: bool
+    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., include_remote: _Optional[bool] = ..., include_pending: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes", "remote")

@@ -1,0 +1,138 @@
+"""One real vLLM engine in a process of its own, driven by the test over a socket.
+
+The test (e2e_testing.Engine) starts `python -c "import e2e_engine; e2e_engine.main()" SPEC FD`:
+SPEC is an EngineSpec as JSON, FD one end of a socket pair that carries pickled commands and
+answers.
+vLLM's own logs go to stdout/stderr, which the test sends to a file. The engine is vLLM's
+default: `LLM`, whose engine core runs in a process of its own (multiprocessing on), with its
+worker in another.
+
+Encoder calls are counted where they happen, in the worker: `count_encoder_outputs` (sent there
+by vLLM's collective_rpc, by reference: this module is importable in every process) wraps the
+model's `embed_multimodal`, the V2 runner's one entry into the vision encoder, and counts the
+outputs it returns, one per image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+PROMPT = "USER: <image>\nwhat is in this picture? ASSISTANT:"
+MAX_TOKENS = 8
+
+
+def image(seed: int) -> Any:
+    """The test image number `seed`: 56x56 RGB noise, the same for every process."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (56, 56, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def count_encoder_outputs(worker: Any) -> int:
+    """In the worker: the encoder outputs computed so far (installing the counter first)."""
+    model = worker.model_runner.model
+    if not hasattr(model, "_e2e_encoded"):
+        model._e2e_encoded = 0
+        embed = model.embed_multimodal
+
+        def counted(**kwargs: Any) -> Any:
+            outputs = embed(**kwargs)
+            model._e2e_encoded += len(outputs)
+            return outputs
+
+        model.embed_multimodal = counted
+    return int(model._e2e_encoded)
+
+
+def build_llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec["role"] is not None:
+        kwargs["ec_transfer_config"] = {
+            "ec_connector": "ECDaemonConnector",
+            "ec_connector_module_path": "ec_client.vllm.connector",
+            "ec_role": spec["role"],
+            "ec_connector_extra_config": spec["extra"],
+        }
+    return LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        seed=0,
+        max_model_len=256,
+        max_num_seqs=8,
+        enforce_eager=True,
+        limit_mm_per_prompt={"image": 1},
+        # On CPU this is the share of host memory reserved (14 GiB by default): a test runs
+        # several engines at once, each needs a few MiB of KV cache.
+        gpu_memory_utilization=0.05,
+        kv_cache_memory_bytes=64 << 20,
+        disable_log_stats=True,
+        **kwargs,
+    )
+
+
+def generate(llm: Any, seeds: list[int]) -> dict[str, Any]:
+    """One request per image, each alone (as a proxy sends them); the tokens, each request's
+    latency, and the encoder outputs computed meanwhile."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    before = sum(llm.collective_rpc(count_encoder_outputs))
+    tokens, latencies = [], []
+    for seed in seeds:
+        started = time.perf_counter()
+        [out] = llm.generate(
+            {"prompt": PROMPT, "multi_modal_data": {"image": image(seed)}},
+            params,
+            use_tqdm=False,
+        )
+        latencies.append(time.perf_counter() - started)
+        tokens.append(list(out.outputs[0].token_ids))
+    encoded = sum(llm.collective_rpc(count_encoder_outputs)) - before
+    return {"tokens": tokens, "latency_s": latencies, "encoded": encoded}
+
+
+def serve(llm: Any, conn: Connection) -> None:
+    while True:
+        command, args = conn.recv()
+        if command == "quit":
+            return
+        try:
+            if command == "generate":
+                answer: Any = generate(llm, *args)
+            elif command == "reset_encoder_cache":
+                answer = llm.llm_engine.reset_encoder_cache()
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", answer))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    conn = Connection(socket.socket(fileno=int(sys.argv[2])).detach())
+    started = time.perf_counter()
+    try:
+        llm = build_llm(spec)
+        count_start = sum(llm.collective_rpc(count_encoder_outputs))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", {"start_s": time.perf_counter() - started, "encoded": count_start}))
+    try:
+        serve(llm, conn)
+    finally:
+        conn.close()
+        del llm  # shut the engine down (the connector's shutdown) before the process ends
+        os._exit(0)

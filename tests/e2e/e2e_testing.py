@@ -1,0 +1,181 @@
+"""Test support for the end-to-end suite: real vLLM engines as separate OS processes.
+
+`Engine` starts tests/e2e/e2e_engine.py in a process of its own, with vLLM's CPU workarounds
+(vllm_cpu.py, through site/sitecustomize.py) in every process the engine starts, and talks to
+it over a socket pair. Its logs (vLLM's, the connector's) go to a file that a failure prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from ecd_testing import Daemon
+from vllm_cpu import FLAG as CPU_WORKAROUNDS
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+START_TIMEOUT_S = 300.0  # imports alone take ~10 s per process on an idle 2-core machine
+CALL_TIMEOUT_S = 300.0
+CAPACITY = "64MiB"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one engine is built from (sent to its process as JSON)."""
+
+    model: str
+    role: str | None = None  # ec_producer / ec_consumer / ec_both; None: no connector
+    address: str | None = None
+    pool: str | None = None
+    dtype: str = "bfloat16"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        spec = asdict(self)
+        if self.role is not None:
+            spec["extra"] = {
+                "ecd_address": self.address,
+                "ec_cpu_bytes": CAPACITY,
+                **({"ecd_pool": self.pool} if self.pool else {}),
+                **self.extra,
+            }
+        return json.dumps(spec)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The answer to `Engine.generate`: per request (one image each) its greedy tokens and
+    latency, and how many encoder outputs the engine computed for them."""
+
+    tokens: list[list[int]]
+    latency_s: list[float]
+    encoded: int
+
+
+class EngineFailed(RuntimeError):
+    """The engine process reported an error, or died; the message holds its log's tail."""
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, log_dir: Path, name: str) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"engine-{name}.log"
+        ours, theirs = socket.socketpair()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(HERE), str(REPO)]),
+            CPU_WORKAROUNDS: "1",
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            # collective_rpc sends engine.count_encoder_outputs to the worker by pickle.
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import e2e_engine; e2e_engine.main()",
+                    spec.to_json(),
+                    str(theirs.fileno()),
+                ],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # one process group: kill() reaches vLLM's children
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                pass_fds=[theirs.fileno()],
+            )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        try:
+            started = self._answer(START_TIMEOUT_S)
+        except BaseException:
+            self.kill()  # a start that failed leaves no engine behind
+            raise
+        self.start_s: float = started["start_s"]
+
+    def generate(self, *images: int) -> Generated:
+        """One request per image, in turn, each waited for."""
+        return Generated(**self._call("generate", list(images)))
+
+    def reset_encoder_cache(self) -> None:
+        """Empty vLLM's own encoder cache, so the next request of a seen image asks the
+        connector (vLLM skips a repeated image in one engine by itself)."""
+        self._call("reset_encoder_cache")
+
+    def close(self, timeout_s: float = 120.0) -> int:
+        """Shut the engine down as its user would (vLLM's shutdown, the connector's too)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):  # it died meanwhile
+                self._conn.send(("quit", ()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        self.kill()  # whatever of the engine's process group is left
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the engine's process group: its engine core and worker too."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._conn.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _call(self, command: str, *args: Any) -> Any:
+        self._conn.send((command, args))
+        return self._answer(CALL_TIMEOUT_S)
+
+    def _answer(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.2):
+            if self.proc.poll() is not None and not self._conn.poll(0):
+                raise EngineFailed(f"engine exited with {self.proc.returncode}:\n{self._tail()}")
+            if time.monotonic() > deadline:
+                raise EngineFailed(f"engine silent for {timeout_s} s:\n{self._tail()}")
+        status, answer = self._conn.recv()
+        if status == "error":
+            raise EngineFailed(f"{answer}\nengine log:\n{self._tail()}")
+        return answer
+
+    def _tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+class Engines:
+    """Starts engines for one test (on its daemon unless told otherwise) and shuts down those
+    still running when it ends."""
+
+    def __init__(self, model: str, daemon: Daemon, log_dir: Path) -> None:
+        self.model, self.daemon, self.log_dir = model, daemon, log_dir
+        self._started: list[Engine] = []
+
+    def start(self, role: str | None, pool: str | None = "e2e", **spec: Any) -> Engine:
+        spec.setdefault("address", self.daemon.address)
+        spec.setdefault("model", self.model)
+        engine = Engine(
+            EngineSpec(role=role, pool=pool, **spec),
+            self.log_dir,
+            f"{len(self._started)}-{role}",
+        )
+        self._started.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self._started:
+            engine.close()
+            print(f"engine log: {engine.log_path}")
