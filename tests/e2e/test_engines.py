@@ -16,6 +16,9 @@ from ecd_testing import Daemon, wait_until
 
 from ec_client.types import PoolStats
 
+# Engines take a minute or more each to start on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(1200)
+
 POOL = "e2e"
 
 
