@@ -128,8 +128,9 @@ def drop_pool(engine_id: str, force: bool) -> Call[int]:
 # ---- the parts of the item RPCs: each Step part is built and read as its own RPC's items -------
 
 
-# Items are added to their request's repeated field and filled in place: a quarter of the cost
-# of building each with keywords and handing it over (measured), on the per-item hot path.
+# Items are added to their request's repeated field and filled in place: several times cheaper
+# than building each with keywords and handing it over, on the per-item hot path (see
+# docs/performance.md, Per-item costs).
 
 
 def add_allocates(into: Any, items: Sequence[api.AllocateItem]) -> None:

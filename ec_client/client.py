@@ -7,7 +7,7 @@ A background thread keeps the session alive (every lease TTL / 3). Every call fo
 recovery rules of `_session` (backoff while the daemon is unreachable, a new session and the
 pools reopened after a restart or a lost lease); this module only performs their I/O.
 
-Two things serve the hot path of Producer and Consumer (DESIGN §12):
+Two things serve the hot path of Producer and Consumer (docs/design.md §12):
 - `later(job)`: calls nobody needs to wait for (a Commit once its bytes landed, a Release once its
   load landed) run on one background thread, in the order they were handed over; `settle()`
   waits for all of them so far.

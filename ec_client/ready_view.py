@@ -1,6 +1,6 @@
 """ReadyView: which keys of one pool are READY, as last heard from the daemon's Watch stream.
 
-A miss must cost no round trip (DESIGN §12): a Consumer, or vLLM's scheduler asking
+A miss must cost no round trip (docs/design.md §12): a Consumer, or vLLM's scheduler asking
 `has_cache_item` for every encoder input, answers from this view instead of asking the daemon.
 A background thread follows Watch(pool, snapshot=True): every READY key, then SYNCED, then
 COMMITTED / EVICTED / ABORTED / DELETED / POOL_DROPPED as they happen. Answering is a set lookup.
@@ -13,7 +13,7 @@ fall back to asking the daemon (Consumer) or to encoding (vLLM). The thread reco
 backoff, reattaching first (reopening the pool: notices a restarted daemon, recreates a dropped
 pool), and takes a fresh snapshot.
 
-With peer daemons (DESIGN §13) the stream also carries the keys peers hold (include_remote:
+With peer daemons (docs/design.md §13) the stream also carries the keys peers hold (include_remote:
 events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
 a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
 entries, for callers that must not wait on a transfer (vLLM's synchronous pin).

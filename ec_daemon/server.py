@@ -67,7 +67,7 @@ class Daemon:
 
 @dataclass
 class Peers:
-    """What a daemon with peers runs besides the rest (DESIGN §13): the transfer engine its
+    """What a daemon with peers runs besides the rest (docs/design.md §13): the transfer engine its
     pools are registered with, the directory of what peers hold, the followers feeding it, and
     the pulls."""
 

@@ -1,4 +1,4 @@
-"""Moving an entry's bytes from a peer daemon's pool into this daemon's pool (DESIGN §13).
+"""Moving an entry's bytes from a peer daemon's pool into this daemon's pool (docs/design.md §13).
 
 Each daemon maps the data region of each of its pools once, at creation or adoption, and
 registers it with its transport; a peer then reads an entry straight from that region into the
@@ -270,12 +270,12 @@ class MooncakeTransport:
     nobody: whoever reaches them can read and write every registered region.
 
     Reads are the engine's asynchronous reads, submitted and polled on a worker thread (its
-    synchronous read busy-polls: 1.5-1.7 cores busy during a TCP read here, and slower). How long
-    until a hopeless read is over (0.3.13.post1, TCP): a killed peer fails it within ~25 ms; a
-    peer that stops answering mid-transfer, after MC_TCP_PROGRESS_TIMEOUT_SEC without progress
-    (30 s); a first read from a peer whose handshake port accepts but never answers waits 60 s
-    (fixed in the engine) before it even starts. A worker busy with such a read is not free for
-    others: `max_reads` bounds them.
+    synchronous read busy-polls more than a core, and is slower). How long until a hopeless
+    read is over (0.3.13.post1, TCP): a killed peer fails it promptly (docs/performance.md,
+    Across nodes); a peer that stops answering mid-transfer, after MC_TCP_PROGRESS_TIMEOUT_SEC
+    without progress (30 s); a first read from a peer whose handshake port accepts but never
+    answers waits 60 s (fixed in the engine) before it even starts. A worker busy with such a
+    read is not free for others: `max_reads` bounds them.
     """
 
     def __init__(

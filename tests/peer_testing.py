@@ -1,4 +1,5 @@
-"""Test support for daemons as peers (DESIGN §13): transports, pool-like files, ports, waits."""
+"""Test support for daemons as peers (docs/design.md §13): transports, pool-like files, ports,
+waits."""
 
 from __future__ import annotations
 
