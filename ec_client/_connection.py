@@ -138,6 +138,8 @@ def _token_from_file() -> str | None:
 # ---- why a daemon cannot be reached --------------------------------------------------------------
 
 PROBE_TIMEOUT_S = 1.0
+# What a call gets when it never reached the daemon: worth a probe of the connection, to say why.
+UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # What an HTTP/2 client sends first; a gRPC server answers with its SETTINGS frame.
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 

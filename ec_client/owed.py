@@ -119,18 +119,6 @@ class Parcel:
             allocates,
         )
 
-    def deliver(
-        self, run: Callable[[_wire.Call[StepResult]], StepResult], call: _wire.Call[StepResult]
-    ) -> StepResult:
-        """Run the Step that carries this parcel; every debt hears its answer (or the error,
-        which is raised too); returns the caller's answers."""
-        try:
-            result = run(call)
-        except EcdError as error:
-            self.fail(error)
-            raise
-        return self.settle(result)
-
 
 @dataclass
 class _Pool:
@@ -314,12 +302,13 @@ def _split(debts: list[Debt], all_of_them: bool) -> list[Debt]:
 
 
 def send_parcel(
-    run: Callable[[_wire.Call[StepResult]], StepResult],
+    deliver: Callable[[Parcel, _wire.Call[StepResult]], StepResult],
 ) -> Callable[[str, Parcel], None]:
-    """The background's send: a Step of the parcel alone, through the client's call rules."""
+    """The background's send: a Step of the parcel alone, delivered through the client's call
+    rules (`_session.SessionState.step`)."""
 
     def send(engine_id: str, parcel: Parcel) -> None:
         with contextlib.suppress(EcdError):  # each debt heard of it
-            parcel.deliver(run, parcel.step(engine_id))
+            deliver(parcel, parcel.step(engine_id))
 
     return send

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from ec_client._session import FIRST_BACKOFF_S, MAX_BACKOFF_S
 from ec_client.errors import EcdError
-from ec_client.types import EventType, WatchEvent
+from ec_client.types import EventType, Key, WatchEvent, key_bytes
 
 log = logging.getLogger("ec_client")
 
@@ -156,3 +156,34 @@ class ReadyView:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()
         return self._synced.is_set()
+
+
+class Views:
+    """A client's ReadyViews, one per pool: each made on first ask (by `follow`) and followed
+    until close."""
+
+    def __init__(self, follow: Callable[[str], ReadyView]) -> None:
+        self._follow = follow
+        self._lock = threading.Lock()
+        self._views: dict[str, ReadyView] = {}
+
+    def get(self, engine_id: str) -> ReadyView:
+        with self._lock:
+            view = self._views.get(engine_id)
+            if view is None:
+                view = self._views[engine_id] = self._follow(engine_id)
+        return view
+
+    def known_ready(self, engine_id: str, keys: Sequence[Key]) -> None:
+        """The client committed `keys`: its view of the pool (if it follows one) has them READY
+        before the daemon's events come back."""
+        view = self._views.get(engine_id)
+        if view is not None:
+            for key in keys:
+                view.add(key_bytes(key))
+
+    def close(self) -> None:
+        with self._lock:
+            views, self._views = list(self._views.values()), {}
+        for view in views:
+            view.close()
