@@ -24,12 +24,13 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import UNREACHED, Options, TLSFiles, aio_channel, connection_problem
+from ec_client._connection import UNREACHED, Options, aio_channel, connection_problem
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.owed import Owed, Parcel, send_parcel
 from ec_client.ready_view import ReadyView, Views
+from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
     AllocateItem,

@@ -274,14 +274,6 @@ class PoolMapping:
             event.synchronize()
         self._fences.clear()
 
-    @classmethod
-    def close_all(cls) -> None:
-        """Forget every mapping this process holds (at shutdown, or between tests)."""
-        with cls._lock:
-            mappings = [m for key, m in cls._shared.items() if key[0] == os.getpid()]
-        for mapping in mappings:
-            mapping.close()
-
     @property
     def cuda_registered(self) -> bool:
         return bool(self._registered)

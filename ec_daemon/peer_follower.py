@@ -31,9 +31,9 @@ from typing import NoReturn
 
 import grpc
 
-from ec_client._connection import TLSFiles
 from ec_client.aio import AsyncClient
 from ec_client.errors import EcdError
+from ec_client.tls import TLSFiles
 from ec_client.types import EventType, PoolInfo, Role
 from ec_daemon.peers import PeerDirectory, PeerEntry, peer_addresses
 

@@ -194,12 +194,6 @@ class PeerDirectory:
             peer.state = PeerState.DOWN
             peer.error = why
 
-    def holders(self, engine_id: str, key: bytes) -> list[str]:
-        """Addresses of the peers known to hold `key` READY in their pool `engine_id`."""
-        return [
-            address for address, peer in self._peers.items() if key in peer.pools.get(engine_id, ())
-        ]
-
     def holdings(self, engine_id: str, key: bytes) -> list[Holding]:
         """The peers holding `key` READY in a pool `engine_id` that was attached."""
         found = []

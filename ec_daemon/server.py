@@ -26,8 +26,8 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
-from ec_client._connection import TLSFiles
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client.tls import TLSFiles
 from ec_client.token_file import client_token
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.config import Config

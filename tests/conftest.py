@@ -5,9 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ecd_testing import Daemon, new_shm_dir, running_daemon
-
-from ec_client.mapping import PoolMapping
+from ecd_testing import Daemon, new_shm_dir, running_daemon, unmap_pools
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +13,7 @@ def _unmap_pools() -> Iterator[None]:
     """Each test's pools live in its own shm directory; unmap them when it ends so their memory
     goes back to the tmpfs."""
     yield
-    PoolMapping.close_all()
+    unmap_pools()
 
 
 @pytest.fixture
