@@ -37,10 +37,11 @@ from ec_daemon.peer_follower import PeerAccess, PeerSet
 from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
 from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools, peer_stats
-from ec_daemon.service import EncoderCacheService, add_to_server
+from ec_daemon.service import EncoderCacheService
 from ec_daemon.store import Store, StoreConfig
 from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
+from ec_daemon.wire import add_to_server
 
 log = logging.getLogger("ecd.server")
 
