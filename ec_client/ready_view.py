@@ -6,8 +6,8 @@ A background thread follows Watch(pool, snapshot=True): every READY key, then SY
 COMMITTED / EVICTED / ABORTED / DELETED / POOL_DROPPED as they happen. Answering is a set lookup.
 
 The view is a hint, never a promise: it can say READY for a key evicted a moment ago (the
-Acquire that follows finds out) and miss a key committed a moment ago (a few hundred
-microseconds: the event's trip). Until the stream has delivered its snapshot, and whenever it is
+Acquire that follows finds out) and miss a key committed a moment ago (while its event is on
+its way). Until the stream has delivered its snapshot, and whenever it is
 broken (daemon down or restarting, pool dropped), it knows nothing: `synced` is False, and users
 fall back to asking the daemon (Consumer) or to encoding (vLLM). The thread reconnects with
 backoff, reattaching first (reopening the pool: notices a restarted daemon, recreates a dropped

@@ -83,8 +83,9 @@ def spec_pb(spec: api.TensorSpec) -> pb.TensorSpec:
     return pb.TensorSpec(shape=spec.shape, dtype=spec.dtype, nbytes=spec.nbytes)
 
 
-# Results are filled into messages added to their reply (`reply.results.add()`): a third of the
-# cost of building each one with keywords and handing it over, on the per-item hot path.
+# Results are filled into messages added to their reply (`reply.results.add()`): much cheaper
+# than building each one with keywords and handing it over, on the per-item hot path (see
+# docs/performance.md, Per-item costs).
 
 
 def put_item_result(into: pb.ItemResult, r: api.ItemResult) -> None:
