@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install native-libs proto run test test-e2e e2e-env test-gpu gpu-wheels gpu-check \
+.PHONY: install native-libs proto docs run test test-e2e e2e-env test-gpu gpu-wheels gpu-check \
 	test-faults test-fuzz test-load bench lint format clean
 
 install: $(STAMP) native-libs
@@ -36,6 +36,10 @@ native-libs:
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
+
+# The docs' generated parts (the settings table of docs/operations.md); a test fails when stale.
+docs: $(STAMP)
+	$(PY) docs/generate.py
 
 run: $(STAMP)
 	$(VENV)/bin/ecd serve $(ARGS)

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from ec_client._connection import TLSFiles
 from ec_client.aio import AsyncClient
 from ec_client.client import Client, check_health
 from ec_client.errors import EcdError
+from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
     AllocateItem,

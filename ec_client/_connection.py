@@ -1,4 +1,4 @@
-"""How clients reach the daemon: options (target, name, role, timeouts, token, TLS), the
+"""How clients reach the daemon: options (target, name, role, timeouts, token, TLS files), the
 channel options, and what to tell a user the daemon cannot be reached. The rules for each call
 live in `_session`."""
 
@@ -16,6 +16,7 @@ import grpc
 from ec_client import token_file
 from ec_client.address import default_target
 from ec_client.errors import EcdError
+from ec_client.tls import TLSFiles
 from ec_client.types import Role
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -26,31 +27,6 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-@dataclass(frozen=True)
-class TLSFiles:
-    """PEM files for a TLS connection over TCP: the CA that signed the daemon's certificate and,
-    for mutual TLS, this client's certificate and key. Defaults: ECD_TLS_CA, ECD_TLS_CERT,
-    ECD_TLS_KEY."""
-
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-
-    @classmethod
-    def from_env(cls) -> TLSFiles | None:
-        paths = [os.environ.get(f"ECD_TLS_{name}") for name in ("CA", "CERT", "KEY")]
-        if not any(paths):
-            return None
-        ca, cert, key = (Path(p) if p else None for p in paths)
-        return cls(ca, cert, key)
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path: Path | None) -> bytes | None:
-            return path.read_bytes() if path else None
-
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
 @dataclass(frozen=True)
@@ -138,6 +114,8 @@ def _token_from_file() -> str | None:
 # ---- why a daemon cannot be reached --------------------------------------------------------------
 
 PROBE_TIMEOUT_S = 1.0
+# What a call gets when it never reached the daemon: worth a probe of the connection, to say why.
+UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # What an HTTP/2 client sends first; a gRPC server answers with its SETTINGS frame.
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 

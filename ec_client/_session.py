@@ -35,7 +35,8 @@ import grpc
 from ec_client import _wire
 from ec_client._connection import Options
 from ec_client.errors import EcdError
-from ec_client.types import PoolInfo
+from ec_client.owed import Parcel
+from ec_client.types import PoolInfo, StepResult
 
 T = TypeVar("T")
 
@@ -174,6 +175,16 @@ class SessionState:
                         raise self.options.gone_at_shutdown(call.method) from None
                     raise
                 yield Pause(delay)
+
+    def step(self, parcel: Parcel, call: _wire.Call[StepResult]) -> Plan[StepResult]:
+        """A Step that carries what the client owes the pool (`parcel`, see `owed`): every debt
+        hears its answer, or the error, which is raised too; returns the caller's answers."""
+        try:
+            result = yield from self.call(call)
+        except EcdError as error:
+            parcel.fail(error)
+            raise
+        return parcel.settle(result)
 
     def open(self) -> Plan[None]:
         """Open a new session."""

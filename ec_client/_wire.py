@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from grpc_health.v1 import health_pb2
+
 from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.layout import tensor_nbytes
@@ -128,8 +130,9 @@ def drop_pool(engine_id: str, force: bool) -> Call[int]:
 # ---- the parts of the item RPCs: each Step part is built and read as its own RPC's items -------
 
 
-# Items are added to their request's repeated field and filled in place: a quarter of the cost
-# of building each with keywords and handing it over (measured), on the per-item hot path.
+# Items are added to their request's repeated field and filled in place: several times cheaper
+# than building each with keywords and handing it over, on the per-item hot path (see
+# docs/performance.md, Per-item costs).
 
 
 def add_allocates(into: Any, items: Sequence[api.AllocateItem]) -> None:
@@ -351,6 +354,11 @@ def list_entries(
     )
 
 
+def next_page(entries: Sequence[api.EntryInfo], truncated: bool) -> bytes | None:
+    """The start_after of the page of entries after this one, None after the last page."""
+    return entries[-1].key if truncated and entries else None
+
+
 def stats(engine_id: str) -> Call[api.Stats]:
     def parse(reply: pb.StatsReply) -> api.Stats:
         return mirror(
@@ -392,3 +400,12 @@ def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
         boot_epoch=event.boot_epoch,
         remote=event.remote,
     )
+
+
+def health_request(service: str) -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def health_status(reply: health_pb2.HealthCheckResponse) -> str:
+    """The status's name: SERVING, NOT_SERVING, ..."""
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -3,25 +3,34 @@
     async with AsyncClient(name="router") as c:
         async for event in c.watch("qwen-vl-node1", snapshot=True): ...
 
-The same calls, results and recovery rules as Client (every method does what Client's of the
-same name does; see its docstrings for what each can answer): both run the plans of `_session`,
-this one with grpc.aio. The keep-alive is a task.
+It has Client's public calls with the same parameters (tests/unit/test_client_twins.py compares
+the two), as coroutines where they wait on the daemon: see Client's docstrings for what each
+answers. Both run the same plans (`_session`: retries, reopening, a Step that carries what is
+owed) over the same requests and replies (`_wire`); this one performs their I/O with grpc.aio.
+What Client does on threads runs on threads here too, their calls handed to the client's event
+loop: the Steps of what is owed (`owed`) and the ReadyViews (`view`). The keep-alive is a task.
+Client's `later` (a thread idiom) has no twin; `start()` (or `async with`) connects and opens
+the session, as Client's constructor does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import Options, TLSFiles, aio_channel, connection_problem
+from ec_client._connection import UNREACHED, Options, aio_channel, connection_problem
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
+from ec_client.owed import Owed, Parcel, send_parcel
+from ec_client.ready_view import ReadyView, Views
+from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -41,6 +50,32 @@ from ec_client.types import (
 T = TypeVar("T")
 
 
+class AsyncWatchStream:
+    """An open Watch call. Iterating it (`async for`) yields the events; `cancel()` ends the
+    iteration quietly (as the end of the stream); any other failure raises EcdError."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        try:
+            async for event in self._call:
+                yield _wire.watch_event(event)
+        except asyncio.CancelledError:
+            if not self._cancelled:  # the task was cancelled, not the call
+                raise
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise EcdError.from_rpc(exc) from None
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
 class AsyncClient:
     def __init__(
         self,
@@ -53,10 +88,11 @@ class AsyncClient:
         token: str | None = None,
         tls: TLSFiles | None = None,
         keepalive: bool = True,
+        linger_s: float = 0.001,
         from_env: bool = True,
     ) -> None:
-        """from_env: take a token and TLS files not given from ECD_TOKEN, ECD_TOKEN_FILE and
-        ECD_TLS_* (as Client does)."""
+        """As Client's; nothing is sent before `start()`. from_env=False: no token or TLS files
+        from ECD_TOKEN, ECD_TOKEN_FILE and ECD_TLS_* (a daemon calling its peers)."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
@@ -66,9 +102,13 @@ class AsyncClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._threads: _FromThreads | None = None
+        self._views = Views(self._follow)
+        self.owed = Owed(send_parcel(self._deliver_from_thread), linger_s)
 
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
+        self._threads = _FromThreads(self, asyncio.get_running_loop())
         self._channel = aio_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         try:
@@ -88,15 +128,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def close(self) -> None:
-        if self._state.closed:
-            return
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-        with contextlib.suppress(EcdError):
-            await self._drive(self._state.close())
-        if self._channel is not None:
-            await self._channel.close(None)
+    # ---- session -------------------------------------------------------------------------------
 
     @property
     def session_id(self) -> str:
@@ -110,13 +142,47 @@ class AsyncClient:
     def lease_ttl_s(self) -> float:
         return self._state.lease_ttl_s
 
+    @property
+    def target(self) -> str:
+        return self.options.target
+
     def on_restart(self, callback: Callable[[str], None]) -> None:
         self._state.on_restart.append(callback)
 
     async def keep_alive(self) -> float:
         return await self._run(_wire.keep_alive())
 
-    # ---- calls ---------------------------------------------------------------------------------
+    async def close(self, settle_timeout_s: float = 10.0) -> None:
+        if self._state.closed:
+            return
+        with contextlib.suppress(TimeoutError):
+            await self.settle(settle_timeout_s)
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        # Off the loop: the owed thread and the views' threads wait on it as they stop.
+        await asyncio.to_thread(self._stop_threads)
+        with contextlib.suppress(EcdError):
+            await self._drive(self._state.close())
+        if self._channel is not None:
+            await self._channel.close(None)
+
+    # ---- what is owed and the views of pools ---------------------------------------------------
+
+    async def settle(self, timeout_s: float | None = None) -> None:
+        # Off the loop: the Steps it waits for run on the loop.
+        await asyncio.to_thread(self.owed.flush, timeout_s)
+
+    def view(self, engine_id: str) -> ReadyView:
+        """Call on the client's event loop; the view can be read from any thread."""
+        return self._views.get(engine_id)
+
+    def known_ready(self, engine_id: str, keys: Sequence[Key]) -> None:
+        self._views.known_ready(engine_id, keys)
+
+    async def reopen_pool(self, engine_id: str) -> PoolInfo:
+        return await self._drive(self._state.reopen_pool(engine_id))
+
+    # ---- pools ---------------------------------------------------------------------------------
 
     async def open_pool(
         self,
@@ -133,6 +199,8 @@ class AsyncClient:
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:
         return await self._drive(self._state.drop_pool(engine_id, force))
+
+    # ---- entries -------------------------------------------------------------------------------
 
     async def allocate(self, engine_id: str, items: Sequence[AllocateItem]) -> list[AllocateResult]:
         return await self._run(_wire.allocate(engine_id, items))
@@ -164,16 +232,11 @@ class AsyncClient:
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
     ) -> StepResult:
-        return await self._run(
-            _wire.step(
-                engine_id,
-                releases,
-                _wire.commit_pairs(commits, checksums),
-                aborts,
-                acquires,
-                allocates,
-            )
+        parcel = self.owed.take(engine_id)
+        call = parcel.step(
+            engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
         )
+        return await self._deliver(parcel, call)
 
     async def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         return await self._run(_wire.lookup(engine_id, keys))
@@ -189,32 +252,65 @@ class AsyncClient:
     ) -> tuple[list[EntryInfo], bool]:
         return await self._run(_wire.list_entries(engine_id, limit, start_after))
 
+    async def iter_entries(self, engine_id: str, page: int = 1000) -> AsyncIterator[EntryInfo]:
+        start_after: bytes | None = b""
+        while start_after is not None:
+            entries, truncated = await self.list_entries(engine_id, page, start_after)
+            for entry in entries:
+                yield entry
+            start_after = _wire.next_page(entries, truncated)
+
+    # ---- observation ---------------------------------------------------------------------------
+
     async def stats(self, engine_id: str = "") -> Stats:
         return await self._run(_wire.stats(engine_id))
 
-    async def watch(
+    async def health(self, service: str = "") -> str:
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channel).Check(
+                _wire.health_request(service),
+                timeout=self.options.connect_timeout_s,
+                metadata=self.options.metadata,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            error = EcdError.from_rpc(exc)
+            if error.code in UNREACHED:
+                problem = await asyncio.to_thread(connection_problem, self.options)
+                raise self.options.unreachable(problem) from None
+            raise error from None
+        return _wire.health_status(reply)
+
+    def watch(
         self,
         engine_id: str = "",
         snapshot: bool = False,
         include_remote: bool = False,
         include_pending: bool = False,
     ) -> AsyncIterator[WatchEvent]:
-        stream = self._stub.Watch(
-            _wire.watch_request(engine_id, snapshot, include_remote, include_pending),
-            metadata=self.options.metadata,
+        return aiter(self.open_watch(engine_id, snapshot, include_remote, include_pending))
+
+    def open_watch(
+        self,
+        engine_id: str = "",
+        snapshot: bool = False,
+        include_remote: bool = False,
+        include_pending: bool = False,
+    ) -> AsyncWatchStream:
+        return AsyncWatchStream(
+            self._stub.Watch(
+                _wire.watch_request(engine_id, snapshot, include_remote, include_pending),
+                metadata=self.options.metadata,
+            )
         )
-        try:
-            async for event in stream:
-                yield _wire.watch_event(event)
-        except grpc.RpcError as exc:
-            raise EcdError.from_rpc(exc) from None
-        finally:
-            stream.cancel()
 
     # ---- the I/O of plans ------------------------------------------------------------------------
 
     async def _run(self, call: _wire.Call[T]) -> T:
         return await self._drive(self._state.call(call))
+
+    async def _deliver(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
+        return await self._drive(self._state.step(parcel, call))
 
     async def _drive(self, plan: Plan[T]) -> T:
         """Carry out a plan's steps with awaited calls until it returns."""
@@ -257,3 +353,71 @@ class AsyncClient:
                 await self.keep_alive()
             except EcdError:
                 continue
+
+    # ---- what the client's threads see of it ---------------------------------------------------
+
+    def _from_threads(self) -> _FromThreads:
+        if self._threads is None:
+            raise EcdError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the AsyncClient is not started: use `async with AsyncClient(...)` or "
+                "`await client.start()` first",
+            )
+        return self._threads
+
+    def _deliver_from_thread(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
+        return self._from_threads().run(self._deliver(parcel, call))
+
+    def _follow(self, engine_id: str) -> ReadyView:
+        threads = self._from_threads()
+        return ReadyView(threads, engine_id, lambda: threads.run(self.reopen_pool(engine_id)))
+
+    def _stop_threads(self) -> None:
+        self.owed.close()
+        self._views.close()
+
+
+class _FromThreads:
+    """An AsyncClient as its threads (the owed Steps, each ReadyView's) use it: every call runs
+    on the client's event loop while the thread waits for its answer."""
+
+    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+
+    def run(self, work: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(_awaited(work), self._loop).result()
+
+    def open_watch(
+        self, engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool
+    ) -> _ThreadStream:
+        async def opened() -> AsyncWatchStream:
+            return self._client.open_watch(engine_id, snapshot, include_remote, include_pending)
+
+        return _ThreadStream(self, self._loop, self.run(opened()))
+
+
+class _ThreadStream:
+    """An AsyncWatchStream read from another thread (ReadyView's Stream)."""
+
+    def __init__(
+        self, threads: _FromThreads, loop: asyncio.AbstractEventLoop, stream: AsyncWatchStream
+    ) -> None:
+        self._threads = threads
+        self._loop = loop
+        self._stream = stream
+        self._events = aiter(stream)
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        while True:
+            try:
+                yield self._threads.run(anext(self._events))
+            except StopAsyncIteration:
+                return
+
+    def cancel(self) -> None:
+        self._loop.call_soon_threadsafe(self._stream.cancel)
+
+
+async def _awaited(work: Awaitable[T]) -> T:
+    return await work

@@ -3,14 +3,14 @@
 Machines running this are noisy, so every figure is a median over several runs, and speeds are
 reported as ratios to a baseline measured side by side in the same run:
 - latency: a put, a get and a miss of one 256 KiB entry, as multiples of a health-check round
-  trip measured in the same run (DESIGN §12: a put or a get waits on one round trip, a miss on
-  none);
+  trip measured in the same run (docs/design.md §12: a put or a get waits on one round trip, a
+  miss on none);
 - control: RPC round trips of 64-item batches against a plain health-check RPC on the channel;
 - data: put/get bandwidth against a raw torch copy_ of the same bytes into the same pool mapping;
 - load: puts and gets per second with 1 and several client processes;
 - handoff: from a producer's commit to a waiting consumer's wake-up, across processes;
 - remote: a get of an entry only a peer daemon holds (a pull) against a get of an entry held
-  here and against a bare transfer-engine read of the same bytes (two daemons; DESIGN §13).
+  here and against a bare transfer-engine read of the same bytes (two daemons; docs/design.md §13).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A background thread keeps the session alive (every lease TTL / 3). Every call fo
 recovery rules of `_session` (backoff while the daemon is unreachable, a new session and the
 pools reopened after a restart or a lost lease); this module only performs their I/O.
 
-Two things serve the hot path of Producer and Consumer (DESIGN §12):
+Two things serve the hot path of Producer and Consumer (docs/design.md §12):
 - `later(job)`: calls nobody needs to wait for (a Commit once its bytes landed, a Release once its
   load landed) run on one background thread, in the order they were handed over; `settle()`
   waits for all of them so far.
@@ -33,15 +33,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import Options, TLSFiles, connection_problem, shared_channel
+from ec_client._connection import UNREACHED, Options, connection_problem, shared_channel
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
-from ec_client.owed import Owed, send_parcel
-from ec_client.ready_view import ReadyView
+from ec_client.owed import Owed, Parcel, send_parcel
+from ec_client.ready_view import ReadyView, Views
+from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -56,7 +57,6 @@ from ec_client.types import (
     Stats,
     StepResult,
     WatchEvent,
-    key_bytes,
 )
 
 T = TypeVar("T")
@@ -88,17 +88,17 @@ def _health(channel: grpc.Channel, options: Options, service: str) -> str:
     connection shows."""
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service),
+            _wire.health_request(service),
             timeout=options.connect_timeout_s,
             metadata=options.metadata,
             wait_for_ready=True,
         )
     except grpc.RpcError as exc:
         error = EcdError.from_rpc(exc)
-        if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if error.code in UNREACHED:
             raise options.unreachable(connection_problem(options)) from None
         raise error from None
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    return _wire.health_status(reply)
 
 
 class WatchStream:
@@ -135,13 +135,15 @@ class Client:
         tls: TLSFiles | None = None,
         keepalive: bool = True,
         linger_s: float = 0.001,
+        from_env: bool = True,
     ) -> None:
         """Connect within connect_timeout_s and open a session. `role` limits what the session
         may do (see Role); `token` defaults to ECD_TOKEN or ECD_TOKEN_FILE, `tls` to
-        ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY. `linger_s`: how long what is owed (commits of
-        puts, releases of gets) waits for a call to ride on before it goes alone (see `owed`)."""
+        ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY (unless from_env is False). `linger_s`: how
+        long what is owed (commits of puts, releases of gets) waits for a call to ride on before
+        it goes alone (see `owed`)."""
         self.options = Options.make(
-            target, name, role, connect_timeout_s, call_timeout_s, token, tls
+            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
         self._channel = shared_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
@@ -151,8 +153,8 @@ class Client:
         self._jobs_lock = threading.Lock()  # not _lock: a reopen holds that across RPCs
         self._background: ThreadPoolExecutor | None = None
         self._last_job: Future[Any] | None = None
-        self._views: dict[str, ReadyView] = {}
-        self.owed = Owed(send_parcel(lambda call: self._run(call)), linger_s)
+        self._views = Views(self._follow)
+        self.owed = Owed(send_parcel(self._deliver), linger_s)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -201,8 +203,7 @@ class Client:
             self.settle(settle_timeout_s)
         self._closed.set()
         self.owed.close()
-        for view in self._views.values():
-            view.close()
+        self._views.close()
         if self._background is not None:
             self._background.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(EcdError):
@@ -236,21 +237,12 @@ class Client:
     def view(self, engine_id: str) -> ReadyView:
         """The READY keys of a pool this client opened, followed from now on (one Watch stream
         per pool per client, until close)."""
-        with self._jobs_lock:
-            view = self._views.get(engine_id)
-            if view is None:
-                view = self._views[engine_id] = ReadyView(
-                    self, engine_id, lambda: self.reopen_pool(engine_id)
-                )
-        return view
+        return self._views.get(engine_id)
 
     def known_ready(self, engine_id: str, keys: Sequence[Key]) -> None:
         """This client committed `keys`: its view of the pool (if it follows one) has them READY
         before the daemon's events come back."""
-        view = self._views.get(engine_id)
-        if view is not None:
-            for key in keys:
-                view.add(key_bytes(key))
+        self._views.known_ready(engine_id, keys)
 
     def reopen_pool(self, engine_id: str) -> PoolInfo:
         """OpenPool again with what this client opened it with (after a restart, or once a
@@ -349,7 +341,7 @@ class Client:
         call = parcel.step(
             engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
         )
-        return parcel.deliver(self._run, call)
+        return self._deliver(parcel, call)
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         """State (ABSENT, PENDING, READY), size and pins of each key; pins nothing."""
@@ -373,13 +365,11 @@ class Client:
 
     def iter_entries(self, engine_id: str, page: int = 1000) -> Iterator[EntryInfo]:
         """Every entry of a pool in key order, a page per RPC."""
-        start_after = b""
-        while True:
+        start_after: bytes | None = b""
+        while start_after is not None:
             entries, truncated = self.list_entries(engine_id, page, start_after)
             yield from entries
-            if not truncated or not entries:
-                return
-            start_after = entries[-1].key
+            start_after = _wire.next_page(entries, truncated)
 
     # ---- observation ---------------------------------------------------------------------------
 
@@ -425,6 +415,12 @@ class Client:
 
     def _run(self, call: _wire.Call[T]) -> T:
         return self._drive(self._state.call(call))
+
+    def _deliver(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
+        return self._drive(self._state.step(parcel, call))
+
+    def _follow(self, engine_id: str) -> ReadyView:
+        return ReadyView(self, engine_id, lambda: self.reopen_pool(engine_id))
 
     def _drive(self, plan: Plan[T]) -> T:
         """Carry out a plan's steps with blocking calls until it returns."""

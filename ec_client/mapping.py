@@ -83,10 +83,9 @@ def split_at(spans: Iterable[Span], chunk: int) -> list[Span]:
 def map_populated(fd: int, length: int, offset: int) -> mmap.mmap:
     """Map shared and read-write with every page table entry filled in, writable.
 
-    MADV_POPULATE_WRITE (Linux 5.14+) makes the first write to each page as fast as the rest
-    (measured here: 1 GiB populated in 0.24 s, first pass at full speed); MAP_POPULATE, the
-    fallback, fills entries read-only, so first writes still fault (0.46 s, first pass ~30%
-    slower).
+    MADV_POPULATE_WRITE (Linux 5.14+) makes the first write to each page as fast as the rest;
+    MAP_POPULATE, the fallback, fills entries read-only, so first writes still fault and the
+    first pass is slower (docs/performance.md, Facts the design relies on).
     """
     rw = mmap.PROT_READ | mmap.PROT_WRITE
     mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=rw, offset=offset)
@@ -274,14 +273,6 @@ class PoolMapping:
         for event in self._fences.values():
             event.synchronize()
         self._fences.clear()
-
-    @classmethod
-    def close_all(cls) -> None:
-        """Forget every mapping this process holds (at shutdown, or between tests)."""
-        with cls._lock:
-            mappings = [m for key, m in cls._shared.items() if key[0] == os.getpid()]
-        for mapping in mappings:
-            mapping.close()
 
     @property
     def cuda_registered(self) -> bool:

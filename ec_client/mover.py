@@ -255,10 +255,10 @@ def host_copy(target: np.ndarray, source: np.ndarray) -> None:
     """A memcpy through numpy, split over a few threads when large.
 
     Not torch's copy_: it splits over its intra-op threads, and on a busy host one descheduled
-    thread stalls the whole copy for a scheduler slice (measured on 2 cores with the daemon
-    running: 256 KiB puts took 3 ms instead of 0.04 ms). Large copies are split into a few chunks
-    copied by a small pool of threads instead, this one taking the first (measured: 64 MiB into a
-    pool at 16 GB/s with 2 threads, 8.6 with one, 14 with torch's copy_).
+    thread stalls the whole copy for a scheduler slice, which turns a small put's copy into one
+    of many times its length. Large copies are split into a few chunks copied by a small pool of
+    threads instead, this one taking the first, which beats both one thread and torch's copy_
+    (figures: docs/performance.md, Host copies).
     """
     parts = min(COPY_THREADS, target.size // COPY_CHUNK)
     if parts <= 1:

@@ -1,12 +1,12 @@
 """What a client owes the daemon with nobody waiting for it: the Commit of a put once its copy
 landed, the Release of a get once its copy landed, the Abort of a copy that failed.
 
-DESIGN §12: a put or a get waits on one round trip, so these never get one of their own on the
-caller's time. They ride on the client's next Step to the same pool (the next put's Allocate, the
-next get's Acquire: one round trip carries everything owed then), or, once the pool has been quiet
-for `linger_s`, a background thread sends them in a Step of their own. Nothing is sent before the
-copy it depends on has landed: a Commit never exposes bytes still in flight, a Release never lets
-an entry go while it is still being read.
+docs/design.md §12: a put or a get waits on one round trip, so these never get one of their own
+on the caller's time. They ride on the client's next Step to the same pool (the next put's
+Allocate, the next get's Acquire: one round trip carries everything owed then), or, once the pool
+has been quiet for `linger_s`, a background thread sends them in a Step of their own. Nothing is
+sent before the copy it depends on has landed: a Commit never exposes bytes still in flight, a
+Release never lets an entry go while it is still being read.
 
 Each debt carries `settle`, called once with its answer (an ItemResult / LeaseResult) or with the
 EcdError that kept it from the daemon.
@@ -118,18 +118,6 @@ class Parcel:
             acquires,
             allocates,
         )
-
-    def deliver(
-        self, run: Callable[[_wire.Call[StepResult]], StepResult], call: _wire.Call[StepResult]
-    ) -> StepResult:
-        """Run the Step that carries this parcel; every debt hears its answer (or the error,
-        which is raised too); returns the caller's answers."""
-        try:
-            result = run(call)
-        except EcdError as error:
-            self.fail(error)
-            raise
-        return self.settle(result)
 
 
 @dataclass
@@ -314,12 +302,13 @@ def _split(debts: list[Debt], all_of_them: bool) -> list[Debt]:
 
 
 def send_parcel(
-    run: Callable[[_wire.Call[StepResult]], StepResult],
+    deliver: Callable[[Parcel, _wire.Call[StepResult]], StepResult],
 ) -> Callable[[str, Parcel], None]:
-    """The background's send: a Step of the parcel alone, through the client's call rules."""
+    """The background's send: a Step of the parcel alone, delivered through the client's call
+    rules (`_session.SessionState.step`)."""
 
     def send(engine_id: str, parcel: Parcel) -> None:
         with contextlib.suppress(EcdError):  # each debt heard of it
-            parcel.deliver(run, parcel.step(engine_id))
+            deliver(parcel, parcel.step(engine_id))
 
     return send

@@ -1,19 +1,19 @@
 """ReadyView: which keys of one pool are READY, as last heard from the daemon's Watch stream.
 
-A miss must cost no round trip (DESIGN §12): a Consumer, or vLLM's scheduler asking
+A miss must cost no round trip (docs/design.md §12): a Consumer, or vLLM's scheduler asking
 `has_cache_item` for every encoder input, answers from this view instead of asking the daemon.
 A background thread follows Watch(pool, snapshot=True): every READY key, then SYNCED, then
 COMMITTED / EVICTED / ABORTED / DELETED / POOL_DROPPED as they happen. Answering is a set lookup.
 
 The view is a hint, never a promise: it can say READY for a key evicted a moment ago (the
-Acquire that follows finds out) and miss a key committed a moment ago (a few hundred
-microseconds: the event's trip). Until the stream has delivered its snapshot, and whenever it is
+Acquire that follows finds out) and miss a key committed a moment ago (while its event is on
+its way). Until the stream has delivered its snapshot, and whenever it is
 broken (daemon down or restarting, pool dropped), it knows nothing: `synced` is False, and users
 fall back to asking the daemon (Consumer) or to encoding (vLLM). The thread reconnects with
 backoff, reattaching first (reopening the pool: notices a restarted daemon, recreates a dropped
 pool), and takes a fresh snapshot.
 
-With peer daemons (DESIGN §13) the stream also carries the keys peers hold (include_remote:
+With peer daemons (docs/design.md §13) the stream also carries the keys peers hold (include_remote:
 events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
 a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
 entries, for callers that must not wait on a transfer (vLLM's synchronous pin).
@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from ec_client._session import FIRST_BACKOFF_S, MAX_BACKOFF_S
 from ec_client.errors import EcdError
-from ec_client.types import EventType, WatchEvent
+from ec_client.types import EventType, Key, WatchEvent, key_bytes
 
 log = logging.getLogger("ec_client")
 
@@ -179,3 +179,34 @@ class ReadyView:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()
         return self._synced.is_set()
+
+
+class Views:
+    """A client's ReadyViews, one per pool: each made on first ask (by `follow`) and followed
+    until close."""
+
+    def __init__(self, follow: Callable[[str], ReadyView]) -> None:
+        self._follow = follow
+        self._lock = threading.Lock()
+        self._views: dict[str, ReadyView] = {}
+
+    def get(self, engine_id: str) -> ReadyView:
+        with self._lock:
+            view = self._views.get(engine_id)
+            if view is None:
+                view = self._views[engine_id] = self._follow(engine_id)
+        return view
+
+    def known_ready(self, engine_id: str, keys: Sequence[Key]) -> None:
+        """The client committed `keys`: its view of the pool (if it follows one) has them READY
+        before the daemon's events come back."""
+        view = self._views.get(engine_id)
+        if view is not None:
+            for key in keys:
+                view.add(key_bytes(key))
+
+    def close(self) -> None:
+        with self._lock:
+            views, self._views = list(self._views.values()), {}
+        for view in views:
+            view.close()

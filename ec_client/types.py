@@ -138,8 +138,8 @@ class PoolInfo:
 
 
 # The results of item calls are built once per item on both sides of every hot-path call, so
-# they are plain slotted dataclasses: a frozen one costs four times as much to build (measured:
-# 0.66 against 0.15 us). Treat them as values all the same.
+# they are plain slotted dataclasses: a frozen one costs several times as much to build
+# (docs/performance.md, Per-item costs). Treat them as values all the same.
 
 
 @dataclass(slots=True)

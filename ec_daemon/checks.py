@@ -127,8 +127,8 @@ def shmem_huge_policy(path: Path = SHMEM_HUGE_POLICY) -> str:
 
 
 def check_hugepages(shm_dir: Path, mounts: list[Mount], policy: str) -> None:
-    """With --hugepages, pool files must get 2 MiB pages (11x faster first touch, see FACTS.md):
-    refuse to start rather than silently run on 4 KiB pages."""
+    """With --hugepages, pool files must get 2 MiB pages (their first touches are several times
+    faster: docs/performance.md): refuse to start rather than silently run on 4 KiB pages."""
     mount = mount_of(shm_dir, mounts)
     fix = (
         "mount a tmpfs with huge pages (mount -t tmpfs -o size=16G,huge=always tmpfs DIR, or "

@@ -479,9 +479,9 @@ def describe(config: Config, sources: Mapping[str, str]) -> str:
 
 
 def reference() -> str:
-    """Every setting as a Markdown table (flag, environment variable, default, meaning), for the
-    README; the TOML key is the setting's name. Regenerate it with
-    `ecd serve --print-config --markdown`."""
+    """Every setting as a Markdown table (flag, environment variable, default, meaning), for
+    docs/operations.md; the TOML key is the setting's name. Regenerate it with
+    `ecd serve --print-config --markdown` (tests/ops/test_docs.py fails while they differ)."""
     lines = [
         "| setting (TOML key) | flag | environment | default | meaning |",
         "|---|---|---|---|---|",

@@ -30,7 +30,8 @@ from ec_client.types import PoolStats, Stats
 from ec_daemon.checks import StartupError
 from ec_daemon.store import Store
 
-# From a cached Lookup (~0.3 ms over the socket) to an Acquire that waited for a producer (seconds).
+# From a cached Lookup (a fraction of a millisecond over the socket) to an Acquire that waited for
+# a producer (seconds).
 RPC_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0, 30.0,

@@ -1,4 +1,4 @@
-"""Following the peers' Watch streams into the PeerDirectory (DESIGN §13).
+"""Following the peers' Watch streams into the PeerDirectory (docs/design.md §13).
 
 One `PeerFollower` per peer address: it opens a session on the peer as any client would (the
 same token and TLS files), watches every pool with a snapshot, and applies each event to the
@@ -14,11 +14,9 @@ followed, its session is also the one pulls use on that peer (`PeerSet.client`):
 the peer die with it when the peer is lost.
 
 Followers run on the daemon's event loop: the stream's iterator yields to the loop as messages
-arrive, so even a big snapshot does not hold it. Measured here (2 shared cores, the peer on the
-same machine): while a daemon took in a 50,000-key snapshot (~7 s, republishing included),
-Lookups of its clients went from p50 0.5 to 0.6-0.8 ms, worst 14-80 ms over runs, the same
-whether or not the follower yielded every 64 events; a thread would need an event loop of its
-own for grpc.aio, which one process should not have twice (FACTS.md).
+arrive, so even a big snapshot does not hold it: the daemon's clients barely notice one, and
+yielding more often did not help (docs/performance.md, Across nodes). A thread would need an
+event loop of its own for grpc.aio, which one process should not have twice (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -33,9 +31,9 @@ from typing import NoReturn
 
 import grpc
 
-from ec_client._connection import TLSFiles
 from ec_client.aio import AsyncClient
 from ec_client.errors import EcdError
+from ec_client.tls import TLSFiles
 from ec_client.types import EventType, PoolInfo, Role
 from ec_daemon.peers import PeerDirectory, PeerEntry, peer_addresses
 

@@ -1,26 +1,24 @@
 """The peer directory: which daemons of other nodes this one follows, and which READY keys each
-holds (DESIGN §13). Pure: no I/O, no clock of its own; `peer_follower` feeds it from the peers'
-Watch streams (a snapshot of READY keys, then commit, evict, abort, delete and drop events).
+holds (docs/design.md §13). Pure: no I/O, no clock of its own; `peer_follower` feeds it from the
+peers' Watch streams (a snapshot of READY keys, then commit, evict, abort, delete and drop
+events).
 
 What it knows is a hint for routing a local miss to a peer, never a promise: the pull pins the
 entry on the peer (Acquire) before it reads, and a peer that no longer has it answers MISS. Keys
-are kept as bytes, although 64-bit hashes would take ~77 B whatever the key's length, because the
+are kept as bytes, although 64-bit hashes would take less for long keys, because the
 daemon also tells its own watchers (the vLLM connector's ready view) which keys its peers hold,
 and takes them back one by one when a peer is lost; with each key its size (from the events),
 so a pull can reserve the local entry before the peer answers. Each peer pool is also attached
 once per connection (its PoolInfo: geometry, compat key, where its blocks are read), so that
 only pools this daemon can read from count.
 
-Scale. Memory is about 210 bytes per (peer, READY key) for a 64-byte key such as an mm_hash hex
-digest (measured in a follower: 168 B with keys alone; the size adds ~40 B: ~10 B of dict over
-set and a 28-byte int; ~370 B for a 256-byte key): 8 peers of 65,536 entries each ~110 MB, 32
-peers ~440 MB. Events: every commit and eviction anywhere reaches every other daemon,
-so with N daemons each making r events/s, each daemon applies (N - 1) x r events/s and the fleet
-N x (N - 1) x r; a peer that restarts or reconnects sends its whole snapshot again. Applying them
-is mostly gRPC and protobuf: a follower took in a 50,000-key snapshot at 7,000-10,000 events/s
-here (2 cores shared with the peer daemon), so 1,000 events/s costs a daemon about a tenth of a
-core. Beyond about a million (peer, key) pairs (~210 MB), or a few thousand events/s per
-daemon, a directory service (sharded by key, fed by the same Watch streams) should answer
+Scale. Memory grows with every (peer, READY key) pair: the key's bytes, its size, and the dict
+and set entries holding them. Events: every commit and eviction anywhere reaches every other
+daemon, so with N daemons each making r events/s, each daemon applies (N - 1) x r events/s and
+the fleet N x (N - 1) x r; a peer that restarts or reconnects sends its whole snapshot again.
+Applying them is mostly gRPC and protobuf. The figures per pair and per event, and where they
+stop scaling, are in docs/performance.md (Across nodes). Beyond that, a directory service
+(sharded by key, fed by the same Watch streams) should answer
 `holdings` instead: it is the one question the pull asks (and `pools` the one the republished
 keys ask), so it is the seam where that service plugs in.
 """
@@ -195,12 +193,6 @@ class PeerDirectory:
             self._forget(peer)
             peer.state = PeerState.DOWN
             peer.error = why
-
-    def holders(self, engine_id: str, key: bytes) -> list[str]:
-        """Addresses of the peers known to hold `key` READY in their pool `engine_id`."""
-        return [
-            address for address, peer in self._peers.items() if key in peer.pools.get(engine_id, ())
-        ]
 
     def holdings(self, engine_id: str, key: bytes) -> list[Holding]:
         """The peers holding `key` READY in a pool `engine_id` that was attached."""

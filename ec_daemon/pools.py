@@ -12,9 +12,9 @@ in place for inspection; OpenPool of its engine_id fails until an operator remov
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
 slot table, at most about 2% more (see ec_client.layout), counted apart as reserved bytes.
-A `PoolListener` (the transport, when the daemon has peers: DESIGN §13) is told when a pool is
-served (created or adopted) and when it is withdrawn (dropped or refused); what it answers, where
-peers read the pool, travels in the pool's PoolInfo.
+A `PoolListener` (the transport, when the daemon has peers: docs/design.md §13) is told when a
+pool is served (created or adopted) and when it is withdrawn (dropped or refused); what it
+answers, where peers read the pool, travels in the pool's PoolInfo.
 """
 
 from __future__ import annotations

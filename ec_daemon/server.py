@@ -26,8 +26,8 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
-from ec_client._connection import TLSFiles
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client.tls import TLSFiles
 from ec_client.token_file import client_token
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.config import Config
@@ -37,10 +37,11 @@ from ec_daemon.peer_follower import PeerAccess, PeerSet
 from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
 from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools, peer_stats
-from ec_daemon.service import EncoderCacheService, add_to_server
+from ec_daemon.service import EncoderCacheService
 from ec_daemon.store import Store, StoreConfig
 from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
+from ec_daemon.wire import add_to_server
 
 log = logging.getLogger("ecd.server")
 
@@ -67,7 +68,7 @@ class Daemon:
 
 @dataclass
 class Peers:
-    """What a daemon with peers runs besides the rest (DESIGN §13): the transfer engine its
+    """What a daemon with peers runs besides the rest (docs/design.md §13): the transfer engine its
     pools are registered with, the directory of what peers hold, the followers feeding it, and
     the pulls."""
 

@@ -1,15 +1,15 @@
-"""The gRPC service ecd.v1.EncoderCache: validate, translate, call the store, translate back.
+"""The gRPC service ecd.v1.EncoderCache: check the caller, validate, call the store, answer.
 
-No cache logic lives here. Whole-request failures become gRPC errors with the status code of the
-CoreError, its message, and trailing metadata `ecd-reason` (what clients act on, such as
-unknown_session) and `ecd-boot-epoch`; per-item failures become per-item statuses. Each value of
-`ec_client.types` the store answers with is turned into its message by one function below.
+No cache logic lives here, and no translation: `wire.py` turns messages into the store's inputs
+and its answers into messages. Whole-request failures become gRPC errors with the status code of
+the CoreError, its message, and trailing metadata `ecd-reason` (what clients act on, such as
+unknown_session) and `ecd-boot-epoch`; per-item failures become per-item statuses, one bad item
+never sinking the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import time
@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_daemon import validate
+from ec_daemon import validate, wire
 from ec_daemon.auth import Action, Guard
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
@@ -37,7 +36,6 @@ Request = TypeVar("Request")
 Reply = TypeVar("Reply")
 Handler = Callable[[Any, Request, grpc.aio.ServicerContext[Any, Any]], Awaitable[Reply]]
 
-GRPC_CODE = {code: getattr(grpc.StatusCode, code.value) for code in Code}
 DEFAULT_LIST_LIMIT = 1000
 MAX_LIST_LIMIT = 100_000
 
@@ -54,19 +52,12 @@ def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
             self.authorize(method.__name__, request, context)
             return await method(self, request, context)
         except CoreError as exc:
-            await abort(self.store, context, exc)
+            await wire.abort(self.store, context, exc)
             raise AssertionError("context.abort returned") from exc
         finally:
             self.observe(method.__name__, time.perf_counter() - started)
 
     return handle
-
-
-async def abort(store: Store, context: grpc.aio.ServicerContext[Any, Any], exc: CoreError) -> None:
-    context.set_trailing_metadata(
-        (("ecd-reason", exc.reason.value), ("ecd-boot-epoch", store.boot_epoch))
-    )
-    await context.abort(GRPC_CODE[exc.code], exc.message)
 
 
 def valid(checked: Sequence[T | str]) -> list[T]:
@@ -99,21 +90,6 @@ def per_item(
     return reinsert(keys, checked, run(valid(checked)), invalid)
 
 
-def checked_specs(items: Sequence[pb.AllocateItem]) -> list[tuple[bytes, api.TensorSpec] | str]:
-    return [
-        spec if isinstance(spec, str) else (item.key, spec)
-        for item in items
-        for spec in (validate.tensor_spec(item.key, item.tensor),)
-    ]
-
-
-def checked_commits(items: Sequence[pb.CommitItem]) -> list[tuple[bytes, int] | str]:
-    return [
-        (item.key, item.checksum) if isinstance(key, bytes) else key
-        for item, key in zip(items, checked_keys([i.key for i in items]), strict=True)
-    ]
-
-
 def step_actions(request: pb.StepRequest) -> tuple[Action, ...]:
     """What a Step does, part by part, for the access lists."""
     actions = [Action.SESSION]
@@ -122,132 +98,6 @@ def step_actions(request: pb.StepRequest) -> tuple[Action, ...]:
     if request.acquires:
         actions.append(Action.CONSUME)
     return tuple(actions)
-
-
-def checked_keys(keys: Sequence[bytes]) -> list[bytes | str]:
-    return [key if (problem := validate.key_problem(key)) is None else problem for key in keys]
-
-
-# ---- from ec_client.types to messages, one function per value ---------------------------------
-
-STATUS_PB: dict[api.Status, pb.ItemStatus] = {s: getattr(pb, "ITEM_" + s.name) for s in api.Status}
-STATE_PB: dict[api.EntryState, pb.EntryState] = {
-    s: getattr(pb, "ENTRY_" + s.name) for s in api.EntryState
-}
-EVENT_PB: dict[api.EventType, pb.EventType] = {
-    t: getattr(pb, "EVENT_" + t.name) for t in api.EventType
-}
-ROLES: dict[pb.Role, api.Role] = {
-    pb.ROLE_UNSPECIFIED: api.Role.BOTH,  # clients that do not say are trusted with both
-    pb.ROLE_PRODUCER: api.Role.PRODUCER,
-    pb.ROLE_CONSUMER: api.Role.CONSUMER,
-    pb.ROLE_BOTH: api.Role.BOTH,
-    pb.ROLE_ADMIN: api.Role.ADMIN,
-}
-
-
-def extents_pb(extents: Sequence[api.Extent]) -> list[pb.Extent]:
-    return [pb.Extent(start=e.start, count=e.count) for e in extents]
-
-
-def runs_pb(extents: Sequence[api.Extent]) -> list[int]:
-    """Extents packed as start, count pairs (a Step's replies): no message per extent."""
-    return [n for e in extents for n in (e.start, e.count)]
-
-
-def spec_pb(spec: api.TensorSpec) -> pb.TensorSpec:
-    return pb.TensorSpec(shape=spec.shape, dtype=spec.dtype, nbytes=spec.nbytes)
-
-
-# Results are filled into messages added to their reply (`reply.results.add()`): a third of the
-# cost of building each one with keywords and handing it over, on the per-item hot path.
-
-
-def put_item_result(into: pb.ItemResult, r: api.ItemResult) -> None:
-    into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
-
-
-def put_extents(
-    into: pb.AllocateResult | pb.AcquireResult, extents: tuple[api.Extent, ...], packed: bool
-) -> None:
-    """A Step's reply packs them as `runs`; Allocate's and Acquire's keep `extents` messages."""
-    if packed:
-        into.runs.extend(runs_pb(extents))
-    else:
-        into.extents.extend(extents_pb(extents))
-
-
-def put_allocate_result(into: pb.AllocateResult, r: api.AllocateResult, packed: bool) -> None:
-    into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
-    put_extents(into, r.extents, packed)
-
-
-def put_acquire_result(into: pb.AcquireResult, r: api.AcquireResult, packed: bool) -> None:
-    into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
-    if r.spec is not None:
-        into.lease_id, into.checksum = r.lease_id, r.checksum
-        put_extents(into, r.extents, packed)
-        tensor = into.tensor
-        tensor.shape.extend(r.spec.shape)
-        tensor.dtype, tensor.nbytes = r.spec.dtype, r.spec.nbytes
-
-
-def put_lease_result(into: pb.LeaseResult, r: api.LeaseResult) -> None:
-    into.lease_id, into.status, into.message = r.lease_id, STATUS_PB[r.status], r.message
-
-
-def lookup_result_pb(r: api.LookupResult) -> pb.LookupResult:
-    return pb.LookupResult(key=r.key, state=STATE_PB[r.state], nbytes=r.nbytes, pins=r.pins)
-
-
-def entry_info_pb(e: api.EntryInfo) -> pb.EntryInfo:
-    return pb.EntryInfo(
-        **mirrored(e, "state", "spec", "extents"),
-        state=STATE_PB[e.state],
-        tensor=spec_pb(e.spec),
-        extents=extents_pb(e.extents),
-    )
-
-
-def mirrored(value: Any, *skip: str) -> dict[str, Any]:
-    """A value's fields by name, for the message whose fields are declared to match
-    (tests/unit/test_types.py), less those the message keeps elsewhere."""
-    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name not in skip}
-
-
-def pool_info_pb(p: api.PoolInfo) -> pb.PoolInfo:
-    return pb.PoolInfo(**mirrored(p, "created"))  # `created` travels in OpenPoolReply
-
-
-def stats_pb(s: api.Stats) -> pb.StatsReply:
-    return pb.StatsReply(
-        **mirrored(s, "pools", "peers"),
-        pools=[pb.PoolStats(**mirrored(p)) for p in s.pools],
-        peers=[pb.PeerStats(**mirrored(p)) for p in s.peers],
-    )
-
-
-def watch_event_pb(e: api.WatchEvent) -> pb.WatchEvent:
-    return pb.WatchEvent(
-        boot_epoch=e.boot_epoch,
-        type=EVENT_PB[e.type],
-        engine_id=e.engine_id,
-        key=e.key,
-        nbytes=e.nbytes,
-        remote=e.remote,
-    )
-
-
-def invalid_item(key: bytes, message: str) -> api.ItemResult:
-    return api.ItemResult(key, api.Status.INVALID_ARGUMENT, message)
-
-
-def invalid_allocate(key: bytes, message: str) -> api.AllocateResult:
-    return api.AllocateResult(key, api.Status.INVALID_ARGUMENT, message, ())
-
-
-def invalid_acquire(key: bytes, message: str) -> api.AcquireResult:
-    return api.AcquireResult(key, api.Status.INVALID_ARGUMENT, message, 0, (), None, 0)
 
 
 class EncoderCacheService(pb_grpc.EncoderCacheServicer):
@@ -289,13 +139,13 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenSessionReply:
-        if request.role not in ROLES:
+        if request.role not in wire.ROLES:
             raise CoreError(
                 Code.INVALID_ARGUMENT,
-                f"unknown role {request.role}: expected one of {sorted(ROLES)} (ecd.v1.Role)",
+                f"unknown role {request.role}: expected one of {sorted(wire.ROLES)} (ecd.v1.Role)",
             )
         name = validate.client_name(request.client_name)
-        session_id = self.store.open_session(name, request.pid, ROLES[request.role])
+        session_id = self.store.open_session(name, request.pid, wire.ROLES[request.role])
         log.info(
             "session opened", extra={"session": session_id, "client": name, "pid": request.pid}
         )
@@ -344,7 +194,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             request.compat_key,
         )
         return pb.OpenPoolReply(
-            boot_epoch=self.epoch, created=info.created, pool=pool_info_pb(info)
+            boot_epoch=self.epoch, created=info.created, pool=wire.pool_info_pb(info)
         )
 
     @rpc
@@ -364,10 +214,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self._batch(
             request.engine_id,
             [item.key for item in request.items],
-            lambda: checked_specs(request.items),
+            lambda: wire.checked_specs(request.items),
             lambda engine_id, items: self.store.allocate(request.session_id, engine_id, items),
-            invalid_allocate,
-            lambda r: put_allocate_result(reply.results.add(), r, packed=False),
+            wire.invalid_allocate,
+            lambda r: wire.put_allocate_result(reply.results.add(), r, packed=False),
         )
         return reply
 
@@ -379,10 +229,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self._batch(
             request.engine_id,
             [item.key for item in request.items],
-            lambda: checked_commits(request.items),
+            lambda: wire.checked_commits(request.items),
             lambda engine_id, items: self.store.commit(request.session_id, engine_id, items),
-            invalid_item,
-            lambda r: put_item_result(reply.results.add(), r),
+            wire.invalid_item,
+            lambda r: wire.put_item_result(reply.results.add(), r),
         )
         return reply
 
@@ -426,10 +276,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self._batch(
             engine_id,
             keys,
-            lambda: checked_keys(keys),
+            lambda: wire.checked_keys(keys),
             run,
-            invalid_item,
-            lambda r: put_item_result(into.add(), r),
+            wire.invalid_item,
+            lambda r: wire.put_item_result(into.add(), r),
         )
 
     def _batch(
@@ -457,7 +307,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         validate.batch(len(request.keys), self.limits)
         wait_ms = validate.wait_ms(request.wait_ms)
         keys = list(request.keys)
-        checked = checked_keys(keys)
+        checked = wire.checked_keys(keys)
         # One deadline for both waits: a pull's wait counts against wait_ms.
         deadline = asyncio.get_running_loop().time() + wait_ms / 1000
         if self.remote is not None:  # keys only peers hold: pulled, and waited for
@@ -468,11 +318,11 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             keys,
             checked,
             lambda valid: self.store.acquire(request.session_id, engine_id, valid),
-            invalid_acquire,
+            wire.invalid_acquire,
         )
         reply = pb.AcquireReply(boot_epoch=self.epoch)
         for r in results:
-            put_acquire_result(reply.results.add(), r, packed=False)
+            wire.put_acquire_result(reply.results.add(), r, packed=False)
         return reply
 
     async def _wait_ready(
@@ -506,7 +356,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         results = self.store.release(request.session_id, request.lease_ids)
         reply = pb.ReleaseReply(boot_epoch=self.epoch)
         for r in results:
-            put_lease_result(reply.results.add(), r)
+            wire.put_lease_result(reply.results.add(), r)
         return reply
 
     @rpc
@@ -522,8 +372,11 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             request.allocates,
         ):
             validate.batch(len(part), self.limits)
-        commits, aborts = checked_commits(request.commits), checked_keys(request.aborts)
-        acquires, allocates = checked_keys(request.acquires), checked_specs(request.allocates)
+        commits, aborts = wire.checked_commits(request.commits), wire.checked_keys(request.aborts)
+        acquires, allocates = (
+            wire.checked_keys(request.acquires),
+            wire.checked_specs(request.allocates),
+        )
         result = self.store.step(
             request.session_id,
             engine_id,
@@ -537,17 +390,17 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
         reply = pb.StepReply(boot_epoch=self.epoch)
         for lease in result.releases:
-            put_lease_result(reply.releases.add(), lease)
+            wire.put_lease_result(reply.releases.add(), lease)
         commit_keys = [i.key for i in request.commits]
-        for item in reinsert(commit_keys, commits, result.commits, invalid_item):
-            put_item_result(reply.commits.add(), item)
-        for item in reinsert(request.aborts, aborts, result.aborts, invalid_item):
-            put_item_result(reply.aborts.add(), item)
-        for hit in reinsert(request.acquires, acquires, result.acquires, invalid_acquire):
-            put_acquire_result(reply.acquires.add(), hit, packed=True)
+        for item in reinsert(commit_keys, commits, result.commits, wire.invalid_item):
+            wire.put_item_result(reply.commits.add(), item)
+        for item in reinsert(request.aborts, aborts, result.aborts, wire.invalid_item):
+            wire.put_item_result(reply.aborts.add(), item)
+        for hit in reinsert(request.acquires, acquires, result.acquires, wire.invalid_acquire):
+            wire.put_acquire_result(reply.acquires.add(), hit, packed=True)
         allocate_keys = [i.key for i in request.allocates]
-        for new in reinsert(allocate_keys, allocates, result.allocates, invalid_allocate):
-            put_allocate_result(reply.allocates.add(), new, packed=True)
+        for new in reinsert(allocate_keys, allocates, result.allocates, wire.invalid_allocate):
+            wire.put_allocate_result(reply.allocates.add(), new, packed=True)
         return reply
 
     @rpc
@@ -557,7 +410,9 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         engine_id = validate.engine_id(request.engine_id)
         validate.batch(len(request.keys), self.limits)
         results = self.store.lookup(engine_id, request.keys)
-        return pb.LookupReply(boot_epoch=self.epoch, results=[lookup_result_pb(r) for r in results])
+        return pb.LookupReply(
+            boot_epoch=self.epoch, results=[wire.lookup_result_pb(r) for r in results]
+        )
 
     @rpc
     async def ListEntries(
@@ -569,7 +424,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         return pb.ListEntriesReply(
             boot_epoch=self.epoch,
             truncated=truncated,
-            entries=[entry_info_pb(e) for e in entries],
+            entries=[wire.entry_info_pb(e) for e in entries],
         )
 
     # ---- observation ---------------------------------------------------------------------------
@@ -579,7 +434,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatsReply:
         engine_id = validate.engine_id(request.engine_id) if request.engine_id else ""
-        return stats_pb(self.store.stats(engine_id))
+        return wire.stats_pb(self.store.stats(engine_id))
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -597,12 +452,12 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 snapshot += remote.snapshot(engine_id)
             subscription = self.hub.subscribe(engine_id, remote is not None, pending)
         except CoreError as exc:
-            await abort(self.store, context, exc)
+            await wire.abort(self.store, context, exc)
             return
         try:
             if request.snapshot:
                 for ready in snapshot:
-                    yield watch_event_pb(ready)
+                    yield wire.watch_event_pb(ready)
                 yield pb.WatchEvent(
                     boot_epoch=self.epoch, type=pb.EVENT_SYNCED, engine_id=engine_id
                 )
@@ -611,7 +466,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 if event is StreamEnd.SHUTDOWN:
                     return
                 if event is StreamEnd.OVERFLOW:
-                    await abort(
+                    await wire.abort(
                         self.store,
                         context,
                         CoreError(
@@ -621,65 +476,6 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                         ),
                     )
                     return
-                yield watch_event_pb(event)
+                yield wire.watch_event_pb(event)
         finally:
             self.hub.unsubscribe(subscription)
-
-
-def add_to_server(service: EncoderCacheService, server: grpc.aio.Server) -> None:
-    """Register the service, parsing request bodies here rather than in grpc: a body that is not
-    a valid message is the client's mistake (INVALID_ARGUMENT), where grpc would answer UNKNOWN."""
-    descriptor = pb.DESCRIPTOR.services_by_name["EncoderCache"]
-    handlers = {}
-    for method in descriptor.methods:
-        request_type = getattr(pb, method.input_type.name)
-        serialize = getattr(pb, method.output_type.name).SerializeToString
-        implementation = getattr(service, method.name)
-        if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _parsed_stream(service.store, request_type, implementation),
-                response_serializer=serialize,
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _parsed_unary(service.store, request_type, implementation),
-                response_serializer=serialize,
-            )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
-    )
-
-
-async def _parse(
-    store: Store, request_type: Any, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
-) -> Any:
-    try:
-        return request_type.FromString(raw)
-    except DecodeError as exc:
-        await abort(
-            store,
-            context,
-            CoreError(
-                Code.INVALID_ARGUMENT,
-                f"request body is not a valid {request_type.DESCRIPTOR.full_name}: {exc}",
-            ),
-        )
-
-
-def _parsed_unary(
-    store: Store, request_type: Any, implementation: Callable[..., Awaitable[Any]]
-) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        return await implementation(await _parse(store, request_type, raw, context), context)
-
-    return handle
-
-
-def _parsed_stream(
-    store: Store, request_type: Any, implementation: Callable[..., AsyncIterator[Any]]
-) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        async for reply in implementation(await _parse(store, request_type, raw, context), context):
-            yield reply
-
-    return handle

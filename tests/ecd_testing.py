@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ec_client import Client
+from ec_client.mapping import PoolMapping
 from ec_daemon.spawn import new_shm_dir, serve_command, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,6 +120,16 @@ def running_daemon(*args: str, env: dict[str, str] | None = None) -> Iterator[Da
             daemon.kill()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def unmap_pools() -> None:
+    """Close every pool mapping this process holds, so that their memory goes back to the tmpfs
+    (and a mount of it can be taken down). Reads PoolMapping's own registry: only tests need to
+    walk it."""
+    with PoolMapping._lock:
+        mappings = [m for key, m in PoolMapping._shared.items() if key[0] == os.getpid()]
+    for mapping in mappings:
+        mapping.close()
 
 
 def assert_blocks_accounted(client: Client, engine_id: str) -> None:

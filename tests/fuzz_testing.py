@@ -41,8 +41,8 @@ def fuzz_settings(max_examples: int) -> settings:
     return settings(settings.get_profile(f"ecd-fuzz-{PROFILE}"), max_examples=max_examples)
 
 
-# The status codes a daemon may answer a malformed or ill-timed request with (DESIGN 6). Never
-# INTERNAL or UNKNOWN: those would mean a client's mistake reached a bug.
+# The status codes a daemon may answer a malformed or ill-timed request with (docs/design.md
+# §6). Never INTERNAL or UNKNOWN: those would mean a client's mistake reached a bug.
 DOCUMENTED = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,

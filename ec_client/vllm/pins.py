@@ -2,8 +2,8 @@
 background (the request then waits one step).
 
 A pin at once costs a round trip on the scheduler thread, which every request of the step waits
-for; a pin in the background costs the request itself a whole step. One round trip (0.5-1.5 ms
-here) is worth far less than a step (10-100 ms) to a lone request, but a burst of cached requests
+for; a pin in the background costs the request itself a whole step. One round trip is worth
+far less than a step to a lone request, but a burst of cached requests
 pinned one by one adds up: what decides is the step's length. So, `auto`:
 
 - the first request of a step with cached items is always pinned at once (a lone request never
@@ -12,7 +12,7 @@ pinned one by one adds up: what decides is the step's length. So, `auto`:
   engine's step time (measured between steps); beyond that, in the background.
 
 `ahead` never pins at once (no round trip on the scheduler thread at all), `every` always does.
-The measured trade-off at 10, 30 and 100 ms steps is in the README.
+The measured trade-off at several step lengths is in docs/performance.md (The vLLM scheduler side).
 """
 
 from __future__ import annotations

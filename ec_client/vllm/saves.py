@@ -14,9 +14,9 @@ error, or its Step failing, *cancels* the intent: the next metadata tells the wo
 output it kept. A key is in at most one state. Only the saving rank's report moves a key out of
 `copying`, so an entry is committed only after its bytes landed.
 
-Why intents: the Allocate's answer cannot be waited for on the scheduler thread (DESIGN §12), and
-the extents are not known before it; the worker keeps the output (a reference to the GPU tensor)
-one step longer instead, so nothing is lost while the answer travels.
+Why intents: the Allocate's answer cannot be waited for on the scheduler thread (docs/design.md
+§12), and the extents are not known before it; the worker keeps the output (a reference to the
+GPU tensor) one step longer instead, so nothing is lost while the answer travels.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """SchedulerSide: the connector in vLLM's scheduler process, the only part that calls the daemon.
 
-The scheduler thread waits on no round trip in steady state (DESIGN §12): everything owed to the
-daemon and asked of it goes in a Step (one RPC: Release, Commit, Abort, Acquire, Allocate, in that
-order) sent from the client's background thread, and its answer is taken on the scheduler thread
-at its next call into the connector, before anything depends on it. Per step:
+The scheduler thread waits on no round trip in steady state (docs/design.md §12): everything owed
+to the daemon and asked of it goes in a Step (one RPC: Release, Commit, Abort, Acquire, Allocate,
+in that order) sent from the client's background thread, and its answer is taken on the scheduler
+thread at its next call into the connector, before anything depends on it. Per step:
 
     ensure_cache_available   from local state (the ready view, the pins held): no round trip,
         except that a request with cached items nobody pinned yet may have them pinned at once,
@@ -11,9 +11,9 @@ at its next call into the connector, before anything depends on it. Per step:
         step's waiting stays within a share of the step's time (`ecd_pins`, see pins.py), so a
         lone request is never held back; the others have their items pinned in the background
         and wait one step (see loads.py). Items only a peer daemon holds (the ready view counts
-        them: DESIGN §13) are never pinned at once: their Acquire pulls them from the peer and
-        waits for the transfer, so they are pinned in the background, and their request waits a
-        step.
+        them: docs/design.md §13) are never pinned at once: their Acquire pulls them from the
+        peer and waits for the transfer, so they are pinned in the background, and their request
+        waits a step.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
         for the wanted items, entries for this step's new outputs. The metadata orders the

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from cuda_fakes import FakeCudart, install_fake_cuda
-from ecd_testing import Daemon
+from ecd_testing import Daemon, unmap_pools
 
 from ec_client import Client, Consumer, Producer
 from ec_client import mapping as mapping_module
@@ -29,7 +29,7 @@ BLOCKS = 6826  # 20 MiB: four chunks, the last one short
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
     monkeypatch.setattr(mapping_module, "CUDA_REGISTER_CHUNK", 1 << 20)
     yield install_fake_cuda(monkeypatch)
-    PoolMapping.close_all()  # while the fake runtime is there to unregister
+    unmap_pools()  # while the fake runtime is there to unregister
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The client's hot path (DESIGN §12), against a real daemon: a put waits only for its Allocate and
-its Commit follows once the bytes landed; a get waits only for its Acquire and its Release follows
-once the copy landed; a miss the client's view of the pool can answer costs no round trip;
-failures of what ran in the background still reach the caller."""
+"""The client's hot path (docs/design.md §12), against a real daemon: a put waits only for its
+Allocate and its Commit follows once the bytes landed; a get waits only for its Acquire and its
+Release follows once the copy landed; a miss the client's view of the pool can answer costs no
+round trip; failures of what ran in the background still reach the caller."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import torch
 from ecd_testing import Daemon
 
 from ec_client import Client, Consumer, EcdError, EntryState, Producer
+from ec_client._session import Send
 from ec_client.mapping import PoolMapping
 from ec_client.mover import TensorMover, Transfer
 from ec_client.types import Extent, TensorSpec
@@ -80,17 +81,18 @@ def launches(
 def logging_rpcs(client: Client, monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
     """Log "abort" and "release" when a call carrying them goes to the daemon, on its own or
     as a part of a Step (where a client's owed aborts and releases ride)."""
-    real = client._run
+    real = client._do
 
-    def run(call: Any) -> Any:
-        if call.method in ("Abort", "Release"):
+    def do(step: Any) -> Any:
+        call = step.call if isinstance(step, Send) else None
+        if call is not None and call.method in ("Abort", "Release"):
             log.append(call.method.lower())
-        elif call.method == "Step":
-            request = call.build(client.session_id)
+        elif call is not None and call.method == "Step":
+            request = call.build(step.session_id)
             log.extend(part for part in ("abort", "release") if getattr(request, part + "s"))
-        return real(call)
+        return real(step)
 
-    monkeypatch.setattr(client, "_run", run)
+    monkeypatch.setattr(client, "_do", do)
 
 
 def test_a_mover_refuses_a_tensor_on_another_device(client: Client) -> None:

@@ -1,5 +1,5 @@
 """The daemon SIGKILLed in the middle of a stream of commit batches, at a random point, then
-restarted on the same shm directory (a warm restart, DESIGN 8).
+restarted on the same shm directory (a warm restart, docs/design.md §8).
 
 After the restart: every entry that was READY before the kill and every entry whose Commit reply
 the producer received is READY with bit-identical bytes; an entry whose Commit was in flight is

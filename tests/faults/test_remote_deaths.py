@@ -1,4 +1,5 @@
-"""A peer daemon SIGKILLed or stopped while another daemon pulls an entry from it (DESIGN §13).
+"""A peer daemon SIGKILLed or stopped while another daemon pulls an entry from it
+(docs/design.md §13).
 
 The reader daemon stays up across the trials; the source daemon is killed mid-pull at a random
 point and started again (it re-adopts its pool, entry included), and the reader follows it anew.

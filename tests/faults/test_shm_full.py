@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ecd_testing import Daemon
+from ecd_testing import Daemon, unmap_pools
 from workload_testing import assert_intact, make_tensor, read_back, ready_keys
 
-from ec_client import EcdError, PoolMapping, Producer, PutStatus
+from ec_client import EcdError, Producer, PutStatus
 
 pytestmark = pytest.mark.fault_kind("shm directory full")
 
@@ -43,7 +43,7 @@ def small_tmpfs() -> Iterator[Path]:
     try:
         yield mount_point
     finally:
-        PoolMapping.close_all()  # our mappings would keep the mount busy
+        unmap_pools()  # our mappings would keep the mount busy
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
         mount_point.rmdir()
 

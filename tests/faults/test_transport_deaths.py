@@ -1,6 +1,6 @@
 """A Mooncake read whose source process is SIGKILLed or stopped mid-transfer, over loopback TCP.
 
-What the pull (DESIGN §13) builds on: a read from a dead source fails promptly and, once its
+What the pull (docs/design.md §13) builds on: a read from a dead source fails promptly and, once its
 future is done, nothing writes into the local range any more; a read from a stalled source is
 not done at the reader's deadline and goes on writing until its future is done, so a caller that
 gives up must keep the range out of use until then.

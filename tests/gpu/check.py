@@ -1,4 +1,5 @@
-"""`make gpu-check`: the one command a bare GPU machine runs (see the README's "CUDA path").
+"""`make gpu-check`: the one command a bare GPU machine runs (docs/performance.md, "The CUDA path
+on a GPU").
 
 In order, each section's figures written to $ECD_GPU_OUT/gpu-check.json as soon as it ends (so a
 run cut short still leaves what it measured), then printed as a table:

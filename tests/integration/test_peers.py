@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 from ecd_testing import Daemon, running_daemon
-from peer_testing import eventually, free_port
+from peer_testing import eventually, free_port, holders
 from pki_testing import make_pki
 
-from ec_client import AllocateItem, AsyncClient, Status
-from ec_client._connection import TLSFiles
+from ec_client import AllocateItem, AsyncClient, Status, TLSFiles
 from ec_daemon.peer_follower import FollowPolicy, PeerAccess, PeerFollower, PeerSet
 from ec_daemon.peers import PeerDirectory, PeerEntry, PeerState, PeerView
 
@@ -86,14 +85,14 @@ async def test_keys_ready_on_a_peer_appear_in_the_directory_and_evicted_ones_go(
         await store(c, [b"before"])
         async with following(address, directory):
             await eventually(lambda: synced(directory, address), "the snapshot")
-            assert directory.holders(POOL, b"before") == [address]
+            assert holders(directory, POOL, b"before") == [address]
 
             await store(c, [b"after-1", b"after-2"])
-            await eventually(lambda: directory.holders(POOL, b"after-2") == [address], "commits")
+            await eventually(lambda: holders(directory, POOL, b"after-2") == [address], "commits")
             await c.evict(POOL, [b"before", b"after-1"])
-            await eventually(lambda: not directory.holders(POOL, b"after-1"), "evictions")
-            assert directory.holders(POOL, b"before") == []
-            assert directory.holders(POOL, b"after-2") == [address]
+            await eventually(lambda: not holders(directory, POOL, b"after-1"), "evictions")
+            assert holders(directory, POOL, b"before") == []
+            assert holders(directory, POOL, b"after-2") == [address]
             assert view(directory, address).keys == 1
 
 
@@ -107,16 +106,16 @@ async def test_a_killed_peer_is_forgotten_and_its_restart_followed_with_the_new_
         await store(c, [b"k"])
         old_epoch = c.boot_epoch
     async with following(address, directory):
-        await eventually(lambda: directory.holders(POOL, b"k") == [address], "the snapshot")
+        await eventually(lambda: holders(directory, POOL, b"k") == [address], "the snapshot")
 
         await asyncio.to_thread(daemon.kill)
         await eventually(lambda: view(directory, address).state is PeerState.DOWN, "down")
-        assert directory.holders(POOL, b"k") == []
+        assert holders(directory, POOL, b"k") == []
 
         await asyncio.to_thread(daemon.start)  # re-adopts its pool: k is READY again
         await eventually(lambda: synced(directory, address), "the restarted peer")
         assert view(directory, address).boot_epoch not in ("", old_epoch)
-        assert directory.holders(POOL, b"k") == [address]
+        assert holders(directory, POOL, b"k") == [address]
 
 
 async def test_a_stalled_peer_is_declared_down_and_followed_again_when_it_resumes(
@@ -133,12 +132,12 @@ async def test_a_stalled_peer_is_declared_down_and_followed_again_when_it_resume
         os.kill(daemon.proc.pid, signal.SIGSTOP)  # a partition: the connection stays, silent
         try:
             await eventually(lambda: view(directory, address).state is PeerState.DOWN, "down")
-            assert directory.holders(POOL, b"k") == []
+            assert holders(directory, POOL, b"k") == []
             assert "Deadline" in view(directory, address).error
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         await eventually(lambda: synced(directory, address), "the resumed peer")
-        assert directory.holders(POOL, b"k") == [address]
+        assert holders(directory, POOL, b"k") == [address]
 
 
 async def test_an_address_that_is_this_daemon_is_marked_self_and_not_followed(

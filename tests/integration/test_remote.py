@@ -1,6 +1,7 @@
-"""Daemons on loopback pulling entries from each other (DESIGN §13): each its own shm directory,
-TCP port and Mooncake transfer engine, the peer of every other. Engines see the same API: a get
-on one node of a key put on another is a hit, bit-identical, after one transfer-engine read."""
+"""Daemons on loopback pulling entries from each other (docs/design.md §13): each its own shm
+directory, TCP port and Mooncake transfer engine, the peer of every other. Engines see the same
+API: a get on one node of a key put on another is a hit, bit-identical, after one
+transfer-engine read."""
 
 from __future__ import annotations
 

@@ -132,9 +132,9 @@ def test_a_daemon_configured_with_a_bare_600_makes_its_socket_mode_0600(tmp_path
 
 
 def test_reference_table_lists_every_setting_as_help_does() -> None:
-    """The README's settings table comes from `ecd serve --print-config --markdown`: one row per
-    setting, with the flag, the environment variable and the default that `ecd serve --help`
-    shows."""
+    """The settings table of docs/operations.md comes from `ecd serve --print-config
+    --markdown`: one row per setting, with the flag, the environment variable and the default
+    that `ecd serve --help` shows."""
     help_text = run_ecd("serve", "--help", check=True).stdout
     markdown = run_ecd("serve", "--print-config", "--markdown", check=True).stdout
     rows = markdown.splitlines()[2:]

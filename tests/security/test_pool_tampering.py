@@ -79,7 +79,7 @@ def start_reader(daemon: Daemon, pool: str) -> subprocess.Popen[str]:
 
 
 def test_nothing_the_daemon_or_its_clients_do_truncates_a_pool_file_under_a_reader() -> None:
-    """The trust boundary is write access to a pool file (README, Security): a process that can
+    """The trust boundary is write access to a pool file (docs/security.md): a process that can
     write it can truncate it and kill its readers with SIGBUS. The daemon and the client
     library never do, whatever happens to the pool: readers copying from it all along live."""
     args = ("--max-bytes", "64MiB", "--lease-ttl", "1", "--pool-check-interval", "0.1")

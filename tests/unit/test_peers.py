@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from peer_testing import holders
 
-from ec_client import EventType, WatchEvent
+from ec_client import EventType, PoolInfo, WatchEvent
 from ec_daemon.peers import PeerDirectory, PeerEntry, PeerState, peer_addresses
 
 A, B = "10.0.0.1:7878", "10.0.0.2:7878"
@@ -12,6 +13,18 @@ A, B = "10.0.0.1:7878", "10.0.0.2:7878"
 
 def event(kind: EventType, key: bytes = b"", pool: str = "vl", epoch: str = "e1") -> WatchEvent:
     return WatchEvent(kind, pool, key, 16, epoch)
+
+
+def apply(directory: PeerDirectory, address: str, event: WatchEvent) -> None:
+    """The event applied, its pool attached and readable (a follower attaches each pool of a
+    peer it hears of, and holders() counts only those)."""
+    directory.apply(address, event)
+    if directory.needs_pool(address, event.engine_id):
+        directory.attached(address, event.engine_id, readable(event.engine_id))
+
+
+def readable(engine_id: str) -> PoolInfo:
+    return PoolInfo(engine_id, "", 16, 64, 0, 0, "", "", 64, False)
 
 
 def following(*addresses: str, epoch: str = "e1") -> PeerDirectory:
@@ -83,8 +96,8 @@ def test_snapshot_and_committed_keys_are_held_and_evicted_aborted_deleted_ones_a
         (EventType.DELETED, b"x"),
         (EventType.ABORTED, b"never-ready"),
     ]:
-        d.apply(A, event(kind, key))
-    assert {k for k in (b"s", b"c", b"e", b"x", b"never-ready") if d.holders("vl", k)} == {
+        apply(d, A, event(kind, key))
+    assert {k for k in (b"s", b"c", b"e", b"x", b"never-ready") if holders(d, "vl", k)} == {
         b"s",
         b"c",
     }
@@ -93,33 +106,33 @@ def test_snapshot_and_committed_keys_are_held_and_evicted_aborted_deleted_ones_a
 
 def test_keys_are_known_per_pool() -> None:
     d = following(A)
-    d.apply(A, event(EventType.COMMITTED, b"k", pool="vl"))
-    assert d.holders("vl", b"k") == [A]
-    assert d.holders("other", b"k") == []
+    apply(d, A, event(EventType.COMMITTED, b"k", pool="vl"))
+    assert holders(d, "vl", b"k") == [A]
+    assert holders(d, "other", b"k") == []
 
 
 def test_holders_lists_every_peer_holding_the_key() -> None:
     d = following(A, B)
-    d.apply(A, event(EventType.COMMITTED, b"both"))
-    d.apply(B, event(EventType.SNAPSHOT, b"both"))
-    d.apply(B, event(EventType.SNAPSHOT, b"b-only"))
-    assert sorted(d.holders("vl", b"both")) == [A, B]
-    assert d.holders("vl", b"b-only") == [B]
+    apply(d, A, event(EventType.COMMITTED, b"both"))
+    apply(d, B, event(EventType.SNAPSHOT, b"both"))
+    apply(d, B, event(EventType.SNAPSHOT, b"b-only"))
+    assert sorted(holders(d, "vl", b"both")) == [A, B]
+    assert holders(d, "vl", b"b-only") == [B]
 
 
 def test_keys_seen_during_the_snapshot_are_held_before_it_ends() -> None:
     d = following(A)
-    d.apply(A, event(EventType.SNAPSHOT, b"k"))
+    apply(d, A, event(EventType.SNAPSHOT, b"k"))
     assert state(d, A) is PeerState.SYNCING
-    assert d.holders("vl", b"k") == [A]
+    assert holders(d, "vl", b"k") == [A]
 
 
 def test_a_broken_stream_forgets_that_peers_keys_only() -> None:
     d = following(A, B)
-    d.apply(A, event(EventType.COMMITTED, b"k"))
-    d.apply(B, event(EventType.COMMITTED, b"k"))
+    apply(d, A, event(EventType.COMMITTED, b"k"))
+    apply(d, B, event(EventType.COMMITTED, b"k"))
     d.broken(A, "connection reset")
-    assert d.holders("vl", b"k") == [B]
+    assert holders(d, "vl", b"k") == [B]
     [view] = [v for v in d.views() if v.address == A]
     assert (view.state, view.keys, view.error) == (PeerState.DOWN, 0, "connection reset")
 
@@ -127,60 +140,60 @@ def test_a_broken_stream_forgets_that_peers_keys_only() -> None:
 def test_events_from_a_stream_that_broke_are_ignored_until_a_new_one_opens() -> None:
     d = following(A)
     d.broken(A, "reset")
-    d.apply(A, event(EventType.COMMITTED, b"late"))
-    assert d.holders("vl", b"late") == []
+    apply(d, A, event(EventType.COMMITTED, b"late"))
+    assert holders(d, "vl", b"late") == []
     d.opened(A, "e1")
-    d.apply(A, event(EventType.SNAPSHOT, b"late"))
-    assert d.holders("vl", b"late") == [A]
+    apply(d, A, event(EventType.SNAPSHOT, b"late"))
+    assert holders(d, "vl", b"late") == [A]
 
 
 def test_a_new_boot_epoch_forgets_what_the_old_daemon_held() -> None:
     d = following(A, epoch="old")
-    d.apply(A, event(EventType.COMMITTED, b"k", epoch="old"))
-    d.apply(A, event(EventType.COMMITTED, b"k2", epoch="new"))
-    assert d.holders("vl", b"k") == []
-    assert d.holders("vl", b"k2") == [A]
+    apply(d, A, event(EventType.COMMITTED, b"k", epoch="old"))
+    apply(d, A, event(EventType.COMMITTED, b"k2", epoch="new"))
+    assert holders(d, "vl", b"k") == []
+    assert holders(d, "vl", b"k2") == [A]
     assert d.views()[0].boot_epoch == "new"
 
 
 def test_reopening_to_a_restarted_peer_forgets_its_old_keys() -> None:
     d = following(A, epoch="old")
-    d.apply(A, event(EventType.COMMITTED, b"k", epoch="old"))
+    apply(d, A, event(EventType.COMMITTED, b"k", epoch="old"))
     d.opened(A, "new")
-    assert d.holders("vl", b"k") == []
+    assert holders(d, "vl", b"k") == []
 
 
 def test_a_dropped_pool_forgets_its_keys_and_no_other() -> None:
     d = following(A)
-    d.apply(A, event(EventType.COMMITTED, b"k", pool="vl"))
-    d.apply(A, event(EventType.COMMITTED, b"k", pool="kept"))
-    d.apply(A, event(EventType.POOL_DROPPED, pool="vl"))
-    assert d.holders("vl", b"k") == []
-    assert d.holders("kept", b"k") == [A]
+    apply(d, A, event(EventType.COMMITTED, b"k", pool="vl"))
+    apply(d, A, event(EventType.COMMITTED, b"k", pool="kept"))
+    apply(d, A, event(EventType.POOL_DROPPED, pool="vl"))
+    assert holders(d, "vl", b"k") == []
+    assert holders(d, "kept", b"k") == [A]
 
 
 def test_an_address_found_to_be_this_daemon_holds_nothing() -> None:
     d = following(A)
-    d.apply(A, event(EventType.COMMITTED, b"k"))
+    apply(d, A, event(EventType.COMMITTED, b"k"))
     d.opened(A, "mine", is_self=True)
-    d.apply(A, event(EventType.COMMITTED, b"k2", epoch="mine"))
-    assert d.holders("vl", b"k") == d.holders("vl", b"k2") == []
+    apply(d, A, event(EventType.COMMITTED, b"k2", epoch="mine"))
+    assert holders(d, "vl", b"k") == holders(d, "vl", b"k2") == []
     assert state(d, A) is PeerState.SELF
 
 
 def test_a_removed_peer_is_gone_from_views_and_holders() -> None:
     d = following(A, B)
-    d.apply(A, event(EventType.COMMITTED, b"k"))
+    apply(d, A, event(EventType.COMMITTED, b"k"))
     d.remove(A)
-    d.apply(A, event(EventType.COMMITTED, b"k2"))
+    apply(d, A, event(EventType.COMMITTED, b"k2"))
     assert [v.address for v in d.views()] == [B]
-    assert d.holders("vl", b"k") == d.holders("vl", b"k2") == []
+    assert holders(d, "vl", b"k") == holders(d, "vl", b"k2") == []
 
 
 def test_views_report_state_epoch_and_key_counts_across_pools() -> None:
     d = following(A, epoch="ep-a")
     d.add(B)
     for pool, key in [("p1", b"a"), ("p1", b"b"), ("p2", b"a")]:
-        d.apply(A, event(EventType.SNAPSHOT, key, pool=pool, epoch="ep-a"))
+        apply(d, A, event(EventType.SNAPSHOT, key, pool=pool, epoch="ep-a"))
     views = {v.address: (v.state, v.boot_epoch, v.keys) for v in d.views()}
     assert views == {A: (PeerState.SYNCING, "ep-a", 3), B: (PeerState.CONNECTING, "", 0)}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from ecd_testing import new_shm_dir
+from peer_testing import LocalCopyTransport
 
 from ec_client.types import (
     AcquireResult,
@@ -34,7 +35,7 @@ from ec_daemon.peers import PeerDirectory
 from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools
 from ec_daemon.store import Store, StoreConfig
-from ec_daemon.transport import Copy, LocalCopyTransport, TransportError
+from ec_daemon.transport import Copy, TransportError
 
 BLOCK = 4096
 POOL = "vl"

@@ -6,7 +6,8 @@ Proves: UNAVAILABLE is retried with growing pauses until the connect deadline; a
 reopened, with its pools, and the call retried once; a reply from a restarted daemon reopens the
 session and still answers; a call the daemon cut off at shutdown is retried when it is safe and
 otherwise raised saying it may have taken effect; a pool that cannot be reopened is skipped;
-two callers that notice one restart reopen it once.
+two callers that notice one restart reopen it once; a Step carrying what the client owes
+hands each debt its answer, or the error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ec_client._connection import Options
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
+from ec_client.owed import Debt, Parcel
 from ec_client.types import Role
 
 UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")
@@ -184,3 +186,26 @@ def test_a_restart_noticed_by_two_callers_is_reopened_once() -> None:
     daemon.script.append(lookup_reply("epoch-2"))
     daemon.run(second, error=SESSION_LOST)  # the second learns of it too, late
     assert daemon.sent == ["Lookup", "OpenSession", "OpenPool", "Lookup", "Lookup"]
+
+
+def test_a_step_carrying_debts_settles_each_with_its_answer_and_returns_the_callers() -> None:
+    state = opened()
+    heard: list[Any] = []
+    parcel = Parcel(commits=[Debt(settle=heard.append, key=b"owed")])
+    reply = pb.StepReply(
+        boot_epoch="epoch-1",
+        commits=[pb.ItemResult(key=k, status=pb.ITEM_OK) for k in (b"owed", b"mine")],
+    )
+    call = parcel.step("p", commits=[(b"mine", 0)])
+    result = ScriptedDaemon(state, reply).run(state.step(parcel, call))
+    assert [r.key for r in heard] == [b"owed"]
+    assert [r.key for r in result.commits] == [b"mine"]
+
+
+def test_a_step_that_fails_tells_every_debt_and_raises() -> None:
+    state = opened(connect_timeout_s=0.0)
+    heard: list[object] = []
+    parcel = Parcel(releases=[Debt(settle=heard.append, lease_id=7)])
+    with pytest.raises(EcdError):
+        ScriptedDaemon(state, UNAVAILABLE).run(state.step(parcel, parcel.step("p")))
+    assert heard == [UNAVAILABLE]

@@ -18,12 +18,11 @@ import pytest
 from ecd_testing import run_python
 from hypothesis import given
 from hypothesis import strategies as st
-from peer_testing import DATA_OFFSET, data_of, needs_mooncake, pool_file
+from peer_testing import DATA_OFFSET, LocalCopyTransport, data_of, needs_mooncake, pool_file
 
 from ec_client import Extent
 from ec_daemon.transport import (
     Copy,
-    LocalCopyTransport,
     MooncakeTransport,
     Transport,
     TransportError,

@@ -1,5 +1,5 @@
 """Two engines on two nodes: an encoder engine (ec_producer) on one daemon, a prefill/decode
-engine (ec_consumer) on another, the daemons peers of each other (DESIGN §13). The connector
+engine (ec_consumer) on another, the daemons peers of each other (docs/design.md §13). The connector
 needs no setting of its own for it: its ready view counts what the peer holds, and the items
 are pulled by the pins it takes in the background, never by a round trip on the scheduler
 thread."""

@@ -17,10 +17,9 @@ from unittest.mock import patch
 import pytest
 import torch
 from cuda_fakes import FakeCudart, install_fake_cuda
-from ecd_testing import Daemon
+from ecd_testing import Daemon, unmap_pools
 from vllm_testing import DTYPE, ROWS, WIDTH, EngineFactory, EngineSpec, encoder_output, request
 
-from ec_client.mapping import PoolMapping
 from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.loads import LoadBook
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, LoadOrder, SaveOrder, WorkerRank
@@ -41,7 +40,7 @@ def worker(spec: EngineSpec, rank: WorkerRank = FIRST) -> WorkerSide:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
     yield install_fake_cuda(monkeypatch)
-    PoolMapping.close_all()  # while the fake runtime is there to unregister
+    unmap_pools()  # while the fake runtime is there to unregister
 
 
 def test_a_gpu_worker_registers_the_pool_with_cuda_at_start(

@@ -187,7 +187,10 @@ class EncoderCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
-        """Per item: ITEM_ALLOCATED, ITEM_EXISTS, ITEM_PENDING, ITEM_NO_SPACE, ITEM_INVALID_ARGUMENT (bad
+        """Allocate, Commit, Abort and Release: the compatible remainder of Step (see the header of
+        ecd.proto); each answers as its part of a Step does.
+
+        Per item: ITEM_ALLOCATED, ITEM_EXISTS, ITEM_PENDING, ITEM_NO_SPACE, ITEM_INVALID_ARGUMENT (bad
         key or tensor spec, or an entry larger than the whole pool), ITEM_FAILED_PRECONDITION (this
         session allocated the key before with another spec).
         """
@@ -211,7 +214,8 @@ class EncoderCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
-        """Per item: ITEM_HIT, ITEM_MISS, ITEM_PENDING (still PENDING after wait_ms),
+        """The way to wait for keys (without wait_ms, the compatible remainder of a Step's acquires).
+        Per item: ITEM_HIT, ITEM_MISS, ITEM_PENDING (still PENDING after wait_ms),
         ITEM_INVALID_ARGUMENT. With wait_ms, a key PENDING or not there yet is waited for until it
         is READY (the waiter wakes at its commit) or wait_ms runs out; an entry aborted meanwhile is
         waited for again. A key that is not here but that a peer daemon holds is pulled from it, and
@@ -239,9 +243,10 @@ class EncoderCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Release, Commit, Abort, Acquire (without waiting) and Allocate in one call, in that order;
-        per item of each part, what that RPC answers. Acquires of keys only peers hold are pulled,
-        and the reply waits for those pulls (as Acquire's), after every other part was applied.
+        """The way for new code (see the header of ecd.proto): Release, Commit, Abort, Acquire (without
+        waiting) and Allocate in one call, in that order; per item of each part, what that RPC
+        answers. Acquires of keys only peers hold are pulled, and the reply waits for those pulls
+        (as Acquire's), after every other part was applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

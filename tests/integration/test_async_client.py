@@ -1,0 +1,125 @@
+"""AsyncClient against a real daemon, for the calls it shares with Client beyond the plain RPCs:
+health, paging through entries, reopening a pool, what is owed (carried by a Step, sent alone
+once the pool is quiet, waited for by settle) and the view of a pool's READY keys."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import pytest
+from ecd_testing import Daemon
+
+from ec_client import AllocateItem, AsyncClient, EcdError, EntryState, ItemResult, Status
+from ec_client.owed import Debt
+
+POOL = "vl"
+BLOCK = 4096
+
+
+async def allocated(client: AsyncClient, keys: Sequence[bytes]) -> None:
+    items = [AllocateItem(k, (BLOCK,), "uint8") for k in keys]
+    assert {r.status for r in await client.allocate(POOL, items)} == {Status.ALLOCATED}
+
+
+async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{what} did not happen within {timeout_s} s")
+
+
+def owe_commits(client: AsyncClient, keys: Sequence[bytes]) -> list[ItemResult]:
+    """Owe the pool the Commits of `keys` (copies landed); the answers land in the list."""
+    answers: list[ItemResult] = []
+    client.owed.commits(POOL, [Debt(settle=answers.append, key=k) for k in keys])
+    return answers
+
+
+async def test_health_answers_serving_on_the_clients_own_channel(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.address, name="probe") as c:
+        assert await c.health() == "SERVING"
+        assert c.target == daemon.address
+
+
+async def test_iter_entries_pages_through_every_entry_in_key_order(daemon: Daemon) -> None:
+    keys = [b"k%02d" % i for i in range(7)]
+    async with AsyncClient(daemon.address, name="lister") as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        await allocated(c, keys)
+        listed = [e.key async for e in c.iter_entries(POOL, page=3)]
+    assert listed == keys
+
+
+async def test_reopen_pool_makes_a_pool_dropped_by_someone_else_again(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.address, name="owner") as c:
+        with pytest.raises(EcdError, match="not opened by this client"):
+            await c.reopen_pool(POOL)
+        first = await c.open_pool(POOL, BLOCK, 64 * BLOCK, "model-a")
+        async with AsyncClient(daemon.address, name="ops", role="admin") as ops:
+            await ops.drop_pool(POOL)
+        again = await c.reopen_pool(POOL)
+        assert again.created and again.pool_uuid != first.pool_uuid
+        assert (again.num_blocks, again.compat_key) == (64, "model-a")
+        assert c.pool_info(POOL) == again
+
+
+async def test_a_step_carries_what_is_owed_ahead_of_its_own_parts(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.address, name="producer", linger_s=60) as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        # A Step to the pool first: a pool never stepped to is quiet, and its debts would go
+        # alone at once.
+        first = await c.step(POOL, allocates=[AllocateItem(b"owed", (BLOCK,), "uint8")])
+        assert [r.status for r in first.allocates] == [Status.ALLOCATED]
+        answers = owe_commits(c, [b"owed"])
+        result = await c.step(POOL, acquires=[b"owed"])
+        assert [a.status for a in answers] == [Status.OK]  # the debt heard its own answer
+        assert result.commits == [] and [r.status for r in result.acquires] == [Status.HIT]
+
+
+async def test_what_is_owed_goes_alone_once_the_pool_is_quiet_and_settle_waits_for_it(
+    daemon: Daemon,
+) -> None:
+    async with AsyncClient(daemon.address, name="producer") as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        await allocated(c, [b"alone", b"settled"])
+        alone = owe_commits(c, [b"alone"])
+        await eventually(lambda: bool(alone), "the owed Commit sent from the background")
+        assert [a.status for a in alone] == [Status.OK]
+
+        settled = owe_commits(c, [b"settled"])
+        await c.settle(5)
+        assert [a.status for a in settled] == [Status.OK]
+        states = [r.state for r in await c.lookup(POOL, [b"alone", b"settled"])]
+        assert states == [EntryState.READY, EntryState.READY]
+
+
+async def test_close_sends_what_is_owed_before_the_session_ends(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.address, name="producer", linger_s=60) as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        await allocated(c, [b"last"])
+        answers = owe_commits(c, [b"last"])
+    assert [a.status for a in answers] == [Status.OK]
+    async with AsyncClient(daemon.address, name="reader") as reader:
+        await reader.open_pool(POOL)
+        [found] = await reader.lookup(POOL, [b"last"])
+        assert found.state is EntryState.READY
+
+
+async def test_a_view_follows_the_pools_ready_keys_and_stops_at_close(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.address, name="producer") as producer:
+        await producer.open_pool(POOL, BLOCK, 64 * BLOCK)
+        async with AsyncClient(daemon.address, name="consumer") as c:
+            await c.open_pool(POOL)
+            view = c.view(POOL)
+            assert c.view(POOL) is view
+            assert await asyncio.to_thread(view.wait_synced, 5)
+            await allocated(producer, [b"seen"])
+            await producer.commit(POOL, [b"seen"])
+            await eventually(lambda: view.has(b"seen"), "the commit in the view")
+            await producer.evict(POOL, [b"seen"])
+            await eventually(lambda: not view.has(b"seen"), "the eviction in the view")
+            c.known_ready(POOL, [b"mine"])
+            assert view.has(b"mine")
+        assert not view.synced
