@@ -272,8 +272,18 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         engine_id = getattr(request, "engine_id", "")
-        actions = step_actions(request) if isinstance(request, pb.StepRequest) else ()
+        actions: tuple[Action, ...] = ()
+        if isinstance(request, pb.StepRequest):
+            actions = step_actions(request)
+        elif isinstance(request, pb.OpenPoolRequest) and self.creates(request):
+            actions = (Action.PRODUCE,)
         self.guard.check(rpc, engine_id, tuple(context.invocation_metadata() or ()), actions)
+
+    def creates(self, request: pb.OpenPoolRequest) -> bool:
+        """Whether this OpenPool would create its pool (it gives a geometry and there is none).
+
+        Nothing awaits between this check and the handler, so the answer still holds there."""
+        return request.block_size_bytes != 0 and not self.store.has_pool(request.engine_id)
 
     @property
     def epoch(self) -> str:

@@ -98,7 +98,7 @@ class ConnectorConfig:
         private = pool is None
         if private:
             pool = f"{vllm_config.instance_id}_dp{parallel.data_parallel_index}"
-        if not isinstance(pool, str) or not ENGINE_ID_PATTERN.match(pool):
+        if not isinstance(pool, str) or not ENGINE_ID_PATTERN.fullmatch(pool):
             raise ValueError(
                 f"ecd_pool {pool!r} is not a pool name: use 1-128 of A-Z a-z 0-9 . _ -, "
                 "starting with a letter or digit"
