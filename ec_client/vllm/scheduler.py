@@ -200,7 +200,7 @@ class SchedulerSide:
             )
         else:  # the daemon is away: waiting requests encode, and this step saves nothing
             self.loads.give_up()
-            self.saves.take_planned()
+            self.saves.drop_planned()
         saves, cancelled = self.saves.take_orders()
         return ECDaemonConnectorMetadata(
             pool=self.client.pool_info(self.config.pool),
