@@ -307,8 +307,8 @@ SETTINGS: tuple[Setting, ...] = (
         "shutdown_grace",
         _seconds(0),
         5.0,
-        "seconds in-flight RPCs get to finish on SIGTERM (an Acquire still waiting is answered "
-        "UNAVAILABLE just before, for its client to retry)",
+        "seconds in-flight RPCs get to finish on SIGTERM (Acquires waiting on keys are answered "
+        "UNAVAILABLE at once, for their clients to wait on at the next daemon)",
         "SECONDS",
     ),
     Setting(
