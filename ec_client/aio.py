@@ -18,9 +18,15 @@ from typing import Any, TypeVar
 import grpc
 
 from ec_client import _wire
-from ec_client._connection import Options, TLSFiles, aio_channel, connection_problem
+from ec_client._connection import (
+    Options,
+    TLSFiles,
+    aio_channel,
+    await_daemon,
+    connection_problem,
+)
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
+from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.types import (
     AcquireResult,
@@ -54,9 +60,10 @@ class AsyncClient:
         tls: TLSFiles | None = None,
         keepalive: bool = True,
         from_env: bool = True,
+        wait_for_daemon_s: float = 0.0,
     ) -> None:
         """from_env: take a token and TLS files not given from ECD_TOKEN, ECD_TOKEN_FILE and
-        ECD_TLS_* (as Client does)."""
+        ECD_TLS_* (as Client does). wait_for_daemon_s: as Client's."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
@@ -66,9 +73,11 @@ class AsyncClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._wait_for_daemon_s = wait_for_daemon_s
 
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
+        await asyncio.to_thread(await_daemon, self.options, self._wait_for_daemon_s)
         self._channel = aio_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         try:
@@ -90,6 +99,9 @@ class AsyncClient:
 
     async def close(self) -> None:
         if self._state.closed:
+            return
+        if self._channel is None:  # start() found no daemon: no session to close
+            self._state.closed = True
             return
         if self._keepalive is not None:
             self._keepalive.cancel()
@@ -225,7 +237,7 @@ class AsyncClient:
         result: T = step.value
         return result
 
-    async def _do(self, step: Send | Pause | Reopen) -> Any:
+    async def _do(self, step: Send | Pause | Probe | Reopen) -> Any:
         if isinstance(step, Send):
             call = step.call
             try:
@@ -239,6 +251,8 @@ class AsyncClient:
         if isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
             return None
+        if isinstance(step, Probe):
+            return await asyncio.to_thread(connection_problem, self.options)
         async with self._lock:
             if self._state.generation != step.generation:
                 return None  # another task reopened the session meanwhile

@@ -16,7 +16,8 @@ Keys of `ec_connector_extra_config`:
 - `ecd_wait_ms`: how long a consumer holds a request back while an item it needs is not in the
   pool yet (another engine may be encoding it), before encoding it itself. Default 0.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
-  retries while the daemon is unreachable. Default 2.
+  retries while the daemon restarts. A call made while no daemon is there at all (no socket,
+  nothing listening) fails at once: the scheduler's steps never wait on it. Default 2.
 - `ecd_pins`: when a request's cached items are pinned (see pins.py): `auto` (default) pins the
   first such request of a scheduler step at once, by one round trip on the scheduler thread, and
   later ones too while that waiting stays under `ecd_pin_share` of the engine's step time; the

@@ -115,6 +115,7 @@ class SchedulerSide:
             role=role,
             connect_timeout_s=config.connect_timeout_s,
             call_timeout_s=CALL_TIMEOUT_S,
+            wait_for_daemon_s=config.connect_timeout_s,  # it may be starting alongside
         )
         try:
             self._attach()
