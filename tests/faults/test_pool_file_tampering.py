@@ -307,7 +307,7 @@ def test_a_producer_and_consumer_of_a_refused_pool_raise_clear_errors_and_work_o
         pathlib.Path(victim.path).unlink(missing_ok=True)
         operator.open_pool("victim", BLOCK, CAPACITY)
         tensor = make_tensor("again", 5000)
-        assert producer.put("again", tensor) is PutStatus.STORED
+        assert producer.put("again", tensor) is PutStatus.COMMITTING
         loaded = consumer.get("again")
         assert loaded is not None and torch.equal(loaded, tensor)
         assert consumer.get(KEYS[0]) is None  # the refused pool's entries are gone with it

@@ -23,7 +23,7 @@ def test_a_consumer_attaches_by_name_alone_and_reads_what_the_producer_wrote(
     with daemon.client(name="encoder") as encoder, daemon.client(name="decoder") as decoder:
         created = encoder.open_pool(POOL, BLOCK, 512 * BLOCK, COMPAT)
         tensor = torch.randn(16, 3584).to(torch.bfloat16)
-        assert Producer(encoder, POOL).put("img", tensor) is PutStatus.STORED
+        assert Producer(encoder, POOL).put("img", tensor) is PutStatus.COMMITTING
         attached = decoder.open_pool(POOL)
         assert not attached.created
         assert (attached.block_size_bytes, attached.num_blocks, attached.compat_key) == (
