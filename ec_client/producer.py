@@ -181,8 +181,6 @@ class Producer:
                 statuses[key] = _PUT_STATUS[result.status]
             else:
                 statuses[key], refused[key] = PutStatus.REFUSED, error
-        if refused:
-            log.warning("ecd: %d of %d put(s) refused: %s", len(refused), len(statuses), refused)
         if debts:
             self.client.owed.commits(engine_id, debts)
         else:

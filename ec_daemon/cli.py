@@ -197,7 +197,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     def human() -> str:
         rows = [
             (
-                display_key(e.key),
                 e.state.value.upper(),
                 format_size(e.spec.nbytes),
                 e.spec.dtype,
@@ -206,10 +205,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 e.pins,
                 f"{e.age_s:.1f}s",
                 e.producer,
+                display_key(e.key),  # last: up to 256 bytes (512 hex digits), padding no other
             )
             for e in entries
         ]
-        headers = ("KEY", "STATE", "SIZE", "DTYPE", "SHAPE", "EXTENTS", "PINS", "AGE", "PRODUCER")
+        headers = ("STATE", "SIZE", "DTYPE", "SHAPE", "EXTENTS", "PINS", "AGE", "PRODUCER", "KEY")
         return table(headers, rows) if rows else "(no entries)"
 
     emit(args, entries, human)

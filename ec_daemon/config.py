@@ -202,8 +202,9 @@ SETTINGS: tuple[Setting, ...] = (
         "max_bytes",
         _size_or_auto,
         None,
-        "budget of all pools' capacity together, e.g. 8GiB (their files hold a little more: "
-        "headers and slot tables); auto = half of shm-dir",
+        "budget of all pools' capacity together, e.g. 8GiB (GiB, MiB, KiB: powers of 1024; "
+        "GB or G, MB or M: powers of 1000, so 8G is 8 * 10^9 bytes; their files hold a little "
+        "more: headers and slot tables); auto = half of shm-dir",
         "SIZE",
         "auto",
     ),

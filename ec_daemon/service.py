@@ -346,13 +346,22 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     ) -> pb.OpenPoolReply:
         engine_id = validate.engine_id(request.engine_id)
         validate.pool_request(request.block_size_bytes, request.capacity_bytes, request.compat_key)
-        info = self.store.open_pool(
-            request.session_id,
-            engine_id,
-            request.block_size_bytes,
-            request.capacity_bytes,
-            request.compat_key,
-        )
+        try:
+            info = self.store.open_pool(
+                request.session_id,
+                engine_id,
+                request.block_size_bytes,
+                request.capacity_bytes,
+                request.compat_key,
+            )
+        except CoreError as exc:
+            peer_has_it = (
+                self.remote.not_here(engine_id)
+                if exc.reason is Reason.UNKNOWN_POOL and self.remote is not None
+                else None
+            )
+            raise peer_has_it or exc from None
+
         return pb.OpenPoolReply(
             boot_epoch=self.epoch, created=info.created, pool=pool_info_pb(info)
         )

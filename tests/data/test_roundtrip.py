@@ -152,6 +152,30 @@ def test_a_tensor_without_storable_bytes_is_refused_before_anything_is_sent(
     assert client.lookup(POOL, ["nothing"])[0].state.name == "ABSENT"
 
 
+def test_a_0_dim_tensor_is_refused_before_anything_is_sent(client: Client) -> None:
+    with pytest.raises(ValueError, match=r"0 dimensions .* store t.reshape\(1\)"):
+        Producer(client, POOL).put("scalar", torch.tensor(1.0))
+    assert client.lookup(POOL, ["scalar"])[0].state.name == "ABSENT"
+
+
+def test_what_is_not_a_tensor_is_a_type_error_naming_what_it_is(client: Client) -> None:
+    with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got list"):
+        Producer(client, POOL).put("listed", [1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_a_wait_that_cannot_be_sent_is_refused_naming_wait_ms(client: Client) -> None:
+    with pytest.raises(ValueError, match="wait_ms=-1: expected milliseconds from 0 to"):
+        Consumer(client, POOL).get("k", wait_ms=-1)
+
+
+def test_a_refused_put_is_answered_to_the_caller_not_logged(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    handle = Producer(client, POOL).put_many_async({"k" * 257: torch.ones(4)})
+    assert handle.statuses == {"k" * 257: PutStatus.REFUSED}
+    assert "k" * 257 not in caplog.text
+
+
 def test_one_refused_item_does_not_sink_the_rest_of_its_batch(client: Client) -> None:
     too_big = torch.zeros(2049 * BLOCK, dtype=torch.uint8)  # larger than the whole pool
     handle = Producer(client, POOL).put_many_async(

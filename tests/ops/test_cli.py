@@ -111,7 +111,7 @@ def test_a_listing_piped_into_a_reader_that_leaves_early_ends_quietly(daemon: Da
         cwd=REPO,
     )
     assert ls.stdout is not None and ls.stderr is not None
-    assert ls.stdout.readline().startswith(b"KEY")
+    assert ls.stdout.readline().startswith(b"STATE")
     ls.stdout.close()  # as `| head -1` does
     err = ls.stderr.read().decode()
     assert ls.wait(30) == 0
@@ -127,3 +127,16 @@ def test_ecd_drop_deletes_a_pool_and_gives_its_capacity_back(daemon: Daemon) -> 
         status, out, _ = ecd(daemon, "drop", POOL, "--force")
         assert status == 0 and f"dropped pool {POOL!r} and its 1 entries" in out
         assert not c.stats().pools and not Path(info.path).exists()
+
+
+def test_ecd_ls_puts_the_key_last_so_a_long_key_pads_no_other_column(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        long_key, short_key = "k" * 256, "short"
+        c.allocate(POOL, [AllocateItem(k, (16,), "uint8") for k in (long_key, short_key)])
+        status, out, _ = ecd(daemon, "ls", POOL)
+    assert status == 0
+    header, *rows = out.splitlines()
+    assert header.split()[-1] == "KEY"
+    short_row = next(r for r in rows if r.endswith(short_key))
+    assert len(short_row) < 100

@@ -202,3 +202,10 @@ def test_an_unknown_ecd_variable_is_warned_about_naming_the_nearest_setting() ->
         log = daemon.log()
     assert "unknown environment variable" in log
     assert "ECD_MAX_BYTE (did you mean ECD_MAX_BYTES?)" in log
+
+
+def test_help_says_which_size_units_are_powers_of_1000() -> None:
+    result = run_ecd("serve", "--help")
+    assert "GB or G, MB or M: powers of 1000, so 8G is 8 * 10^9 bytes" in " ".join(
+        result.stdout.split()
+    )
