@@ -248,6 +248,11 @@ class AsyncClient:
                 )
             except grpc.RpcError as exc:
                 raise EcdError.from_rpc(exc) from None
+            except grpc.aio.UsageError:  # a call after close(), e.g. from a task still running
+                raise EcdError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this client's channel to ecd at {self.options.target} is closed",
+                ) from None
         if isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
             return None

@@ -157,10 +157,11 @@ class PoolRegistry:
 
     def refuse(self, engine_id: str, path: Path, why: str) -> None:
         self._refused[engine_id] = why
-        log.error(
-            "pool file refused and left in place",
-            extra={"engine_id": engine_id, "path": str(path), "reason": why},
-        )
+        extra = {"engine_id": engine_id, "path": str(path), "reason": why}
+        if path.exists():
+            log.error("pool file refused and left in place", extra=extra)
+        else:  # nothing left in place: the pool is simply gone, and may be created again
+            log.error("pool file removed from under the daemon: pool forgotten", extra=extra)
 
     def open(
         self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str

@@ -50,14 +50,22 @@ def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
         self: EncoderCacheService, request: Request, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Reply:
         started = time.perf_counter()
+        code = "OK"  # the status the call ends with, for the count of RPCs by method and code
         try:
             self.authorize(method.__name__, request, context)
             return await method(self, request, context)
         except CoreError as exc:
+            code = exc.code.value
             await abort(self.store, context, exc)
             raise AssertionError("context.abort returned") from exc
+        except asyncio.CancelledError:
+            code = "CANCELLED"  # the client went away, or the daemon is stopping
+            raise
+        except Exception:
+            code = "UNKNOWN"  # grpc answers an exception that escapes a handler so
+            raise
         finally:
-            self.observe(method.__name__, time.perf_counter() - started)
+            self.observe(method.__name__, code, time.perf_counter() - started)
 
     return handle
 
@@ -256,7 +264,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         store: Store,
         hub: EventHub,
         limits: validate.Limits,
-        observe: Callable[[str, float], None] = lambda method, seconds: None,
+        observe: Callable[[str, str, float], None] = lambda method, code, seconds: None,
         guard: Guard | None = None,
         remote: Remote | None = None,
     ) -> None:

@@ -259,6 +259,8 @@ def test_a_pool_file_removed_or_replaced_is_refused_and_can_be_created_again(
         wait_until(refused, 10 * CHECK_INTERVAL, "the daemon to notice the pool file is gone")
         assert tampered.running
         if how == "removed":  # nothing left to inspect: the pool can be created afresh
+            assert "pool file removed from under the daemon: pool forgotten" in tampered.log()
+            assert "refused and left in place" not in tampered.log()
             fresh = c.open_pool("victim", BLOCK, CAPACITY)
             assert fresh.created and fresh.pool_uuid != victim.pool_uuid
             Producer(c, "victim", checksum=True).put("img-0", make_tensor("img-0", 5000))
