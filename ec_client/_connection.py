@@ -8,6 +8,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from ec_client.tls import TLSFiles
 from ec_client.types import Role
 
 MAX_MESSAGE_BYTES = 64 << 20
+# Delays between tries while the daemon is away: doubled from the first up to the last.
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -224,6 +228,19 @@ def _tls_problem(raw: socket.socket, host: str, tls: TLSFiles) -> str | None:
         else "the daemon closed the connection after the TLS handshake: it does not trust the "
         "client's certificate (ECD_TLS_CERT)"
     )
+
+
+def await_daemon(options: Options, wait_s: float) -> None:
+    """Return once a connection shows nothing stopping it; retried for wait_s (a daemon
+    starting alongside this process), then UNAVAILABLE naming what stops it. With wait_s 0, a
+    missing socket or a refused connection fails at once instead of after a connect timeout."""
+    deadline = time.monotonic() + wait_s
+    delay = FIRST_BACKOFF_S
+    while (problem := connection_problem(options)) is not None:
+        if time.monotonic() + delay > deadline:
+            raise options.unreachable(problem)
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF_S)
 
 
 _channels: dict[tuple[int, str, TLSFiles | None], grpc.Channel] = {}

@@ -5,12 +5,19 @@ the session) and receives the outcome (the reply, or an EcdError thrown into it)
 plans with blocking gRPC calls and threads, AsyncClient with grpc.aio and asyncio; neither holds
 any rule of its own. The rules:
 
-- UNAVAILABLE (daemon down or restarting): retry with exponential backoff until the connect
-  deadline has passed since the first failure, then raise.
-- A call the daemon cut off because it was shutting down (CANCELLED at the end of its shutdown
-  grace, or UNAVAILABLE with reason shutting_down, which a waiting Acquire gets just before
-  it): retried as UNAVAILABLE if the call is safe to retry (`Call.safe_to_retry`), so that a
-  restart goes unnoticed; otherwise raised, saying the call may or may not have taken effect.
+- UNAVAILABLE (daemon down or restarting): retry with exponential backoff for as long as a
+  restart is plausible, counted from the first failure, then raise "cannot reach ecd at
+  ADDRESS: why". At the first failure a plain connection (`Probe`) asks why:
+  - nothing wrong found (the daemon is there, or the cause lies beyond what a connection shows):
+    retry for connect_timeout_s;
+  - no socket, nothing listening on it, TLS refused: the daemon is not there, and only a call
+    that asked to wait (Acquire's wait_ms) keeps trying, within that wait (at most
+    connect_timeout_s): anything else fails at once, in the words of the probe.
+- A call the daemon cut off because it was shutting down (UNAVAILABLE with reason
+  shutting_down, which a waiting Acquire gets at once, or CANCELLED at the end of the shutdown
+  grace): a restart is under way, so the call is retried for connect_timeout_s from then, missing
+  socket or not, if it is safe to retry (`Call.safe_to_retry`), so that a restart goes
+  unnoticed; otherwise raised, saying the call may or may not have taken effect.
   Acquire counts as safe: an attempt cut off after pinning leaves a pin in a daemon that is
   going away, and its session with it (at worst, with a daemon that did not stop after all,
   the pin is held until this session ends).
@@ -33,7 +40,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ec_client import _wire
-from ec_client._connection import Options
+from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S, Options
 from ec_client.errors import EcdError
 from ec_client.owed import Parcel
 from ec_client.types import PoolInfo, StepResult
@@ -41,9 +48,6 @@ from ec_client.types import PoolInfo, StepResult
 T = TypeVar("T")
 
 log = logging.getLogger("ec_client")
-
-FIRST_BACKOFF_S = 0.05
-MAX_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class Send:
 @dataclass(frozen=True)
 class Pause:
     seconds: float
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Look at the connection (`_connection.connection_problem`); the driver sends back what
+    stops it, or None."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ class Done:
     value: Any
 
 
-Step = Send | Pause | Reopen
+Step = Send | Pause | Probe | Reopen
 Plan = Generator[Step, Any, T]
 
 
@@ -156,9 +166,10 @@ class SessionState:
         return call.parse(reply)
 
     def send(self, call: _wire.Call[Any], retry: bool = True) -> Plan[Any]:
-        """One RPC, retried with backoff while the daemon is UNAVAILABLE (or cut it off at
-        shutdown, if it is safe to retry); the raw reply."""
-        backoff = Backoff(self.options.connect_timeout_s)
+        """One RPC, retried with backoff while the daemon is UNAVAILABLE and a restart is
+        plausible (see the module's rules); the raw reply."""
+        backoff: Backoff | None = None  # from the first failure on
+        problem: str | None = None  # what the probe at the first failure found
         shut_down = False  # the daemon cut an attempt off as it stopped
         while True:
             try:
@@ -167,13 +178,20 @@ class SessionState:
                 if cut_off_at_shutdown(error):
                     if not call.safe_to_retry:
                         raise self.options.cut_off(call.method) from None
-                    shut_down = True
-                unavailable = retry and error.code in RETRIED
-                delay = backoff.next_delay() if unavailable else None
-                if delay is None:
-                    if unavailable and shut_down:
-                        raise self.options.gone_at_shutdown(call.method) from None
+                    if not shut_down:  # a restart is under way: patience from now on
+                        shut_down, backoff = True, Backoff(self.options.connect_timeout_s)
+                if not retry or error.code not in RETRIED:
                     raise
+                if backoff is None:
+                    problem = yield Probe()
+                    backoff = Backoff(self._patience(call, problem))
+                delay = backoff.next_delay()
+                if delay is None:
+                    if shut_down:
+                        raise self.options.gone_at_shutdown(call.method) from None
+                    if error.reason:  # the daemon's own UNAVAILABLE, which says why
+                        raise
+                    raise self.options.unreachable(problem or (yield Probe())) from None
                 yield Pause(delay)
 
     def step(self, parcel: Parcel, call: _wire.Call[StepResult]) -> Plan[StepResult]:
@@ -185,6 +203,13 @@ class SessionState:
             parcel.fail(error)
             raise
         return parcel.settle(result)
+
+    def _patience(self, call: _wire.Call[Any], problem: str | None) -> float:
+        """Seconds to keep retrying a call the daemon did not answer: connect_timeout_s while it
+        may be there; with no daemon there (`problem`), only as long as the call asked to wait."""
+        if problem is None:
+            return self.options.connect_timeout_s
+        return min(call.extra_timeout_s, self.options.connect_timeout_s)
 
     def open(self) -> Plan[None]:
         """Open a new session."""

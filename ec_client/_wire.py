@@ -248,9 +248,15 @@ def abort(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]
     return keyed("Abort", engine_id, keys_)
 
 
+MAX_WAIT_MS = (1 << 32) - 1  # wait_ms travels as a uint32
+
+
 def acquire(
     engine_id: str, keys_: Sequence[api.Key], wait_ms: int
 ) -> Call[list[api.AcquireResult]]:
+    """ValueError, before anything is sent, for a wait_ms the request cannot carry."""
+    if not 0 <= wait_ms <= MAX_WAIT_MS:
+        raise ValueError(f"wait_ms={wait_ms}: expected milliseconds from 0 to {MAX_WAIT_MS}")
     raw = keys(keys_)
     return Call(
         "Acquire",

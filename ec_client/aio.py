@@ -24,9 +24,15 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import UNREACHED, Options, aio_channel, connection_problem
+from ec_client._connection import (
+    UNREACHED,
+    Options,
+    aio_channel,
+    await_daemon,
+    connection_problem,
+)
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
+from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.owed import Owed, Parcel, send_parcel
 from ec_client.ready_view import ReadyView, Views
@@ -90,9 +96,11 @@ class AsyncClient:
         keepalive: bool = True,
         linger_s: float = 0.001,
         from_env: bool = True,
+        wait_for_daemon_s: float = 0.0,
     ) -> None:
         """As Client's; nothing is sent before `start()`. from_env=False: no token or TLS files
-        from ECD_TOKEN, ECD_TOKEN_FILE and ECD_TLS_* (a daemon calling its peers)."""
+        from ECD_TOKEN, ECD_TOKEN_FILE and ECD_TLS_* (a daemon calling its peers).
+        wait_for_daemon_s: as Client's."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
@@ -105,9 +113,11 @@ class AsyncClient:
         self._threads: _FromThreads | None = None
         self._views = Views(self._follow)
         self.owed = Owed(send_parcel(self._deliver_from_thread), linger_s)
+        self._wait_for_daemon_s = wait_for_daemon_s
 
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
+        await asyncio.to_thread(await_daemon, self.options, self._wait_for_daemon_s)
         self._threads = _FromThreads(self, asyncio.get_running_loop())
         self._channel = aio_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
@@ -154,6 +164,10 @@ class AsyncClient:
 
     async def close(self, settle_timeout_s: float = 10.0) -> None:
         if self._state.closed:
+            return
+        if self._channel is None:  # start() found no daemon: no session to close
+            self._state.closed = True
+            await asyncio.to_thread(self._stop_threads)
             return
         with contextlib.suppress(TimeoutError):
             await self.settle(settle_timeout_s)
@@ -325,7 +339,7 @@ class AsyncClient:
         result: T = step.value
         return result
 
-    async def _do(self, step: Send | Pause | Reopen) -> Any:
+    async def _do(self, step: Send | Pause | Probe | Reopen) -> Any:
         if isinstance(step, Send):
             call = step.call
             try:
@@ -336,9 +350,16 @@ class AsyncClient:
                 )
             except grpc.RpcError as exc:
                 raise EcdError.from_rpc(exc) from None
+            except grpc.aio.UsageError:  # a call after close(), e.g. from a task still running
+                raise EcdError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this client's channel to ecd at {self.options.target} is closed",
+                ) from None
         if isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
             return None
+        if isinstance(step, Probe):
+            return await asyncio.to_thread(connection_problem, self.options)
         async with self._lock:
             if self._state.generation != step.generation:
                 return None  # another task reopened the session meanwhile

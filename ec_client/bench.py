@@ -15,6 +15,7 @@ reported as ratios to a baseline measured side by side in the same run:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import multiprocessing
@@ -26,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ec_client import AllocateItem, Client, Role, StepResult
+import grpc
+
+from ec_client import AllocateItem, Client, EcdError, Role, StepResult
 from ec_client.types import Extent, Key
-from ec_client.units import format_size, parse_size
+from ec_client.units import format_size
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +60,11 @@ def timed(fn: Callable[..., object], *args: Any) -> float:
 
 
 def progress(items: Sequence[T], label: str) -> Iterator[T]:
-    """Yield items while drawing a progress bar on stderr."""
+    """Yield items while drawing a progress bar on stderr, if it is a terminal: into a pipe or a
+    log, every state of the bar would be a line of noise."""
+    if not sys.stderr.isatty():
+        yield from items
+        return
     width = 30
     for i, item in enumerate(items):
         done = int(width * i / max(len(items), 1))
@@ -146,7 +153,6 @@ def bench_control(client: Client, runs: int, iterations: int, report: Report) ->
             "items_per_s": 1 / med["health_p50"],
         },
     )
-    client.drop_pool(POOL, force=True)
 
 
 # ---- per-item costs ------------------------------------------------------------------------------
@@ -260,7 +266,6 @@ def bench_latency(client: Client, runs: int, iterations: int, size: int, report:
                 "p99_vs_health": med[f"{name}_p99"] / med["health_p99"],
             },
         )
-    client.drop_pool(POOL, force=True)
 
 
 # ---- data path ---------------------------------------------------------------------------------
@@ -272,6 +277,11 @@ def _save_and_wait(mover: TensorMover, tensor: torch.Tensor, extents: Sequence[E
 
 def _get_into(consumer: Consumer, outs: dict[Key, torch.Tensor]) -> None:
     consumer.get_many_async(list(outs), out=outs).wait()
+
+
+def _regions(size: int, batch: int) -> int:
+    """How many distinct destinations the raw copies of `size` bytes go to."""
+    return max(2 * batch, min(256, (256 << 20) // size))
 
 
 def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, report: Report) -> None:
@@ -286,13 +296,15 @@ def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, repo
     from ec_client.mapping import PoolMapping
     from ec_client.mover import TensorMover
 
-    capacity = max(sizes) * (2 * batch + 4) + (64 << 20)
+    # Room for the scratch regions of a run, or for its puts (2 * batch entries), whichever is
+    # more, and for what eviction has not yet taken back.
+    capacity = max(max(_regions(size, batch), 2 * batch + 4) * size for size in sizes) + (64 << 20)
     info = client.open_pool(POOL, BLOCK, capacity)
     producer, consumer = Producer(client, POOL), Consumer(client, POOL)
     mapping = PoolMapping.open(info)
     mover = TensorMover(mapping)
     for size in sizes:
-        regions = max(2 * batch, min(256, (256 << 20) // size))  # distinct destinations
+        regions = _regions(size, batch)
         source = torch.randint(0, 256, (size,), dtype=torch.uint8)
         sources = {f"b{i}": source.clone() for i in range(batch)}
         outs = [torch.zeros_like(source) for _ in range(batch)]  # zeros: pages touched now
@@ -333,7 +345,6 @@ def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, repo
             )
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         report.add("data", {"size": format_size(size), **med})
-    client.drop_pool(POOL, force=True)
 
 
 # ---- several processes ---------------------------------------------------------------------------
@@ -392,7 +403,6 @@ def bench_load(
                 "gets_per_s": sum(g for _, g in totals) / seconds,
             },
         )
-    client.drop_pool(POOL, force=True)
 
 
 def _handoff_consumer(address: str, keys: Any, wakes: Any) -> None:
@@ -435,7 +445,6 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
             "p99_us": percentile(latencies, 99) * 1e6,
         },
     )
-    client.drop_pool(POOL, force=True)
 
 
 # ---- pulls from a peer daemon -------------------------------------------------------------------
@@ -527,18 +536,16 @@ def bench_remote(
                 "reads_per_hit": (after.remote_reads - before.remote_reads) / hits,
             },
         )
-    for client in (here, there):
-        client.drop_pool(POOL, force=True)
 
 
 def run_remote(here: str, there: str, args: Any, bare: BareRead, report: Report) -> None:
     """The remote suite between the daemon at `here` and its peer at `there`."""
-    sizes = [parse_size(s) for s in args.remote_sizes.split(",")]
     with (
         Client(here, name="ecd-bench", role=Role.BOTH) as near,
         Client(there, name="ecd-bench-peer", role=Role.BOTH) as far,
+        pool_dropped(near, far),
     ):
-        bench_remote(near, far, sizes, args.runs, args.remote_samples, bare, report)
+        bench_remote(near, far, args.remote_sizes, args.runs, args.remote_samples, bare, report)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -605,12 +612,26 @@ def render(report: Report) -> str:
     return "\n\n".join(parts)
 
 
+@contextlib.contextmanager
+def pool_dropped(*clients: Client) -> Iterator[None]:
+    """Drop the bench's pool when the suites end, finished or failed: the daemon is left as the
+    bench found it (a pool left behind would hold budget, and refuse the next run's geometry)."""
+    try:
+        yield
+    finally:
+        for client in clients:
+            try:
+                client.drop_pool(POOL, force=True)
+            except EcdError as exc:
+                if exc.code != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: no suite made it
+                    raise
+
+
 def run(address: str, args: Any, report: Report) -> None:
     """The suites that need one daemon, added to `report`."""
-    suites = set(args.suite.split(","))
-    if suites & {"latency", "control", "data", "load", "handoff", "all"}:
+    if args.suite & {"latency", "control", "data", "load", "handoff", "all"}:
         with Client(address, name="ecd-bench", role=Role.BOTH) as client:
-            _daemon_suites(address, client, suites, args, report)
+            _daemon_suites(address, client, args.suite, args, report)
 
 
 def finish(report: Report, output: str | None) -> None:
@@ -623,16 +644,19 @@ def finish(report: Report, output: str | None) -> None:
 def _daemon_suites(
     address: str, client: Client, suites: set[str], args: Any, report: Report
 ) -> None:
+    # Each suite in turn, its pool dropped after it: suites ask for pools of different sizes.
     if suites & {"latency", "all"}:
-        size = parse_size(args.load_size)
-        bench_latency(client, args.runs, args.iterations, size, report)
+        with pool_dropped(client):
+            bench_latency(client, args.runs, args.iterations, args.load_size, report)
     if suites & {"control", "all"}:
-        bench_control(client, args.runs, args.iterations, report)
+        with pool_dropped(client):
+            bench_control(client, args.runs, args.iterations, report)
     if suites & {"data", "all"}:
-        sizes = [parse_size(s) for s in args.sizes.split(",")]
-        bench_data(client, sizes, args.runs, args.batch, report)
+        with pool_dropped(client):
+            bench_data(client, args.sizes, args.runs, args.batch, report)
     if suites & {"load", "all"}:
-        counts = [int(n) for n in args.processes.split(",")]
-        bench_load(address, client, counts, parse_size(args.load_size), args.seconds, report)
+        with pool_dropped(client):
+            bench_load(address, client, args.processes, args.load_size, args.seconds, report)
     if suites & {"handoff", "all"}:
-        bench_handoff(address, client, args.iterations, report)
+        with pool_dropped(client):
+            bench_handoff(address, client, args.iterations, report)

@@ -36,9 +36,15 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
-from ec_client._connection import UNREACHED, Options, connection_problem, shared_channel
+from ec_client._connection import (
+    UNREACHED,
+    Options,
+    await_daemon,
+    connection_problem,
+    shared_channel,
+)
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
+from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.owed import Owed, Parcel, send_parcel
 from ec_client.ready_view import ReadyView, Views
@@ -136,12 +142,14 @@ class Client:
         keepalive: bool = True,
         linger_s: float = 0.001,
         from_env: bool = True,
+        wait_for_daemon_s: float = 0.0,
     ) -> None:
-        """Connect within connect_timeout_s and open a session. `role` limits what the session
-        may do (see Role); `token` defaults to ECD_TOKEN or ECD_TOKEN_FILE, `tls` to
-        ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY (unless from_env is False). `linger_s`: how
-        long what is owed (commits of puts, releases of gets) waits for a call to ride on before
-        it goes alone (see `owed`)."""
+        """Connect within connect_timeout_s and open a session; where no daemon is (no socket,
+        nothing listening, TLS refused), UNAVAILABLE at once, or after waiting up to
+        wait_for_daemon_s for one to start. `role` limits what the session may do (see Role);
+        `token` defaults to ECD_TOKEN or ECD_TOKEN_FILE, `tls` to ECD_TLS_CA / ECD_TLS_CERT /
+        ECD_TLS_KEY (unless from_env is False). `linger_s`: how long what is owed (commits of
+        puts, releases of gets) waits for a call to ride on before it goes alone (see `owed`)."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
@@ -155,6 +163,7 @@ class Client:
         self._last_job: Future[Any] | None = None
         self._views = Views(self._follow)
         self.owed = Owed(send_parcel(self._deliver), linger_s)
+        await_daemon(self.options, wait_for_daemon_s)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -435,7 +444,7 @@ class Client:
         result: T = step.value
         return result
 
-    def _do(self, step: Send | Pause | Reopen) -> Any:
+    def _do(self, step: Send | Pause | Probe | Reopen) -> Any:
         if isinstance(step, Send):
             call = step.call
             try:
@@ -449,6 +458,8 @@ class Client:
         if isinstance(step, Pause):
             time.sleep(step.seconds)
             return None
+        if isinstance(step, Probe):
+            return connection_problem(self.options)
         with self._lock:
             if self._state.generation != step.generation:
                 return None  # another thread reopened the session meanwhile

@@ -51,7 +51,8 @@ MAX_BLOCKS = (1 << 32) - 1
 HEADER_AREA_SHARE = 64
 MAX_AUTO_SLOTS = 65536
 
-ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Use with fullmatch: `$` would also match before a final newline ("pool\n").
+ENGINE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # torch dtype name -> (code stored in slot records, itemsize). Codes are part of the file format:
 # never renumber, only append.

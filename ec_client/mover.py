@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ec_client.layout import DTYPES
+from ec_client.layout import DTYPES, MAX_NDIM
 from ec_client.mapping import PoolMapping, Span, split_at
 from ec_client.types import Extent, TensorSpec
 
@@ -54,8 +54,17 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def spec_of(tensor: torch.Tensor) -> TensorSpec:
-    """What a tensor's entry holds; ValueError for a tensor a pool cannot hold (no elements,
-    no data (meta), not a dense strided layout (sparse), a dtype without a wire name)."""
+    """What a tensor's entry holds; TypeError for what is not a tensor, ValueError for a tensor
+    a pool cannot hold (no elements, no dimensions or more than MAX_NDIM, no data (meta), not a
+    dense strided layout (sparse), a dtype without a wire name): refused before anything is
+    sent."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not 1 <= tensor.dim() <= MAX_NDIM:
+        raise ValueError(
+            f"a tensor of {tensor.dim()} dimensions (shape {tuple(tensor.shape)}) cannot be "
+            f"stored: expected 1 to {MAX_NDIM} (a 0-dim tensor: store t.reshape(1))"
+        )
     if tensor.layout is not torch.strided:
         raise ValueError(f"a {tensor.layout} tensor cannot be stored: convert it to dense first")
     if tensor.is_meta:

@@ -1,8 +1,10 @@
 """Producer: store encoder outputs in a pool. One round trip per batch: Allocate.
 
-    Producer(client, "qwen-vl-node1").put("mm-hash-1", tensor)   # -> PutStatus.STORED
+    Producer(client, "qwen-vl-node1").put("mm-hash-1", tensor)   # -> PutStatus.COMMITTING
 
-Results: STORED (this call writes it), EXISTS (already cached: skip the encode), PENDING (another
+Results: COMMITTING (this call writes it: the copy is launched and its Commit on its way; STORED
+once the daemon has the Commit, as `PutHandle.wait()` reports), EXISTS (already cached: skip the
+encode), PENDING (another
 producer is writing it: wait for it rather than encode twice), NO_SPACE (the pool is full of
 entries that are pinned or being written), REFUSED (the daemon refused that item: a bad key or
 spec, or an entry larger than the whole pool; `PutHandle.refused` says why, and `put` of one key
@@ -13,11 +15,14 @@ When a put becomes visible: `put` returns once the Allocate answered and the cop
 (on CPU: done). From then on the client owes its Commit (ec_client.owed), sent only once the copy
 has landed: with the client's next Step to the pool (the next put or get) or, if none comes within
 the client's `linger_s` (1 ms by default), alone from a background thread. The entry is visible
-to every client once the daemon has the Commit. To know it is: `PutHandle.wait()` (from
-`put_many_async`) or `Producer.flush()`. A Consumer on the same Client always sees the client's
-own puts. A Commit the daemon refuses (its session was lost to a restart or an expired lease)
-reaches the caller: `wait()` / `flush()` raise it, it is logged, and `failed_commits` counts it.
-If a copy fails, the entry is aborted, so no half-written entry is ever visible.
+to every client, and durable (a daemon killed and restarted serves it again), once the daemon has
+the Commit: until then a crash of the daemon or of this process loses it, which is why `put`
+answers COMMITTING, not STORED. To know it is STORED: `PutHandle.wait()` (from `put_many_async`),
+which answers STORED for it, or `Producer.flush()`. A Consumer on the same Client always sees
+the client's own puts. A Commit the daemon refuses (its session was lost to a restart or an
+expired lease) reaches the caller: `wait()` / `flush()` raise it, it is logged, and
+`failed_commits` counts it. If a copy fails, the entry is aborted, so no half-written entry is
+ever visible.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ log = logging.getLogger("ec_client")
 
 
 class PutStatus(enum.Enum):
-    STORED = "stored"
+    COMMITTING = "committing"  # this call writes it: copy launched, Commit on its way
+    STORED = "stored"  # this call wrote it and the daemon has its Commit: visible and durable
     EXISTS = "exists"
     PENDING = "pending"
     NO_SPACE = "no_space"
@@ -51,7 +57,7 @@ class PutStatus(enum.Enum):
 
 
 _PUT_STATUS = {
-    Status.ALLOCATED: PutStatus.STORED,
+    Status.ALLOCATED: PutStatus.COMMITTING,
     Status.EXISTS: PutStatus.EXISTS,
     Status.PENDING: PutStatus.PENDING,
     Status.NO_SPACE: PutStatus.NO_SPACE,
@@ -60,9 +66,10 @@ _PUT_STATUS = {
 
 @dataclass
 class PutHandle:
-    """A put whose Allocate answered: `statuses` are final; the copies are launched and their
-    Commit follows them. `wait()` returns once the daemon answered it (the STORED entries are
-    then visible to all), raising EcdError if it refused or a copy failed."""
+    """A put whose Allocate answered: `statuses` are what it answered (COMMITTING for the
+    entries it writes); the copies are launched and their Commit follows them. `wait()` returns
+    once the daemon answered it, with those entries STORED (visible to all, durable), raising
+    EcdError if it refused or a copy failed."""
 
     statuses: dict[Key, PutStatus]
     _copies: list[Transfer]
@@ -79,7 +86,10 @@ class PutHandle:
 
     def wait(self, timeout_s: float | None = None) -> dict[Key, PutStatus]:
         self._committed.result(timeout_s)
-        return self.statuses
+        return {
+            key: PutStatus.STORED if status is PutStatus.COMMITTING else status
+            for key, status in self.statuses.items()
+        }
 
 
 class _Tally:
@@ -171,8 +181,6 @@ class Producer:
                 statuses[key] = _PUT_STATUS[result.status]
             else:
                 statuses[key], refused[key] = PutStatus.REFUSED, error
-        if refused:
-            log.warning("ecd: %d of %d put(s) refused: %s", len(refused), len(statuses), refused)
         if debts:
             self.client.owed.commits(engine_id, debts)
         else:
@@ -192,8 +200,9 @@ class Producer:
         return Debt(lambda answer: tally.settle(key, answer), copy, key, checksum=checksum)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Commit every put so far now, and wait for the answers (then every STORED entry is
-        visible to all); raise the first failure since the last flush."""
+        """Commit every put so far now, and wait for the answers (then every entry put as
+        COMMITTING is STORED: visible to all, durable); raise the first failure since the last
+        flush."""
         self.client.settle(timeout_s)
         with self._lock:
             failures, self._failures = self._failures, []

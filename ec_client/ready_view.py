@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from ec_client._session import FIRST_BACKOFF_S, MAX_BACKOFF_S
+from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S
 from ec_client.errors import EcdError
 from ec_client.types import EventType, Key, WatchEvent, key_bytes
 

@@ -2,7 +2,9 @@
 clients (ECD_TOKEN_FILE: the token to send), so that a client can be pointed at the file the
 daemon reads.
 
-One token per line, `NAME TOKEN`, or a bare `TOKEN` (named "default"); `#` starts a comment.
+One token per line, `NAME TOKEN`, or a bare `TOKEN` (named "default"); a word that starts with
+`#` starts a comment, to the end of the line. A `#` inside a word is part of it: a token is read
+whole, never cut at a `#`.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ def parse(text: str, source: str) -> list[tuple[str, str]]:
     """(name, token) of each line; ValueError naming the source and line of a malformed one."""
     entries = []
     for number, raw in enumerate(text.splitlines(), 1):
-        fields = raw.split("#", 1)[0].split()
+        words = raw.split()
+        comment = next((i for i, w in enumerate(words) if w.startswith("#")), len(words))
+        fields = words[:comment]
         if not fields:
             continue
         if len(fields) > 2:
-            raise ValueError(f"{source}:{number}: expected `NAME TOKEN` or `TOKEN`")
+            raise ValueError(
+                f"{source}:{number}: expected `NAME TOKEN` or `TOKEN`, found {len(fields)} words "
+                "(a comment starts with a word that starts with `#`)"
+            )
         name, token = fields if len(fields) == 2 else (DEFAULT_NAME, fields[0])
         entries.append((name, token))
     return entries

@@ -6,11 +6,14 @@
 - With an access list as well, each RPC needs a grant for its action on its pool
   (PERMISSION_DENIED otherwise): produce (Allocate, Commit, Abort), consume (Acquire, Lookup,
   ListEntries, Watch and Stats of one pool), admin (Evict, Delete, DropPool, and Stats or Watch of
-  every pool at once). OpenPool needs produce or consume. Session RPCs need only a valid token:
+  every pool at once). An OpenPool that creates the pool needs produce (a consumer that could
+  create pools could fill the daemon's budget with pools it can neither fill nor drop); one that
+  attaches needs produce or consume. Session RPCs need only a valid token:
   a session ID is an unguessable capability, so Release and KeepAlive need no pool grant.
 
-Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); `#` comments
-(ec_client.token_file, which clients read too).
+Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); a word that
+starts with `#` starts a comment, a `#` inside a token is part of it (ec_client.token_file, which
+clients read too).
 Access list (TOML):
 
     [[rule]]
@@ -25,6 +28,8 @@ from __future__ import annotations
 import enum
 import fnmatch
 import hmac
+import logging
+import stat
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +37,8 @@ from pathlib import Path
 
 from ec_client import token_file
 from ec_daemon.errors import Code, CoreError
+
+log = logging.getLogger("ecd.auth")
 
 
 class Action(enum.Enum):
@@ -41,13 +48,14 @@ class Action(enum.Enum):
     ADMIN = "admin"
 
 
-# The action each RPC performs. OpenPool is special-cased: produce or consume will do.
+# The action each RPC performs. OpenPool is special-cased: produce to create, produce or consume
+# to attach.
 RPC_ACTIONS: dict[str, Action] = {
     "OpenSession": Action.SESSION,
     "KeepAlive": Action.SESSION,
     "CloseSession": Action.SESSION,
     "Release": Action.SESSION,
-    "OpenPool": Action.SESSION,  # produce or consume: checked apart
+    "OpenPool": Action.SESSION,  # produce to create, produce or consume to attach: checked apart
     "Step": Action.SESSION,  # each part as its own RPC: the service names them
     "Allocate": Action.PRODUCE,
     "Commit": Action.PRODUCE,
@@ -68,7 +76,12 @@ class AuthConfigError(ValueError):
 
 
 def load_tokens(path: Path) -> dict[str, str]:
-    """token -> name."""
+    """token -> name. Warns when others may read the file: the tokens are secrets."""
+    if path.stat().st_mode & stat.S_IROTH:
+        log.warning(
+            "token file is readable by every user of this machine: chmod o-r it",
+            extra={"path": str(path)},
+        )
     try:
         entries = token_file.parse(path.read_text(), str(path))
     except ValueError as exc:
@@ -149,14 +162,15 @@ class Guard:
     ) -> str:
         """The caller's name; raises CoreError UNAUTHENTICATED or PERMISSION_DENIED.
 
-        `actions`: what the call does when it is not one fixed action (a Step's parts); each
-        must be granted. Otherwise the RPC's own action (OpenPool: produce or consume)."""
+        `actions`: what the call does when it is not one fixed action (a Step's parts, an OpenPool
+        that creates: produce); each must be granted. Otherwise the RPC's own action (an
+        OpenPool that attaches: produce or consume)."""
         if not self._tokens:
             return ""
         name = self._identify(metadata)
         if self._rules is None:
             return name
-        if rpc == "OpenPool":
+        if rpc == "OpenPool" and not actions:
             self._require(name, rpc, engine_id, (Action.PRODUCE, Action.CONSUME))
         for action in actions or (RPC_ACTIONS[rpc],):
             if action is not Action.SESSION:
@@ -168,9 +182,14 @@ class Guard:
         if not any(r.allows(name, a, engine_id or "*") for r in self._rules or () for a in wanted):
             what = " or ".join(a.value for a in wanted)
             where = f"pool {engine_id!r}" if engine_id else "every pool"
+            hint = (
+                "; creating a pool needs produce, attaching to one produce or consume"
+                if rpc == "OpenPool"
+                else ""
+            )
             raise CoreError(
                 Code.PERMISSION_DENIED,
-                f"{name!r} may not {what} in {where} ({rpc}): no rule grants it",
+                f"{name!r} may not {what} in {where} ({rpc}): no rule grants it{hint}",
             )
 
     def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:

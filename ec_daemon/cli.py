@@ -2,6 +2,7 @@
 
     ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
     ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict|delete ENGINE KEY...
+    ecd drop ENGINE [--force]
 
 Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
 Exit status: 0 success, 1 the daemon answered with an error or is not SERVING, 2 bad usage or
@@ -39,8 +40,15 @@ def display_key(key: bytes) -> str:
 
 
 def parse_key(text: str) -> bytes:
-    """The inverse of display_key: 0x-prefixed hex, else UTF-8."""
-    return bytes.fromhex(text[2:]) if text.startswith("0x") else text.encode()
+    """The inverse of display_key: 0x-prefixed hex, else UTF-8; a usage error if the hex is not."""
+    if not text.startswith("0x"):
+        return text.encode()
+    try:
+        return bytes.fromhex(text[2:])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a key: after 0x, expected an even number of hex digits"
+        ) from None
 
 
 def to_json(value: Any) -> Any:
@@ -84,6 +92,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return 0
     logs.configure(config.log_format, config.log_level)
+    for variable in config_module.unknown_env(os.environ):
+        logging.getLogger("ecd.config").warning(
+            "unknown environment variable, ignored: no setting has this name",
+            extra={"variable": variable},
+        )
     try:
         server.run(config)
     except StartupError as exc:
@@ -184,7 +197,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     def human() -> str:
         rows = [
             (
-                display_key(e.key),
                 e.state.value.upper(),
                 format_size(e.spec.nbytes),
                 e.spec.dtype,
@@ -193,10 +205,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 e.pins,
                 f"{e.age_s:.1f}s",
                 e.producer,
+                display_key(e.key),  # last: up to 256 bytes (512 hex digits), padding no other
             )
             for e in entries
         ]
-        headers = ("KEY", "STATE", "SIZE", "DTYPE", "SHAPE", "EXTENTS", "PINS", "AGE", "PRODUCER")
+        headers = ("STATE", "SIZE", "DTYPE", "SHAPE", "EXTENTS", "PINS", "AGE", "PRODUCER", "KEY")
         return table(headers, rows) if rows else "(no entries)"
 
     emit(args, entries, human)
@@ -216,7 +229,7 @@ def drop_entries(
 ) -> int:
     """ecd evict / ecd delete: a table of what happened to each key; exit 1 if any failed."""
     with admin_client(args) as client:
-        results = drop(client, args.engine, [parse_key(k) for k in args.keys])
+        results = drop(client, args.engine, args.keys)
     emit(
         args,
         results,
@@ -228,7 +241,55 @@ def drop_entries(
     return 0 if all(not r.status.is_error for r in results) else 1
 
 
+def cmd_drop(args: argparse.Namespace) -> int:
+    """ecd drop: delete a pool and its file, giving its capacity back to the budget."""
+    with admin_client(args) as client:
+        dropped = client.drop_pool(args.engine, args.force)
+    emit(
+        args,
+        {"engine_id": args.engine, "entries_dropped": dropped},
+        lambda: f"dropped pool {args.engine!r} and its {dropped} entries",
+    )
+    return 0
+
+
 # ---- parser --------------------------------------------------------------------------------------
+
+SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "remote")
+
+
+def suite_set(text: str) -> set[str]:
+    suites = set(text.split(","))
+    unknown = suites - set(SUITES)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown suite(s) {', '.join(sorted(unknown))}: expected some of {', '.join(SUITES)}"
+        )
+    return suites
+
+
+def size(text: str) -> int:
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size above 0")
+    return nbytes
+
+
+def size_list(text: str) -> list[int]:
+    return [size(s) for s in text.split(",")]
+
+
+def count(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: expected 1 or more")
+    return int(text)
+
+
+def count_list(text: str) -> list[int]:
+    return [count(n) for n in text.split(",")]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -237,7 +298,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ec_daemon.spawn import bare_reads, spawned_daemon, spawned_peers
 
     report = bench.Report({})
-    suites = set(args.suite.split(","))
+    suites = args.suite
     if {"costs", "all"} & suites:  # in process: no daemon needed
         daemon = costs.measure(args.batch * 4, args.iterations * 2)
         bench.bench_costs(daemon, args.batch * 4, args.iterations * 2, report)
@@ -246,14 +307,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.spawn and not args.remote_address:
             print("ecd: --suite remote needs --spawn, or --remote-address", file=sys.stderr)
             return 2
-        sizes = [parse_size(s) for s in args.remote_sizes.split(",")]
         with contextlib.ExitStack() as stack:
             here, there = (
                 stack.enter_context(spawned_peers(2, *spawned, prefix="ecd-bench-"))
                 if args.spawn
                 else (args.address or default_target(), args.remote_address)
             )
-            bare = stack.enter_context(bare_reads(max(sizes)))
+            bare = stack.enter_context(bare_reads(max(args.remote_sizes)))
             bench.run_remote(here, there, args, bare, report)
     if suites - {"costs", "remote"}:
         if args.spawn:
@@ -275,11 +335,24 @@ def client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to reach the daemon")
 
 
+def add_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """A subcommand that takes no abbreviated flags (`--max-byte` is not `--max-bytes`) and that
+    main() can name in a usage error."""
+    command = commands.add_parser(name, allow_abbrev=False, **kwargs)
+    command.set_defaults(parser=command)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ecd", description="ecd, the encoder-cache daemon")
+    parser = argparse.ArgumentParser(
+        prog="ecd", description="ecd, the encoder-cache daemon", allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser(
+    serve = add_command(
+        commands,
         "serve",
         help="run the daemon",
         description="Run the daemon. Settings: flags over ECD_* environment variables over the "
@@ -288,16 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     config_module.add_arguments(serve)
     serve.set_defaults(run=cmd_serve)
 
-    health = commands.add_parser("health", help="check the daemon (exit 0 if SERVING)")
+    health = add_command(commands, "health", help="check the daemon (exit 0 if SERVING)")
     client_arguments(health)
     health.set_defaults(run=cmd_health)
 
-    stats = commands.add_parser("stats", help="daemon and pool statistics")
+    stats = add_command(commands, "stats", help="daemon and pool statistics")
     stats.add_argument("engine", nargs="?", help="only this pool")
     client_arguments(stats)
     stats.set_defaults(run=cmd_stats)
 
-    ls = commands.add_parser("ls", help="list the entries of a pool")
+    ls = add_command(commands, "ls", help="list the entries of a pool")
     ls.add_argument("engine")
     client_arguments(ls)
     ls.set_defaults(run=cmd_ls)
@@ -307,13 +380,29 @@ def build_parser() -> argparse.ArgumentParser:
         ("delete", cmd_delete, "delete entries of a pool in any state (a pinned one goes at its "
          "last release)"),
     ):  # fmt: skip
-        drop = commands.add_parser(name, help=what)
+        drop = add_command(commands, name, help=what)
         drop.add_argument("engine")
-        drop.add_argument("keys", nargs="+", metavar="KEY", help="key as text, or 0x-prefixed hex")
+        drop.add_argument(
+            "keys", nargs="+", type=parse_key, metavar="KEY", help="key as text, or 0x-prefixed hex"
+        )
         client_arguments(drop)
         drop.set_defaults(run=run)
 
-    bench = commands.add_parser(
+    drop_pool = add_command(
+        commands,
+        "drop",
+        help="delete a pool and its file, giving its capacity back to the budget",
+        description="Refused while entries of the pool are PENDING or pinned, unless --force.",
+    )
+    drop_pool.add_argument("engine")
+    drop_pool.add_argument(
+        "--force", action="store_true", help="drop it even with entries PENDING or pinned"
+    )
+    client_arguments(drop_pool)
+    drop_pool.set_defaults(run=cmd_drop)
+
+    bench = add_command(
+        commands,
         "bench",
         help="load generator: RPC latency, bandwidth vs raw copy, ops/s, handoff latency",
         description="Every figure is a median over --runs runs; speeds are ratios to a baseline "
@@ -323,23 +412,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--spawn", action="store_true", help="start a private daemon for the run")
     bench.add_argument(
         "--suite",
+        type=suite_set,
         default="all",
         help="costs,latency,control,data,load,handoff or all; remote (two peered daemons: "
         "with --spawn, or --address and its peer's --remote-address) only when named",
     )
-    bench.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
+    bench.add_argument("--runs", type=count, default=5, help="repetitions; medians are reported")
     bench.add_argument(
-        "--iterations", type=int, default=100, help="samples per run (control, handoff)"
+        "--iterations", type=count, default=100, help="samples per run (control, handoff)"
     )
-    bench.add_argument("--sizes", default="256KiB,8MiB,64MiB", help="entry sizes (data)")
-    bench.add_argument("--batch", type=int, default=8, help="entries per put_many/get_many (data)")
-    bench.add_argument("--processes", default="1,4", help="client process counts (load)")
-    bench.add_argument("--load-size", default="256KiB", help="entry size (latency, load)")
+    bench.add_argument(
+        "--sizes", type=size_list, default="256KiB,8MiB,64MiB", help="entry sizes (data)"
+    )
+    bench.add_argument(
+        "--batch", type=count, default=8, help="entries per put_many/get_many (data)"
+    )
+    bench.add_argument(
+        "--processes", type=count_list, default="1,4", help="client process counts (load)"
+    )
+    bench.add_argument(
+        "--load-size", type=size, default="256KiB", help="entry size (latency, load)"
+    )
     bench.add_argument("--seconds", type=float, default=5.0, help="duration per count (load)")
     bench.add_argument(
-        "--remote-sizes", default="8MiB,64MiB", help="entry sizes (remote: pulls from a peer)"
+        "--remote-sizes",
+        type=size_list,
+        default="8MiB,64MiB",
+        help="entry sizes (remote: pulls from a peer)",
     )
-    bench.add_argument("--remote-samples", type=int, default=10, help="gets per run (remote)")
+    bench.add_argument("--remote-samples", type=count, default=10, help="gets per run (remote)")
     bench.add_argument("--remote-address", help="a peer daemon of --address (remote)")
     bench.add_argument("--output", help="also write the figures as JSON to this file")
     bench.set_defaults(run=cmd_bench)
@@ -347,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         result: int = args.run(args)
     except EcdError as exc:
@@ -355,4 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = "" if target in exc.message else f" (ecd at {target})"
         print(f"ecd: {exc}{where}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader left (`ecd ls POOL | head`): not an error. Point stdout at /dev/null so
+        # that flushing it at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return result

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ec_client.address import daemon_socket_path
-from ec_client.units import parse_size
+from ec_client.units import format_size, parse_size
 from ec_daemon.peers import PeerEntry, peer_address
 
 ENV_PREFIX = "ECD_"
@@ -66,7 +68,7 @@ def _choice(*allowed: str) -> Callable[[str], str]:
 
 def _size_or_auto(text: str | int) -> int | None:
     """None means auto: decided at startup (see the setting)."""
-    return None if text == "auto" else parse_size(text)
+    return None if text == "auto" else _positive_size(text)
 
 
 def _count_or_auto(text: str | int) -> int | None:
@@ -77,6 +79,36 @@ def _count_or_auto(text: str | int) -> int | None:
     if count <= 0:
         raise ValueError(f"{text!r} is not a positive number or auto")
     return count
+
+
+def _seconds(least: float, above: bool = False) -> Callable[[str | float], float]:
+    """A finite number of seconds of at least `least` (more than it, with `above`)."""
+
+    def parse(text: str | float) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < least or (above and value == least):
+            bound = f"more than {least:g}" if above else f"at least {least:g}"
+            raise ValueError(f"{text!r} is not a number of seconds {bound}")
+        return value
+
+    return parse
+
+
+def _count(least: int, most: int, what: str) -> Callable[[str | int], int]:
+    def parse(text: str | int) -> int:
+        value = int(text)
+        if not least <= value <= most:
+            raise ValueError(f"{text!r} is not {what}: expected {least} to {most}")
+        return value
+
+    return parse
+
+
+def _positive_size(text: str | int) -> int:
+    size = parse_size(text)
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a size above 0")
+    return size
 
 
 def _host_port(text: str) -> str:
@@ -170,14 +202,15 @@ SETTINGS: tuple[Setting, ...] = (
         "max_bytes",
         _size_or_auto,
         None,
-        "budget of all pools' capacity together, e.g. 8GiB (their files hold a little more: "
-        "headers and slot tables); auto = half of shm-dir",
+        "budget of all pools' capacity together, e.g. 8GiB (GiB, MiB, KiB: powers of 1024; "
+        "GB or G, MB or M: powers of 1000, so 8G is 8 * 10^9 bytes; their files hold a little "
+        "more: headers and slot tables); auto = half of shm-dir",
         "SIZE",
         "auto",
     ),
     Setting(
         "lease_ttl",
-        float,
+        _seconds(0, above=True),
         10.0,
         "seconds a silent client's allocations and pins are kept",
         "SECONDS",
@@ -207,8 +240,10 @@ SETTINGS: tuple[Setting, ...] = (
         "SIZE",
         "auto",
     ),
-    Setting("max_batch", int, 4096, "items one request may carry", "N"),
-    Setting("max_message_bytes", parse_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
+    Setting(
+        "max_batch", _count(1, 1 << 31, "a batch size"), 4096, "items one request may carry", "N"
+    ),
+    Setting("max_message_bytes", _positive_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
     Setting(
         "pool_mode",
         _pool_mode,
@@ -223,7 +258,13 @@ SETTINGS: tuple[Setting, ...] = (
         "group owning pool files, for clients running as other users",
         "GROUP",
     ),
-    Setting("metrics_port", int, 0, "serve Prometheus metrics on this port (0 = off)", "PORT"),
+    Setting(
+        "metrics_port",
+        _count(0, 65535, "a TCP port"),
+        0,
+        "serve Prometheus metrics on this port (0 = off)",
+        "PORT",
+    ),
     Setting(
         "metrics_host",
         str,
@@ -248,7 +289,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "pool_check_interval",
-        float,
+        _seconds(0.1),
         5.0,
         "seconds between checks that pool files were not truncated or overwritten",
         "SECONDS",
@@ -265,10 +306,10 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "shutdown_grace",
-        float,
+        _seconds(0),
         5.0,
-        "seconds in-flight RPCs get to finish on SIGTERM (an Acquire still waiting is answered "
-        "UNAVAILABLE just before, for its client to retry)",
+        "seconds in-flight RPCs get to finish on SIGTERM (Acquires waiting on keys are answered "
+        "UNAVAILABLE at once, for their clients to wait on at the next daemon)",
         "SECONDS",
     ),
     Setting(
@@ -290,14 +331,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "peer_refresh",
-        float,
+        _seconds(1),
         30.0,
         "seconds between DNS lookups of peer names",
         "SECONDS",
     ),
     Setting(
         "pull_timeout",
-        float,
+        _seconds(0, above=True),
         1.0,
         "seconds a pull from peers may take; an Acquire of a key only peers hold waits up to "
         "this long, or its wait_ms if longer",
@@ -454,7 +495,37 @@ def load(
             sources[setting.name] = "default"
     if values["socket"] is None:
         values["socket"] = daemon_socket_path()
+    budget, pool_limit = values["max_bytes"], values["max_pool_bytes"]
+    if budget is not None and pool_limit is not None and pool_limit > budget:
+        raise ConfigError(
+            f"max_pool_bytes ({format_size(pool_limit)}, {sources['max_pool_bytes']}) is over "
+            f"max_bytes ({format_size(budget)}, {sources['max_bytes']}): no pool could be that "
+            "large; lower --max-pool-bytes or raise --max-bytes"
+        )
     return Config(**values), sources
+
+
+# ECD_* names read by others than `ecd serve`: the client library, and the Makefile's test knobs
+# (a daemon the tests start inherits them).
+OTHER_ENV = ("ECD_ADDRESS", "ECD_TOKEN", "ECD_TOKEN_NAME", "ECD_TLS_CA", "ECD_REQUIRE_GPU")
+OTHER_ENV_PREFIXES = ("ECD_FAULT_", "ECD_FUZZ_", "ECD_LOAD_", "ECD_GPU_")
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A line per ECD_* variable nobody reads (a typo, most likely), with the nearest setting."""
+    known = [s.env for s in SETTINGS]
+    lines = []
+    for name in sorted(environ):
+        if (
+            not name.startswith(ENV_PREFIX)
+            or name in known
+            or name in OTHER_ENV
+            or name.startswith(OTHER_ENV_PREFIXES)
+        ):
+            continue
+        near = difflib.get_close_matches(name, known, n=1)
+        lines.append(f"{name}" + (f" (did you mean {near[0]}?)" if near else ""))
+    return lines
 
 
 def _modes_as_written(text: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import time
+from typing import TextIO
 
 # Attributes every LogRecord has; anything else on a record came from `extra`.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
@@ -46,8 +49,36 @@ class TextFormatter(logging.Formatter):
         return " ".join(parts)
 
 
+# glog's line prefix (`E1201 19:56:52.081182 21746 file.cpp:1098] ...`): its level letter.
+_GLOG_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+def capture_native_stderr() -> TextIO:
+    """Turn what is written to file descriptor 2 (the Mooncake engine logs there, with glog,
+    bypassing Python) into records of logger `native`, one per line, so that a JSON log is
+    JSON on every line. Returns a stream to the real stderr, for the handler itself: its
+    lines must not come back through the pipe."""
+    real = os.fdopen(os.dup(2), "w", buffering=1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    threading.Thread(
+        target=_forward_native, args=(read_end,), name="ecd-native-stderr", daemon=True
+    ).start()
+    return real
+
+
+def _forward_native(read_end: int) -> None:
+    log = logging.getLogger("native")
+    with os.fdopen(read_end, errors="replace") as lines:
+        for line in lines:
+            text = line.rstrip("\n")
+            glog = text[:1] in _GLOG_LEVELS and text[1:5].isdigit()
+            log.log(_GLOG_LEVELS[text[0]] if glog else logging.WARNING, text)
+
+
 def configure(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(capture_native_stderr() if log_format == "json" else sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -16,7 +16,13 @@ import itertools
 from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -197,9 +203,16 @@ class Metrics:
             buckets=RPC_BUCKETS,
             registry=self.registry,
         )
+        self._rpcs = Counter(
+            "ecd_rpcs",
+            "RPCs answered, by method and gRPC status code (OK, NOT_FOUND, ...)",
+            ["method", "code"],
+            registry=self.registry,
+        )
 
-    def observe(self, method: str, seconds: float) -> None:
+    def observe(self, method: str, code: str, seconds: float) -> None:
         self._rpc_seconds.labels(method).observe(seconds)
+        self._rpcs.labels(method, code).inc()
 
     def serve(self, host: str, port: int) -> WSGIServer:
         """Start the /metrics endpoint on its own thread; stop it with shutdown()."""

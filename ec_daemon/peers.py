@@ -152,6 +152,7 @@ class PeerDirectory:
         if peer is not None:
             self._set_epoch(peer, boot_epoch)
             peer.state = PeerState.SELF if is_self else PeerState.SYNCING
+            peer.error = ""  # what broke the last connection is over
 
     def needs_pool(self, address: str, engine_id: str) -> bool:
         """Whether the peer's pool `engine_id` has not been attached on this connection yet."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ec_client.layout import (
+    ENGINE_ID_PATTERN,
     POOL_FILE_PREFIX,
     POOL_FILE_SUFFIX,
     Geometry,
@@ -129,6 +130,13 @@ class PoolRegistry:
         """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries."""
         for path in sorted(self.settings.shm_dir.glob(f"{POOL_FILE_PREFIX}*{POOL_FILE_SUFFIX}")):
             engine_id = path.name[len(POOL_FILE_PREFIX) : -len(POOL_FILE_SUFFIX)]
+            if not ENGINE_ID_PATTERN.fullmatch(engine_id):
+                log.warning(
+                    "file in shm_dir is not a pool ecd could have made (bad engine_id); "
+                    "left in place",
+                    extra={"path": str(path)},
+                )
+                continue
             try:
                 file, records = PoolFile.adopt(path)
             except (LayoutError, OSError) as exc:
@@ -149,10 +157,11 @@ class PoolRegistry:
 
     def refuse(self, engine_id: str, path: Path, why: str) -> None:
         self._refused[engine_id] = why
-        log.error(
-            "pool file refused and left in place",
-            extra={"engine_id": engine_id, "path": str(path), "reason": why},
-        )
+        extra = {"engine_id": engine_id, "path": str(path), "reason": why}
+        if path.exists():
+            log.error("pool file refused and left in place", extra=extra)
+        else:  # nothing left in place: the pool is simply gone, and may be created again
+            log.error("pool file removed from under the daemon: pool forgotten", extra=extra)
 
     def open(
         self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str

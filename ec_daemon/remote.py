@@ -59,7 +59,7 @@ from ec_client.types import (
     TensorSpec,
     WatchEvent,
 )
-from ec_daemon.errors import CoreError
+from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.peers import Holding, PeerDirectory
 from ec_daemon.pools import TransferPoint
 from ec_daemon.store import PullSlot, Store
@@ -165,6 +165,21 @@ class Remote:
         # from the directory when the local pool is new.
         self._published: dict[str, tuple[str, set[bytes]]] = {}
         directory.listen(self._changed)
+
+    def not_here(self, engine_id: str) -> CoreError | None:
+        """For an attach by name to a pool this node lacks: NOT_FOUND saying that a peer has
+        it, with the geometry to create it here with; None when no followed peer has it."""
+        info = next((info for info, _ in self._directory.pools(engine_id)), None)
+        if info is None:
+            return None
+        capacity = info.block_size_bytes * info.num_blocks
+        return CoreError(
+            Code.NOT_FOUND,
+            f"pool {engine_id!r} is not on this node, but a peer has it: open it here with its "
+            f"geometry (block_size_bytes {info.block_size_bytes}, capacity_bytes {capacity}, "
+            f"compat_key {info.compat_key!r}) and reads of its entries pull them from the peer",
+            Reason.UNKNOWN_POOL,
+        )
 
     # ---- what acquires ask -----------------------------------------------------------------
 

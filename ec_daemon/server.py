@@ -6,9 +6,9 @@ registered with the transfer engine) -> warn about what will run badly (not tmpf
 metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
 READY=1.
 Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, end
-Watch streams, let in-flight RPCs finish for shutdown_grace -> stop the metrics endpoint -> stop
-following peers, abort the pulls in flight -> close pool files (they stay: they are the cache)
--> stop the transfer engine.
+Watch streams and waiting Acquires, let in-flight RPCs finish within shutdown_grace -> stop the
+metrics endpoint -> stop following peers, abort the pulls in flight -> close pool files (they
+stay: they are the cache) -> stop the transfer engine.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ from ec_daemon.wire import add_to_server
 
 log = logging.getLogger("ecd.server")
 
-# How long before the end of the shutdown grace waiting Acquires are answered (at most half of it).
-WAITS_END_BEFORE_GRACE_S = 0.5
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
 
 
@@ -346,19 +344,17 @@ async def stop(daemon: Daemon) -> None:
     log.info("stopping", extra={"grace_s": daemon.config.shutdown_grace})
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
-    # server.stop refuses new calls at once and waits for in-flight ones; Watch streams never end
-    # by themselves, so they are ended now rather than cut at the grace deadline. Waiting
-    # Acquires get their wait within the grace; one that would outlast it is ended just before
-    # the deadline and answered UNAVAILABLE (shutting_down: nothing pinned, safe to retry), not
-    # cut off with a bare CANCELLED.
-    grace = daemon.config.shutdown_grace
-    stopped = asyncio.ensure_future(daemon.server.stop(grace))
+    # server.stop refuses new calls at once and waits for in-flight ones, up to the grace. Two
+    # kinds of call would only ever end at its deadline, so they are ended now: Watch streams
+    # (they never end by themselves), and Acquires waiting on keys (no producer can commit any
+    # more: new calls are refused), which are answered UNAVAILABLE (shutting_down: nothing
+    # pinned, safe to retry) for their clients to wait on at the next daemon. The grace is left
+    # to calls that are doing work. Waiting out the grace here was what made a restart take
+    # seconds, longer than clients would wait for the next daemon.
+    stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
     daemon.hub.shut_down()
-    ending = asyncio.get_running_loop().call_later(
-        max(grace - WAITS_END_BEFORE_GRACE_S, grace / 2), daemon.hub.end_waits
-    )
+    daemon.hub.end_waits()
     await stopped
-    ending.cancel()
     if daemon.metrics_server is not None:
         # shutdown() waits for the serving thread's next poll: off the loop, so it cannot stall it.
         await asyncio.to_thread(daemon.metrics_server.shutdown)

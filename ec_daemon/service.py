@@ -48,14 +48,22 @@ def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
         self: EncoderCacheService, request: Request, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Reply:
         started = time.perf_counter()
+        code = "OK"  # the status the call ends with, for the count of RPCs by method and code
         try:
             self.authorize(method.__name__, request, context)
             return await method(self, request, context)
         except CoreError as exc:
+            code = exc.code.value
             await wire.abort(self.store, context, exc)
             raise AssertionError("context.abort returned") from exc
+        except asyncio.CancelledError:
+            code = "CANCELLED"  # the client went away, or the daemon is stopping
+            raise
+        except Exception:
+            code = "UNKNOWN"  # grpc answers an exception that escapes a handler so
+            raise
         finally:
-            self.observe(method.__name__, time.perf_counter() - started)
+            self.observe(method.__name__, code, time.perf_counter() - started)
 
     return handle
 
@@ -106,7 +114,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         store: Store,
         hub: EventHub,
         limits: validate.Limits,
-        observe: Callable[[str, float], None] = lambda method, seconds: None,
+        observe: Callable[[str, str, float], None] = lambda method, code, seconds: None,
         guard: Guard | None = None,
         remote: Remote | None = None,
     ) -> None:
@@ -122,8 +130,18 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         engine_id = getattr(request, "engine_id", "")
-        actions = step_actions(request) if isinstance(request, pb.StepRequest) else ()
+        actions: tuple[Action, ...] = ()
+        if isinstance(request, pb.StepRequest):
+            actions = step_actions(request)
+        elif isinstance(request, pb.OpenPoolRequest) and self.creates(request):
+            actions = (Action.PRODUCE,)
         self.guard.check(rpc, engine_id, tuple(context.invocation_metadata() or ()), actions)
+
+    def creates(self, request: pb.OpenPoolRequest) -> bool:
+        """Whether this OpenPool would create its pool (it gives a geometry and there is none).
+
+        Nothing awaits between this check and the handler, so the answer still holds there."""
+        return request.block_size_bytes != 0 and not self.store.has_pool(request.engine_id)
 
     @property
     def epoch(self) -> str:
@@ -186,13 +204,22 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     ) -> pb.OpenPoolReply:
         engine_id = validate.engine_id(request.engine_id)
         validate.pool_request(request.block_size_bytes, request.capacity_bytes, request.compat_key)
-        info = self.store.open_pool(
-            request.session_id,
-            engine_id,
-            request.block_size_bytes,
-            request.capacity_bytes,
-            request.compat_key,
-        )
+        try:
+            info = self.store.open_pool(
+                request.session_id,
+                engine_id,
+                request.block_size_bytes,
+                request.capacity_bytes,
+                request.compat_key,
+            )
+        except CoreError as exc:
+            peer_has_it = (
+                self.remote.not_here(engine_id)
+                if exc.reason is Reason.UNKNOWN_POOL and self.remote is not None
+                else None
+            )
+            raise peer_has_it or exc from None
+
         return pb.OpenPoolReply(
             boot_epoch=self.epoch, created=info.created, pool=wire.pool_info_pb(info)
         )

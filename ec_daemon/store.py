@@ -156,6 +156,9 @@ class Store:
         pool, created = self._pools.open(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return pool.info(created)
 
+    def has_pool(self, engine_id: str) -> bool:
+        return self._pools.find(engine_id) is not None
+
     def pool_info(self, engine_id: str) -> api.PoolInfo:
         """What OpenPool would answer for an existing pool; NOT_FOUND if there is none."""
         return self._pools.get(engine_id).info(created=False)

@@ -245,6 +245,9 @@ class MappedRegions:
 
 FIRST_POLL_S = 50e-6  # polls of a transfer in flight back off from this...
 MAX_POLL_S = 500e-6  # ...to this: at most this much latency added to a read
+# A read that failed within this long of its start may have failed on a dead peer's pooled
+# connection, not on its own peer: it is tried once more (see MooncakeTransport._transfer).
+STALE_CONNECTION_WINDOW_S = 0.5
 
 
 def mooncake_engine() -> Any:
@@ -311,6 +314,25 @@ class MooncakeTransport:
         return self._reads.submit(self._transfer, peer_endpoint, pieces)
 
     def _transfer(self, peer_endpoint: str, pieces: list[Piece]) -> None:
+        started = time.monotonic()
+        if self._read_once(peer_endpoint, pieces):
+            return
+        # The engine pools its TCP connections by peer address and keeps those to a peer that
+        # died; a new peer that takes the same address (its port reused: a restarted daemon, or
+        # another one) inherits them, and the first read from it fails at once on a connection
+        # to the dead one, which the engine then drops. So a read that failed that quickly is
+        # tried once more, on fresh connections. One that failed later (a peer killed or
+        # stalled mid-read) is not: its failure is the peer's.
+        if time.monotonic() - started < STALE_CONNECTION_WINDOW_S and self._read_once(
+            peer_endpoint, pieces
+        ):
+            return
+        nbytes = sum(p.length for p in pieces)
+        raise TransportError(f"read of {nbytes} bytes from {peer_endpoint} failed")
+
+    def _read_once(self, peer_endpoint: str, pieces: list[Piece]) -> bool:
+        """One try at every piece; True when all landed. Either way, nothing writes into the
+        local ranges once it returns."""
         # One submission per piece: the engine's status poll sees the first task of a batch only.
         batches = []
         for p in pieces:
@@ -320,10 +342,7 @@ class MooncakeTransport:
             if batch == 0:  # not submitted (peer unreachable, refused): nothing more to send
                 break
             batches.append(batch)
-        completed = self._wait(batches) and len(batches) == len(pieces)
-        if not completed:
-            nbytes = sum(p.length for p in pieces)
-            raise TransportError(f"read of {nbytes} bytes from {peer_endpoint} failed")
+        return self._wait(batches) and len(batches) == len(pieces)
 
     def _wait(self, batches: list[int]) -> bool:
         """Poll until every transfer is over (its memory quiet); True when all completed."""

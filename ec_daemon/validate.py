@@ -36,7 +36,7 @@ def _invalid(message: str) -> CoreError:
 
 
 def engine_id(value: str) -> str:
-    if not ENGINE_ID_PATTERN.match(value):
+    if not ENGINE_ID_PATTERN.fullmatch(value):
         raise _invalid(
             f"bad engine_id {value!r}: expected 1-128 characters of A-Z a-z 0-9 . _ -, "
             "starting with a letter or digit"

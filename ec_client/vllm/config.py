@@ -21,7 +21,8 @@ Keys of `ec_connector_extra_config`:
   prefill/decode engine as soon as the encoder engine answered, a step or two before that
   engine's save is committed; waiting is cheaper than encoding again, and bounded by this.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
-  retries while the daemon is unreachable. Default 2.
+  retries while the daemon restarts. A call made while no daemon is there at all (no socket,
+  nothing listening) fails at once: the scheduler's steps never wait on it. Default 2.
 - `ecd_pins`: when a request's cached items are pinned (see pins.py): `auto` (default) pins the
   first such request of a scheduler step at once, by one round trip on the scheduler thread, and
   later ones too while that waiting stays under `ecd_pin_share` of the engine's step time; the
@@ -104,7 +105,7 @@ class ConnectorConfig:
         private = pool is None
         if private:
             pool = f"{vllm_config.instance_id}_dp{parallel.data_parallel_index}"
-        if not isinstance(pool, str) or not ENGINE_ID_PATTERN.match(pool):
+        if not isinstance(pool, str) or not ENGINE_ID_PATTERN.fullmatch(pool):
             raise ValueError(
                 f"ecd_pool {pool!r} is not a pool name: use 1-128 of A-Z a-z 0-9 . _ -, "
                 "starting with a letter or digit"

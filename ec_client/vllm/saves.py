@@ -53,6 +53,12 @@ class SaveBook:
         self._allocating.update(planned)
         return planned
 
+    def drop_planned(self) -> None:
+        """The daemon is away, so no Allocate goes out: the step's planned saves are not saved.
+        They were never intents (no metadata named them), so no worker keeps their outputs,
+        and nothing of them is left for a later step."""
+        self._planned.clear()
+
     def allocated(self, keys: Sequence[str], results: Sequence[AllocateResult]) -> None:
         """The answer to an Allocate of `keys`: orders for the next metadata, the rest
         cancelled."""

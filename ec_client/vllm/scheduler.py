@@ -179,6 +179,7 @@ class SchedulerSide:
             role=role,
             connect_timeout_s=c.connect_timeout_s,
             call_timeout_s=CALL_TIMEOUT_S,
+            wait_for_daemon_s=c.connect_timeout_s,  # it may be starting alongside
         )
         try:
             client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
@@ -267,7 +268,7 @@ class SchedulerSide:
             )
         else:  # the daemon is away: waiting requests encode, and this step saves nothing
             self.loads.give_up()
-            self.saves.give_up(self.saves.take_planned())  # no intents: nothing is kept
+            self.saves.drop_planned()
         saves, cancelled = self.saves.take_orders()
         return ECDaemonConnectorMetadata(
             pool=self.client.pool_info(self.config.pool) if self.client else None,

@@ -100,6 +100,7 @@ class WorkerSide:
             name=f"{c.client_name}-worker",
             connect_timeout_s=c.connect_timeout_s,
             keepalive=False,  # short-lived: one call
+            wait_for_daemon_s=c.connect_timeout_s,  # it may be starting alongside
         )
 
     def _map_at_start(self) -> None:

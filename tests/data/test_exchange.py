@@ -76,7 +76,7 @@ def test_200_tensors_of_mixed_sizes_cross_processes_bit_identical(daemon: Daemon
             digests = {}
             for start in range(0, 200, 8):  # batches of 8, as an engine step would
                 batch = {f"img-{i}": tensor_for(i) for i in range(start, start + 8)}
-                assert set(p.put_many(batch).values()) == {PutStatus.STORED}
+                assert set(p.put_many(batch).values()) == {PutStatus.COMMITTING}
                 digests.update({k: digest(t) for k, t in batch.items()})
             print(json.dumps(digests))
     """,
@@ -121,8 +121,8 @@ def test_concurrent_producers_of_one_key_store_it_once(daemon: Daemon) -> None:
     time.sleep(1.5)  # let all four import torch and connect
     (daemon.workdir / "go").touch()
     outcomes = sorted(finish(proc).strip() for proc in racers)
-    assert outcomes.count("stored") == 1
-    assert set(outcomes) <= {"stored", "exists", "pending"}
+    assert outcomes.count("committing") == 1
+    assert set(outcomes) <= {"committing", "exists", "pending"}
 
 
 def test_a_waiting_consumer_gets_the_tensor_as_soon_as_it_is_committed(daemon: Daemon) -> None:
@@ -172,7 +172,7 @@ def test_a_consumer_that_asks_before_the_producer_allocates_gets_the_tensor(
         time.sleep(1.0)  # the consumer is waiting inside Acquire by now, for a key not there
         assert c.lookup(POOL, ["not-yet"])[0].state is EntryState.ABSENT
         expected = torch.arange(3584 * 2, dtype=torch.float32).reshape(2, 3584)
-        assert Producer(c, POOL).put("not-yet", expected) is PutStatus.STORED
+        assert Producer(c, POOL).put("not-yet", expected) is PutStatus.COMMITTING
         assert json.loads(finish(consumer)) == float(expected.sum())
 
 
@@ -215,7 +215,7 @@ def test_a_producer_killed_between_allocate_and_commit_never_exposes_its_bytes(
         assert c.stats(POOL).pools[0].free_blocks == CAPACITY // BLOCK
         # the key can be produced again, cleanly
         assert Producer(c, POOL).put("torn", torch.ones(1024, 1024, dtype=torch.uint8)) is (
-            PutStatus.STORED
+            PutStatus.COMMITTING
         )
         loaded = consumer.get("torn")
         assert loaded is not None and bool((loaded == 1).all())
@@ -243,7 +243,7 @@ def test_producers_follow_a_recreated_pool(daemon: Daemon) -> None:
         with daemon.client(name="operator") as operator:
             operator.drop_pool(POOL, force=True)
             operator.open_pool(POOL, BLOCK, CAPACITY)
-        assert producer.put("after", torch.ones(10)) is PutStatus.STORED
+        assert producer.put("after", torch.ones(10)) is PutStatus.COMMITTING
         loaded = Consumer(c, POOL).get("after")
         assert loaded is not None and bool((loaded == 1).all())
 

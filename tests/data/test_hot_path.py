@@ -62,11 +62,21 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> list[GatedTransfer]:
     return transfers
 
 
+def test_a_put_answers_committing_and_its_handle_stored_once_the_commit_is_answered(
+    client: Client, gated: list[GatedTransfer]
+) -> None:
+    handle = Producer(client, POOL).put_many_async({"k": torch.ones(BLOCK, dtype=torch.uint8)})
+    # The Commit is still owed: a daemon killed now would not have the entry.
+    assert handle.statuses == {"k": PutStatus.COMMITTING}
+    gated[0].gate.set()
+    assert handle.wait(10) == {"k": PutStatus.STORED}  # durable from here on
+
+
 def test_a_put_returns_before_its_commit_and_wait_makes_it_visible(
     client: Client, gated: list[GatedTransfer]
 ) -> None:
     handle = Producer(client, POOL).put_many_async({"k": torch.ones(BLOCK, dtype=torch.uint8)})
-    assert handle.statuses == {"k": PutStatus.STORED}
+    assert handle.statuses == {"k": PutStatus.COMMITTING}
     assert state(client, "k") is EntryState.PENDING and not handle.done()
     gated[0].gate.set()
     assert handle.wait(10) == {"k": PutStatus.STORED}

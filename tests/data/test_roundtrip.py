@@ -40,7 +40,7 @@ def test_every_dtype_round_trips_bit_identical(client: Client, dtype_name: str) 
     for i, shape in enumerate([(1,), (17, 3584), (2, 3, 5), (4096,)]):
         tensor = random_tensor(shape, dtype, seed=i)
         key = f"{dtype_name}-{i}"
-        assert producer.put(key, tensor) is PutStatus.STORED
+        assert producer.put(key, tensor) is PutStatus.COMMITTING
         loaded = consumer.get(key)
         assert loaded is not None and same_bits(loaded, tensor), (dtype_name, shape)
 
@@ -58,12 +58,12 @@ def test_an_entry_spread_over_several_extents_reads_back_whole(client: Client) -
     producer = Producer(client, POOL)
     row = torch.zeros(BLOCK // 2, dtype=torch.bfloat16)
     fillers = {f"fill-{i}": row.expand(100, -1).contiguous() for i in range(20)}  # 100 blocks each
-    assert set(producer.put_many(fillers).values()) == {PutStatus.STORED}
+    assert set(producer.put_many(fillers).values()) == {PutStatus.COMMITTING}
     producer.flush()  # committed (evictable) before the evictions
     client.evict(POOL, [f"fill-{i}" for i in range(0, 20, 2)])  # ten 100-block holes
     free_tail = client.stats(POOL).pools[0].largest_free_extent
     wide = random_tensor((free_tail + 150, BLOCK // 4), torch.float32)  # fits no single hole
-    assert producer.put("wide", wide) is PutStatus.STORED
+    assert producer.put("wide", wide) is PutStatus.COMMITTING
     [entry] = [e for e in client.iter_entries(POOL) if e.key == b"wide"]
     assert len(entry.extents) > 1
     loaded = Consumer(client, POOL).get("wide")
@@ -98,7 +98,7 @@ def test_get_refuses_an_output_of_the_wrong_shape_and_releases_its_pin(client: C
 def test_put_many_and_get_many_use_one_rpc_each_way(client: Client) -> None:
     tensors = {f"batch-{i}": random_tensor((i + 1, 3584), torch.bfloat16, i) for i in range(8)}
     before = client.stats(POOL).pools[0]
-    assert Producer(client, POOL).put_many(tensors) == dict.fromkeys(tensors, PutStatus.STORED)
+    assert Producer(client, POOL).put_many(tensors) == dict.fromkeys(tensors, PutStatus.COMMITTING)
     loaded = Consumer(client, POOL).get_many([*tensors, "absent"])
     assert loaded["absent"] is None
     assert all(same_bits(loaded[k], t) for k, t in tensors.items())  # type: ignore[arg-type]
@@ -111,7 +111,7 @@ def test_put_many_and_get_many_use_one_rpc_each_way(client: Client) -> None:
 def test_putting_a_cached_key_answers_exists_and_keeps_the_first_bytes(client: Client) -> None:
     producer = Producer(client, POOL)
     first = random_tensor((4, 4), torch.float32, seed=1)
-    assert producer.put("twice", first) is PutStatus.STORED
+    assert producer.put("twice", first) is PutStatus.COMMITTING
     assert producer.put("twice", random_tensor((4, 4), torch.float32, seed=2)) is PutStatus.EXISTS
     loaded = Consumer(client, POOL).get("twice")
     assert loaded is not None and same_bits(loaded, first)
@@ -152,13 +152,37 @@ def test_a_tensor_without_storable_bytes_is_refused_before_anything_is_sent(
     assert client.lookup(POOL, ["nothing"])[0].state.name == "ABSENT"
 
 
+def test_a_0_dim_tensor_is_refused_before_anything_is_sent(client: Client) -> None:
+    with pytest.raises(ValueError, match=r"0 dimensions .* store t.reshape\(1\)"):
+        Producer(client, POOL).put("scalar", torch.tensor(1.0))
+    assert client.lookup(POOL, ["scalar"])[0].state.name == "ABSENT"
+
+
+def test_what_is_not_a_tensor_is_a_type_error_naming_what_it_is(client: Client) -> None:
+    with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got list"):
+        Producer(client, POOL).put("listed", [1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_a_wait_that_cannot_be_sent_is_refused_naming_wait_ms(client: Client) -> None:
+    with pytest.raises(ValueError, match="wait_ms=-1: expected milliseconds from 0 to"):
+        Consumer(client, POOL).get("k", wait_ms=-1)
+
+
+def test_a_refused_put_is_answered_to_the_caller_not_logged(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    handle = Producer(client, POOL).put_many_async({"k" * 257: torch.ones(4)})
+    assert handle.statuses == {"k" * 257: PutStatus.REFUSED}
+    assert "k" * 257 not in caplog.text
+
+
 def test_one_refused_item_does_not_sink_the_rest_of_its_batch(client: Client) -> None:
     too_big = torch.zeros(2049 * BLOCK, dtype=torch.uint8)  # larger than the whole pool
     handle = Producer(client, POOL).put_many_async(
         {"fits": random_tensor((10,), torch.float32), "too-big": too_big}
     )
     handle.wait()
-    assert handle.statuses == {"fits": PutStatus.STORED, "too-big": PutStatus.REFUSED}
+    assert handle.statuses == {"fits": PutStatus.COMMITTING, "too-big": PutStatus.REFUSED}
     assert "needs 2049 blocks" in str(handle.refused["too-big"])
     fits = Consumer(client, POOL).get("fits")
     assert fits is not None and same_bits(fits, random_tensor((10,), torch.float32))

@@ -120,7 +120,7 @@ def test_a_producer_killed_with_entries_pending_never_exposes_them_and_frees_the
         # producer's 0xee.
         tensors = {k: make_tensor(k, n) for k, n in zip(keys, sizes, strict=True)}
         assert set(Producer(c, POOL, checksum=True).put_many(tensors).values()) == {
-            PutStatus.STORED
+            PutStatus.COMMITTING
         }
         assert read_back(c, POOL, [k.encode() for k in keys]) == 4
         assert_intact(c, POOL)
@@ -229,7 +229,7 @@ def test_a_consumer_killed_holding_pins_releases_them_within_one_lease(
         free_before = c.stats(POOL).pools[0].free_blocks
         tensors = {k: make_tensor(k, 4 * rng.randrange(1, 65536)) for k in keys}
         producer = Producer(c, POOL, checksum=True)
-        assert set(producer.put_many(tensors).values()) == {PutStatus.STORED}
+        assert set(producer.put_many(tensors).values()) == {PutStatus.COMMITTING}
         producer.flush()  # visible to the other process
         victim = interpreters.take().run(
             READER,

@@ -40,11 +40,11 @@ def fragment(client: Client) -> dict[bytes, int]:
     client.open_pool(BASE, BLOCK, BASE_CAPACITY)
     producer = Producer(client, BASE, checksum=True)
     fillers = {f"fill-{i}": make_tensor(f"fill-{i}", 8 * BLOCK) for i in range(32)}
-    assert set(producer.put_many(fillers).values()) == {PutStatus.STORED}
+    assert set(producer.put_many(fillers).values()) == {PutStatus.COMMITTING}
     producer.flush()  # committed (commits go in the background) before some are deleted
     client.delete(BASE, [f"fill-{i}" for i in range(0, 32, 2)])
     spread = {f"spread-{i}": make_tensor(f"spread-{i}", 40 * BLOCK - 100) for i in range(2)}
-    assert set(producer.put_many(spread).values()) == {PutStatus.STORED}
+    assert set(producer.put_many(spread).values()) == {PutStatus.COMMITTING}
     producer.flush()  # committed: the snapshot below must see them READY
     assert all(len(e.extents) > 1 for e in client.iter_entries(BASE) if b"spread" in e.key)
     return ready_keys(client, BASE)

@@ -259,6 +259,8 @@ def test_a_pool_file_removed_or_replaced_is_refused_and_can_be_created_again(
         wait_until(refused, 10 * CHECK_INTERVAL, "the daemon to notice the pool file is gone")
         assert tampered.running
         if how == "removed":  # nothing left to inspect: the pool can be created afresh
+            assert "pool file removed from under the daemon: pool forgotten" in tampered.log()
+            assert "refused and left in place" not in tampered.log()
             fresh = c.open_pool("victim", BLOCK, CAPACITY)
             assert fresh.created and fresh.pool_uuid != victim.pool_uuid
             Producer(c, "victim", checksum=True).put("img-0", make_tensor("img-0", 5000))
@@ -307,7 +309,7 @@ def test_a_producer_and_consumer_of_a_refused_pool_raise_clear_errors_and_work_o
         pathlib.Path(victim.path).unlink(missing_ok=True)
         operator.open_pool("victim", BLOCK, CAPACITY)
         tensor = make_tensor("again", 5000)
-        assert producer.put("again", tensor) is PutStatus.STORED
+        assert producer.put("again", tensor) is PutStatus.COMMITTING
         loaded = consumer.get("again")
         assert loaded is not None and torch.equal(loaded, tensor)
         assert consumer.get(KEYS[0]) is None  # the refused pool's entries are gone with it

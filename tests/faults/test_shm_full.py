@@ -115,7 +115,7 @@ def test_creating_a_pool_on_a_full_shm_dir_is_resource_exhausted_and_existing_po
             # The existing pool's pages were allocated up front: it fills without a SIGBUS.
             tensors = {f"k{i}": make_tensor(f"k{i}", 256 << 10) for i in range(15)}
             assert set(Producer(c, "first", checksum=True).put_many(tensors).values()) == {
-                PutStatus.STORED
+                PutStatus.COMMITTING
             }
             assert_intact(c, "first")
             assert c.health() == "SERVING"

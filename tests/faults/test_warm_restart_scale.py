@@ -64,7 +64,7 @@ def test_a_4_gib_pool_of_10000_entries_is_served_again_after_a_sigkill() -> None
             keys = [f"img-{i:05d}" for i in range(ENTRIES)]
             for batch in chunks(range(ENTRIES), 100):
                 tensors = {keys[i]: make_tensor(keys[i], entry_size(i)) for i in batch}
-                assert set(producer.put_many(tensors).values()) == {PutStatus.STORED}
+                assert set(producer.put_many(tensors).values()) == {PutStatus.COMMITTING}
             producer.flush()  # the last commits go in the background
             [pool] = c.stats(POOL).pools
             assert pool.entries_ready == ENTRIES and pool.evictions == 0

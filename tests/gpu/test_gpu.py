@@ -69,7 +69,7 @@ def test_a_cuda_mover_registers_the_pool(client: Client) -> None:
 )
 def test_gpu_save_and_gpu_load_are_bit_identical(client: Client, dtype: torch.dtype) -> None:
     tensor = torch.randn(1024, 3584, device="cuda").to(dtype)
-    assert Producer(client, POOL).put(f"t-{dtype}", tensor) is PutStatus.STORED
+    assert Producer(client, POOL).put(f"t-{dtype}", tensor) is PutStatus.COMMITTING
     loaded = Consumer(client, POOL).get(f"t-{dtype}", device="cuda")
     assert loaded is not None and loaded.device.type == "cuda"
     assert torch.equal(byte_view(loaded), byte_view(tensor))
@@ -84,7 +84,7 @@ def test_a_save_waits_for_the_kernels_that_produce_the_tensor(client: Client) ->
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP)
     tensor.copy_(source)  # queued behind the sleep: the tensor is all zeros until then
-    assert producer.put("produced", tensor) is PutStatus.STORED
+    assert producer.put("produced", tensor) is PutStatus.COMMITTING
     loaded = Consumer(client, POOL).get("produced")
     assert loaded is not None and torch.equal(loaded, expected)
 

@@ -126,6 +126,12 @@ def acquire(w: Wire, keys: list[bytes], wait_ms: int = 0) -> pb.AcquireReply:
 CASES = [
     ("engine_id with a path", lambda w: open_pool(w, engine_id="../x"), INVALID, "engine_id"),
     ("empty engine_id", lambda w: open_pool(w, engine_id=""), INVALID, "engine_id"),
+    (
+        "engine_id ending in a newline",
+        lambda w: open_pool(w, engine_id="p\n"),
+        INVALID,
+        "engine_id",
+    ),
     ("engine_id too long", lambda w: open_pool(w, engine_id="a" * 129), INVALID, "engine_id"),
     ("zero block size", lambda w: open_pool(w, block=0), INVALID, "block_size_bytes"),
     ("negative block size", lambda w: open_pool(w, block=-7168), INVALID, "block_size_bytes"),

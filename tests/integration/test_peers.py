@@ -18,7 +18,7 @@ from ecd_testing import Daemon, running_daemon
 from peer_testing import eventually, free_port, holders
 from pki_testing import make_pki
 
-from ec_client import AllocateItem, AsyncClient, Status, TLSFiles
+from ec_client import AllocateItem, AsyncClient, EcdError, Status, TLSFiles
 from ec_daemon.peer_follower import FollowPolicy, PeerAccess, PeerFollower, PeerSet
 from ec_daemon.peers import PeerDirectory, PeerEntry, PeerState, PeerView
 
@@ -263,3 +263,13 @@ async def test_a_name_is_followed_at_each_address_it_resolves_to_as_they_change(
             assert synced(directory, one)
         finally:
             await peers.close()
+
+
+async def test_a_call_on_a_closed_async_client_is_an_ecd_error_not_a_grpc_one(
+    daemon: Daemon,
+) -> None:
+    # As a pull's Release is, when the follower closed its client to a peer that died meanwhile.
+    client = await AsyncClient(daemon.address, name="closing", keepalive=False).start()
+    await client.close()
+    with pytest.raises(EcdError, match=r"channel to ecd at .* is closed"):
+        await client.release([1])

@@ -23,7 +23,7 @@ def test_a_consumer_attaches_by_name_alone_and_reads_what_the_producer_wrote(
     with daemon.client(name="encoder") as encoder, daemon.client(name="decoder") as decoder:
         created = encoder.open_pool(POOL, BLOCK, 512 * BLOCK, COMPAT)
         tensor = torch.randn(16, 3584).to(torch.bfloat16)
-        assert Producer(encoder, POOL).put("img", tensor) is PutStatus.STORED
+        assert Producer(encoder, POOL).put("img", tensor) is PutStatus.COMMITTING
         attached = decoder.open_pool(POOL)
         assert not attached.created
         assert (attached.block_size_bytes, attached.num_blocks, attached.compat_key) == (
@@ -71,3 +71,18 @@ def test_a_pool_as_large_as_the_budget_fits_in_a_file_about_two_percent_larger()
             c.open_pool("one-more", BLOCK, BLOCK)
         assert over.value.code.name == "RESOURCE_EXHAUSTED"
         assert "100.0 MiB budget" in over.value.message
+
+
+def test_a_pool_file_whose_name_ecd_would_refuse_is_not_adopted_at_restart(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK, COMPAT)
+    daemon.stop()
+    stray = daemon.shm_dir / "ecd-ecd-bench\n.pool"
+    os.link(daemon.shm_dir / f"ecd-{POOL}.pool", stray)
+    daemon.start()
+    with daemon.client() as c:
+        assert [p.engine_id for p in c.stats().pools] == [POOL]
+    assert stray.exists()
+    assert "is not a pool ecd could have made" in daemon.log()

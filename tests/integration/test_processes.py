@@ -9,11 +9,15 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+import pytest
+import torch
 from ecd_testing import REPO, Daemon, assert_blocks_accounted
 
-from ec_client import AllocateItem, EntryState, Status
+from ec_client import AllocateItem, Client, Consumer, EcdError, EntryState, Producer, Status
 
 POOL = "shared"
 BLOCK = 4096
@@ -149,13 +153,61 @@ def test_a_client_reconnects_to_a_restarted_daemon_and_sees_the_new_epoch(daemon
         assert c.lookup(POOL, ["kept"])[0].state is EntryState.READY  # warm restart
 
 
-def test_a_client_rides_out_a_short_daemon_outage(daemon: Daemon) -> None:
-    with daemon.client(name="encoder", connect_timeout_s=20) as c:
+def test_a_call_that_asked_to_wait_rides_out_a_short_daemon_outage(daemon: Daemon) -> None:
+    with daemon.client(name="consumer", connect_timeout_s=20) as c:
         c.open_pool(POOL, BLOCK, 64 * BLOCK)
         daemon.stop()
-        comeback = threading.Timer(1.0, lambda: daemon.start(wait=False))
+
+        def come_back() -> None:
+            daemon.start()
+            with daemon.client(name="encoder") as producer:
+                producer.open_pool(POOL, BLOCK, 64 * BLOCK)
+                producer.allocate(POOL, [AllocateItem("k", (16,), "uint8")])
+                producer.commit(POOL, ["k"])
+
+        comeback = threading.Timer(1.0, come_back)
         comeback.start()
         try:
-            assert c.stats(POOL).pools[0].engine_id == POOL  # retried until the daemon is back
+            # No daemon there, but the call may wait 20 s: retried until the daemon is back.
+            [hit] = c.acquire(POOL, ["k"], wait_ms=20_000)
+            assert hit.status is Status.HIT
         finally:
             comeback.join()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: Producer(c, POOL).put("new", torch.ones(16)),
+        lambda c: Consumer(c, POOL, watch=False).get("kept"),
+        lambda c: Consumer(c, POOL, watch=False).get("absent"),
+        lambda c: Consumer(c, POOL, watch=False).get("absent", wait_ms=100),
+        lambda c: c.stats(),
+    ],
+    ids=["put", "get a hit", "get a miss", "get waiting 100 ms", "stats"],
+)
+def test_a_call_to_a_daemon_that_died_fails_at_once_in_ecds_words(
+    daemon: Daemon, call: Callable[[Client], object]
+) -> None:
+    with daemon.client(name="encoder") as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        Producer(c, POOL).put("kept", torch.zeros(16))
+        c.settle()
+        daemon.kill()  # and no restart
+        started = time.monotonic()
+        with pytest.raises(EcdError) as info:
+            call(c)
+        assert time.monotonic() - started < 0.5
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert info.value.message.startswith(
+            f"cannot reach ecd at {daemon.address}: nothing listens"
+        )
+
+
+def test_a_client_of_a_socket_that_is_not_there_fails_at_once_naming_it(tmp_path: Path) -> None:
+    address = f"unix://{tmp_path}/no/such.sock"
+    started = time.monotonic()
+    with pytest.raises(EcdError) as info:
+        Client(address)
+    assert time.monotonic() - started < 0.5
+    assert info.value.message.startswith(f"cannot reach ecd at {address}: no socket at")

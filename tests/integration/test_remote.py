@@ -14,7 +14,7 @@ import torch
 from ecd_testing import assert_blocks_accounted, run_ecd, wait_until
 from peer_testing import needs_mooncake, peered_daemons, tcp_address, wait_peers_synced
 
-from ec_client import Client, Consumer, Producer, Status
+from ec_client import Client, Consumer, EcdError, Producer, Status
 
 pytestmark = needs_mooncake
 
@@ -62,6 +62,28 @@ def test_an_entry_put_on_one_node_is_read_bit_identical_on_another_after_one_rea
         wait_until(lambda: ca.stats(POOL).pools[0].pins == 0)  # the peer's pin went back
         for client in (ca, cb):
             assert_blocks_accounted(client, POOL)
+
+
+def test_attaching_by_name_to_a_pool_only_a_peer_has_says_so_with_its_geometry() -> None:
+    with peered_daemons(2) as (a, b), a.client() as ca, b.client() as cb:
+        open_pool(ca)
+        wait_peers_synced(cb, 1)
+        put(ca, "img", 4096)  # the peer's pool is learnt of with its first entry
+        wait_until(lambda: peer_pool_known(cb))
+        with pytest.raises(EcdError) as info:
+            cb.open_pool(POOL)
+        assert info.value.code.name == "NOT_FOUND"
+        assert "not on this node, but a peer has it" in info.value.message
+        assert f"block_size_bytes {BLOCK}, capacity_bytes {CAPACITY}" in info.value.message
+
+
+def peer_pool_known(client: Client) -> bool:
+    """The daemon has attached its peer's pool POOL (an attach by name then names the peer's)."""
+    try:
+        client.open_pool(POOL)
+    except EcdError as error:
+        return "a peer has it" in error.message
+    raise AssertionError("the pool exists here")
 
 
 def test_many_askers_of_a_key_on_one_node_share_one_pull() -> None:

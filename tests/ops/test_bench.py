@@ -4,10 +4,17 @@ a remote get against a local get and a bare transfer-engine read, one read per r
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
-from ecd_testing import run_ecd
+import pytest
+from ecd_testing import Daemon, run_ecd
 from peer_testing import needs_mooncake
+
+
+def bench(daemon: Daemon, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`ecd bench` against a daemon that is already running, as an operator points it at one."""
+    return run_ecd("bench", "--address", daemon.address, *flags)
 
 
 @needs_mooncake
@@ -40,3 +47,43 @@ def test_the_remote_suite_needs_two_daemons_and_says_so() -> None:
     done = run_ecd("bench", "--suite", "remote")
     assert done.returncode == 2
     assert "--spawn" in done.stderr
+
+
+def test_the_data_suite_runs_with_a_single_entry_size() -> None:
+    done = run_ecd("bench", "--spawn", "--suite", "data", "--runs", "1", "--sizes", "8MiB")
+    assert done.returncode == 0, done.stderr
+    assert "Data path" in done.stdout and "8.0 MiB" in done.stdout
+
+
+def test_a_suite_that_fails_leaves_no_pool_behind(daemon: Daemon) -> None:
+    # 6000 scratch regions are more items than one request may carry: the suite fails midway.
+    done = bench(daemon, "--suite", "data", "--runs", "1", "--sizes", "4KiB", "--batch", "3000")
+    assert done.returncode == 1
+    assert "RESOURCE_EXHAUSTED" in done.stderr and "Traceback" not in done.stderr
+    with daemon.client() as c:
+        assert not c.stats().pools
+
+
+def test_a_suite_leaves_no_pool_behind_and_draws_no_progress_bar_into_a_pipe(
+    daemon: Daemon,
+) -> None:
+    done = bench(daemon, "--suite", "control", "--runs", "1", "--iterations", "2")
+    assert done.returncode == 0, done.stderr
+    assert "Control plane" in done.stdout
+    assert "\r" not in done.stderr and "[#" not in done.stderr
+    with daemon.client() as c:
+        assert not c.stats().pools
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--suite", "bogus"), "unknown suite(s) bogus"),
+        (("--sizes", "8XB"), "'8XB' is not a size"),
+        (("--runs", "0"), "'0' is not a count"),
+    ],
+)
+def test_a_bad_bench_flag_is_a_usage_error_naming_it(flags: tuple[str, ...], words: str) -> None:
+    done = run_ecd("bench", *flags)
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: ecd bench") and words in done.stderr

@@ -4,10 +4,12 @@ status, and errors that name the daemon's address."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from ecd_testing import Daemon, run_ecd
+from ecd_testing import REPO, Daemon, run_ecd
 
 from ec_client import AllocateItem, EntryState, Status
 
@@ -80,3 +82,61 @@ def test_ecd_stats_shows_each_pools_capacity_file_size_and_compat_key(daemon: Da
         [pool] = json.loads(out)["pools"]
         assert pool["compat_key"] == "Qwen2.5-VL-7B|bf16|3584"
         assert pool["reserved_bytes"] - pool["capacity_bytes"] == 2 * MiB
+
+
+def test_a_key_that_is_not_hex_after_0x_is_a_usage_error(daemon: Daemon) -> None:
+    status, _, err = ecd(daemon, "delete", POOL, "0xZZ")
+    assert status == 2
+    assert err.startswith("usage: ecd delete")
+    assert "'0xZZ' is not a key" in err and "Traceback" not in err
+
+
+def test_an_unknown_flag_gets_the_subcommands_usage(daemon: Daemon) -> None:
+    status, _, err = ecd(daemon, "stats", "--bogus")
+    assert status == 2
+    assert err.startswith("usage: ecd stats")
+    assert "unrecognized arguments: --bogus" in err
+
+
+def test_a_listing_piped_into_a_reader_that_leaves_early_ends_quietly(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, 16, 4096 * 16)
+        keys = [f"key-{i:04d}-" + "x" * 60 for i in range(2000)]
+        c.allocate(POOL, [AllocateItem(k, (16,), "uint8") for k in keys])
+        c.commit(POOL, keys)
+    ls = subprocess.Popen(
+        [sys.executable, "-m", "ec_daemon", "ls", POOL, "--address", daemon.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+    assert ls.stdout is not None and ls.stderr is not None
+    assert ls.stdout.readline().startswith(b"STATE")
+    ls.stdout.close()  # as `| head -1` does
+    err = ls.stderr.read().decode()
+    assert ls.wait(30) == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_ecd_drop_deletes_a_pool_and_gives_its_capacity_back(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        info = c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.allocate(POOL, [AllocateItem("k", (BLOCK,), "uint8")])
+        status, _, err = ecd(daemon, "drop", POOL)
+        assert status == 1 and "PENDING" in err and "force" in err
+        status, out, _ = ecd(daemon, "drop", POOL, "--force")
+        assert status == 0 and f"dropped pool {POOL!r} and its 1 entries" in out
+        assert not c.stats().pools and not Path(info.path).exists()
+
+
+def test_ecd_ls_puts_the_key_last_so_a_long_key_pads_no_other_column(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        long_key, short_key = "k" * 256, "short"
+        c.allocate(POOL, [AllocateItem(k, (16,), "uint8") for k in (long_key, short_key)])
+        status, out, _ = ecd(daemon, "ls", POOL)
+    assert status == 0
+    header, *rows = out.splitlines()
+    assert header.split()[-1] == "KEY"
+    short_row = next(r for r in rows if r.endswith(short_key))
+    assert len(short_row) < 100

@@ -99,6 +99,20 @@ def test_each_layer_sets_a_different_setting(tmp_path: Path) -> None:
         ((), {"ECD_SOCKET_MODE": "0x1b6"}, None, "socket_mode from env ECD_SOCKET_MODE"),
         (("--pool-mode", "0440"), None, None, "leaves the owner without read and write"),
         ((), None, '"pool_mode" = 640\n', 'write the mode as an octal string, e.g. "0660"'),
+        # numbers in range, finite, and with one another
+        (("--lease-ttl", "0"), None, None, "'0' is not a number of seconds more than 0"),
+        (("--lease-ttl", "-5"), None, None, "lease_ttl from flag --lease-ttl"),
+        (("--lease-ttl", "nan"), None, None, "'nan' is not a number of seconds"),
+        (("--pool-check-interval", "0"), None, None, "seconds at least 0.1"),
+        (("--metrics-port", "70000"), None, None, "'70000' is not a TCP port"),
+        (("--max-bytes", "0"), None, None, "'0' is not a size above 0"),
+        (
+            ("--max-bytes", "1GiB", "--max-pool-bytes", "2GiB"),
+            None,
+            None,
+            "no pool could be that large",
+        ),
+        (("--max-byte", "1GiB"), None, None, "unrecognized arguments: --max-byte"),
     ],
 )
 def test_bad_values_name_the_setting_and_its_source(
@@ -181,3 +195,17 @@ def test_the_peer_token_file_is_read_as_a_token_file(tmp_path: Path, text: str) 
     token_file.write_text(text)
     loaded, _ = config.load({"peer_token_file": str(token_file)}, {}, None)
     assert server.peer_access(loaded, "epoch").token == "s3cret"
+
+
+def test_an_unknown_ecd_variable_is_warned_about_naming_the_nearest_setting() -> None:
+    with running_daemon(*DEFAULT_ARGS, env={"ECD_MAX_BYTE": "1GiB"}) as daemon:
+        log = daemon.log()
+    assert "unknown environment variable" in log
+    assert "ECD_MAX_BYTE (did you mean ECD_MAX_BYTES?)" in log
+
+
+def test_help_says_which_size_units_are_powers_of_1000() -> None:
+    result = run_ecd("serve", "--help")
+    assert "GB or G, MB or M: powers of 1000, so 8G is 8 * 10^9 bytes" in " ".join(
+        result.stdout.split()
+    )

@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 from ecd_testing import Daemon, running_daemon
+from peer_testing import needs_mooncake, peer_args
 
 from ec_client import AllocateItem, Client
 from ec_client.types import Status
+from ec_daemon.spawn import free_port
 
 POOL = "logs-pool"
 BLOCK = 4096
@@ -83,3 +85,14 @@ def test_json_lines_one_per_event_never_per_item() -> None:
 
     adopted = [line for line in second_run if line["msg"] == "pool adopted"]
     assert [(a["engine_id"], a["entries"]) for a in adopted] == [(POOL, 4)]
+
+
+@needs_mooncake
+def test_json_logs_carry_the_transfer_engines_lines_as_json_too() -> None:
+    me, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = peer_args(me, [me, other], "--log-format", "json")
+    with running_daemon(*args) as daemon:  # its transfer engine logs with glog, in C++
+        lines = daemon.log().splitlines()
+    records = [json.loads(line) for line in lines]  # every line parses
+    native = [r for r in records if r["logger"] == "native"]
+    assert any("transfer_metadata.cpp" in r["msg"] for r in native), native

@@ -14,7 +14,7 @@ from ecd_testing import Daemon, run_ecd, running_daemon, wait_until
 from peer_testing import needs_mooncake, peer_args
 from prometheus_client.parser import text_string_to_metric_families
 
-from ec_client import AllocateItem, Client
+from ec_client import AllocateItem, Client, EcdError
 from ec_client.types import PoolStats, Stats, Status
 
 POOL = "metrics-pool"
@@ -149,6 +149,21 @@ def test_metrics_move_with_traffic_and_equal_stats(metrics_daemon: tuple[Daemon,
         assert rpc_count(after, "Stats") == 1  # the assert_equals_stats above the pin
         bucket = frozenset({("method", "Allocate"), ("le", "+Inf")})
         assert after[("ecd_rpc_duration_seconds_bucket", bucket)] == 3
+
+
+def test_rpcs_are_counted_by_method_and_status_code(metrics_daemon: tuple[Daemon, int]) -> None:
+    daemon, port = metrics_daemon
+    with daemon.client(name="metrics", keepalive=False) as client:
+        client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=CAPACITY)
+        client.lookup(POOL, ["k"])
+        for _ in range(2):
+            with pytest.raises(EcdError):
+                client.lookup("no-such-pool", ["k"])
+        samples = scrape(port)
+    count = "ecd_rpcs_total"
+    assert samples[(count, frozenset({("method", "Lookup"), ("code", "OK")}))] == 1
+    assert samples[(count, frozenset({("method", "Lookup"), ("code", "NOT_FOUND")}))] == 2
+    assert samples[(count, frozenset({("method", "OpenPool"), ("code", "OK")}))] == 1
 
 
 def test_lease_expiry_is_counted(metrics_daemon: tuple[Daemon, int]) -> None:

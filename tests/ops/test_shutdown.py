@@ -1,6 +1,6 @@
-"""SIGTERM on a real daemon: readiness goes NOT_SERVING first, new calls are refused, an in-flight
-RPC (an Acquire waiting on a PENDING key) still finishes, the process exits 0, and the pool files
-stay for the next daemon."""
+"""SIGTERM on a real daemon: readiness goes NOT_SERVING first, new calls are refused, calls that
+would only end at the grace's deadline (Watch streams, Acquires waiting on keys) are ended at once,
+the process exits 0, and the pool files stay for the next daemon."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import time
 
 import grpc
 import pytest
+import torch
 from ecd_testing import running_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ec_client import AllocateItem, Client, EcdError
+from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client.layout import pool_file_name
@@ -25,51 +26,83 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_sigterm_drains_in_flight_rpcs_and_keeps_pool_files() -> None:
+def test_sigterm_turns_not_serving_refuses_new_calls_and_keeps_pool_files() -> None:
     with running_daemon("--max-bytes", "64MiB", "--shutdown-grace", "5") as daemon:
         assert daemon.proc is not None
-        producer = daemon.client(name="producer", keepalive=False)
-        producer.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
-        [allocated] = producer.allocate(POOL, [AllocateItem("slow", (4096,), "uint8")])
-        assert allocated.status is Status.ALLOCATED  # PENDING: never committed
+        with daemon.client(name="producer", keepalive=False) as producer:
+            producer.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
 
         # Readiness as a probe or load balancer sees it: the health Watch stream.
         channel = grpc.insecure_channel(daemon.address)
         health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         assert next(health).status == SERVING
 
-        consumer = daemon.client(name="consumer", keepalive=False)
-        consumer.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
-        results: list[AcquireResult] = []
-        acquire = threading.Thread(
-            target=lambda: results.extend(consumer.acquire(POOL, ["slow"], wait_ms=WAIT_MS))
-        )
-        started = time.monotonic()
-        acquire.start()
-        time.sleep(0.5)  # the Acquire reaches the daemon and waits on the PENDING key
-
         daemon.proc.send_signal(signal.SIGTERM)
         assert next(health).status == NOT_SERVING
-        assert acquire.is_alive(), "readiness must drop while the in-flight call still runs"
-        health.cancel()  # an open stream would hold the daemon for its whole grace period
-        # New calls are refused from now on, while the old one is still being served: with
-        # UNAVAILABLE, or CANCELLED when grpc took the call in as it began to stop (ec_client
-        # retries both for calls safe to retry, see ec_client/_session.py).
+        health.cancel()
+        # New calls are refused from now on: with UNAVAILABLE, or CANCELLED when grpc took the
+        # call in as it began to stop (ec_client retries both for calls safe to retry, see
+        # ec_client/_session.py).
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.EncoderCacheStub(channel).Stats(pb.StatsRequest(), timeout=2)
         assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        assert acquire.is_alive()
-
-        acquire.join(10)
-        # The call ran its full wait and was answered, not cut off: still PENDING, no error.
-        assert [r.status for r in results] == [Status.PENDING]
-        assert time.monotonic() - started >= WAIT_MS / 1000
         assert daemon.proc.wait(10) == 0
         channel.close()
 
         assert (daemon.shm_dir / pool_file_name(POOL)).is_file()
         log = daemon.log()
         assert 0 < log.index("msg=stopping") < log.index("msg=stopped"), log
+
+
+def test_sigterm_answers_a_waiting_acquire_at_once_and_exits_without_waiting_out_the_grace() -> (
+    None
+):
+    with running_daemon("--max-bytes", "64MiB", "--shutdown-grace", "5") as daemon:
+        assert daemon.proc is not None
+        consumer = daemon.client(name="consumer", keepalive=False)
+        consumer.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
+        request = pb.AcquireRequest(
+            session_id=consumer.session_id, engine_id=POOL, keys=[b"never"], wait_ms=WAIT_MS
+        )
+        with grpc.insecure_channel(daemon.address) as channel:
+            waiting = pb_grpc.EncoderCacheStub(channel).Acquire.future(request, timeout=10)
+            time.sleep(0.5)  # the Acquire reaches the daemon and waits on the missing key
+            stopped = time.monotonic()
+            daemon.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as answered:
+                waiting.result()
+            # Nothing could commit the key any more (new calls are refused): the wait is ended
+            # at once, UNAVAILABLE for its client to retry at the next daemon.
+            assert answered.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in (answered.value.details() or "")
+            assert daemon.proc.wait(10) == 0
+        assert time.monotonic() - stopped < 2, "the daemon waited out its grace"
+
+
+def test_a_get_with_default_settings_waits_through_a_sigterm_restart() -> None:
+    with (
+        running_daemon("--max-bytes", "64MiB") as daemon,  # the default grace
+        daemon.client(name="consumer") as consumer,
+    ):
+        consumer.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
+        got: list[torch.Tensor | None] = []
+        get = threading.Thread(
+            target=lambda: got.append(
+                Consumer(consumer, POOL, watch=False).get("later", wait_ms=30_000)
+            )
+        )
+        get.start()
+        time.sleep(0.5)  # waiting inside the daemon
+        daemon.stop(signal.SIGTERM)
+        daemon.start()  # at once, as systemd's Restart= or a supervisor does
+        with daemon.client(name="producer") as producer:
+            producer.open_pool(POOL, block_size_bytes=4096, capacity_bytes=64 * 4096)
+            put = Producer(producer, POOL)
+            put.put("later", torch.arange(16, dtype=torch.uint8))
+            put.flush()
+        get.join(30)
+        [tensor] = got
+        assert tensor is not None and torch.equal(tensor, torch.arange(16, dtype=torch.uint8))
 
 
 def test_sigterm_ends_open_watch_streams_instead_of_waiting_out_the_grace() -> None:

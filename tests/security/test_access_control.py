@@ -88,12 +88,30 @@ def test_granted_producers_and_consumers_share_a_pool(secured: Daemon) -> None:
 
 
 def test_a_consumer_may_not_produce(secured: Daemon) -> None:
-    with as_(secured, "decoder") as decoder:
+    with as_(secured, "encoder") as encoder, as_(secured, "decoder") as decoder:
+        encoder.open_pool("vl-node1", BLOCK, 64 * BLOCK)
         decoder.open_pool("vl-node1", BLOCK, 64 * BLOCK)
         items = [AllocateItem("forged", (16,), "uint8")]
         assert code_of(lambda: decoder.allocate("vl-node1", items)) == (
             grpc.StatusCode.PERMISSION_DENIED
         )
+
+
+def test_a_consumer_may_attach_to_a_pool_but_not_create_one(secured: Daemon) -> None:
+    with (
+        as_(secured, "encoder") as encoder,
+        as_(secured, "decoder") as decoder,
+        as_(secured, "ops") as ops,
+    ):
+        with pytest.raises(EcdError) as info:
+            decoder.open_pool("vl-made-by-a-consumer", BLOCK, 64 * BLOCK)
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "'decoder' may not produce in pool 'vl-made-by-a-consumer'" in info.value.message
+        assert "creating a pool needs produce" in info.value.message
+        assert "vl-made-by-a-consumer" not in {p.engine_id for p in ops.stats().pools}
+        encoder.open_pool("vl-made-by-a-consumer", BLOCK, 64 * BLOCK)
+        assert decoder.open_pool("vl-made-by-a-consumer", BLOCK, 64 * BLOCK).created is False
+        assert decoder.open_pool("vl-made-by-a-consumer").num_blocks == 64
 
 
 def test_nobody_but_an_admin_may_evict(secured: Daemon) -> None:
@@ -109,7 +127,7 @@ def test_nobody_but_an_admin_may_evict(secured: Daemon) -> None:
 def test_pools_outside_every_grant_are_closed(secured: Daemon) -> None:
     with as_(secured, "decoder") as decoder:
         with pytest.raises(EcdError) as info:
-            decoder.open_pool("other-model", BLOCK, 64 * BLOCK)
+            decoder.open_pool("other-model")
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert "'decoder' may not produce or consume in pool 'other-model'" in info.value.message
 
@@ -127,6 +145,35 @@ def test_a_bad_token_file_stops_the_daemon_at_startup(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="shorter than 16"):
         daemon.start()
     assert daemon.proc is not None and daemon.proc.returncode == 2
+
+
+def test_a_hash_inside_a_token_is_part_of_the_token(tmp_path: Path) -> None:
+    token = "abcdefghijklmnopq#rstuvwxyz0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# comment\nweak {token}\n")
+    tokens.chmod(0o600)
+    with running_daemon("--max-bytes", "64MiB", "--token-file", str(tokens)) as daemon:
+        with Client(daemon.address, token=token, keepalive=False) as c:
+            assert c.health() == "SERVING"
+        with pytest.raises(EcdError) as info:
+            Client(daemon.address, token=token.split("#")[0], keepalive=False)
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_line_of_three_words_is_refused_naming_the_line(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"encoder {TOKENS['encoder']}  # ok\ndecoder {TOKENS['decoder']} old\n")
+    daemon = Daemon(tmp_path, new_shm_dir(), ("--token-file", str(tokens)))
+    with pytest.raises(RuntimeError, match=f"{tokens}:2: expected `NAME TOKEN`"):
+        daemon.start()
+
+
+def test_a_token_file_others_may_read_is_warned_about(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"encoder {TOKENS['encoder']}\n")
+    tokens.chmod(0o644)
+    with running_daemon("--max-bytes", "64MiB", "--token-file", str(tokens)) as daemon:
+        assert "token file is readable by every user" in daemon.log()
 
 
 def free_port() -> int:

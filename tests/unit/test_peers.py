@@ -137,6 +137,15 @@ def test_a_broken_stream_forgets_that_peers_keys_only() -> None:
     assert (view.state, view.keys, view.error) == (PeerState.DOWN, 0, "connection reset")
 
 
+def test_a_peer_followed_again_no_longer_shows_what_broke_it_before() -> None:
+    d = following(A)
+    d.broken(A, "Connection refused")
+    d.opened(A, "e2")
+    d.apply(A, event(EventType.SYNCED, epoch="e2"))
+    [view] = d.views()
+    assert (view.state, view.error) == (PeerState.SYNCED, "")
+
+
 def test_events_from_a_stream_that_broke_are_ignored_until_a_new_one_opens() -> None:
     d = following(A)
     d.broken(A, "reset")

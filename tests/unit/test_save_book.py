@@ -115,3 +115,12 @@ def test_voiding_forgets_every_unfinished_save_and_cancels_every_intent_and_orde
     assert book.take_orders() == ({}, {"ordered", "allocating"})
     book.allocated(["allocating"], [allocated("allocating")])  # a late answer: ignored
     assert book.take_orders() == ({}, set()) and not book.busy()
+
+
+def test_saves_dropped_while_the_daemon_is_away_leave_nothing_behind() -> None:
+    book = SaveBook()
+    book.plan("k", SPEC)
+    book.drop_planned()
+    assert not book.intents() and not book.busy()
+    book.plan("k", SPEC)  # planned again once the daemon is back
+    assert book.take_planned() == {"k": SPEC}

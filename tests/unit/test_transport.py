@@ -8,6 +8,7 @@ import ctypes
 import hashlib
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from peer_testing import DATA_OFFSET, LocalCopyTransport, data_of, needs_mooncake, pool_file
 
 from ec_client import Extent
+from ec_daemon import transport as transport_module
 from ec_daemon.transport import (
     Copy,
     MooncakeTransport,
@@ -231,3 +233,58 @@ def test_an_unregistered_region_stays_mapped_but_no_longer_touches_the_file(
     assert ctypes.string_at(p.base, BLOCK) == bytes(BLOCK)
     ctypes.memset(p.base, 0x11, BLOCK)
     assert data_of(shm_dir / "src") == b"\x5a" * BLOCK
+
+
+class FlakyEngine:
+    """A stand-in for the Mooncake engine whose first `failing` reads fail, each after
+    `fails_after_s`: as a read on a dead peer's pooled connection fails at once."""
+
+    failing = 1
+    fails_after_s = 0.0
+
+    def __init__(self) -> None:
+        self.submitted: list[float] = []
+
+    def initialize(self, *args: object) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 15000
+
+    def register_memory(self, address: int, length: int) -> int:
+        return 0
+
+    def batch_transfer_async_read(self, *args: object) -> int:
+        self.submitted.append(time.monotonic())
+        return len(self.submitted)
+
+    def transfer_check_status(self, batch: int) -> int:
+        if time.monotonic() - self.submitted[batch - 1] < self.fails_after_s:
+            return 0  # in flight
+        return -1 if batch <= self.failing else 1
+
+
+@pytest.fixture
+def flaky(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MooncakeTransport]:
+    monkeypatch.setattr(transport_module, "mooncake_engine", lambda: FlakyEngine)
+    transport = MooncakeTransport("127.0.0.1")
+    transport.register("pool", pool_file(shm_dir, "dst", bytes(BLOCK)), DATA_OFFSET, BLOCK)
+    yield transport
+    transport.close()
+
+
+def test_a_read_that_fails_at_once_is_tried_again_on_fresh_connections(
+    flaky: MooncakeTransport,
+) -> None:
+    flaky.read("127.0.0.1:15001", "pool", [Copy(0, 0, BLOCK)]).result(5)
+    assert len(flaky._engine.submitted) == 2
+
+
+def test_a_read_that_failed_after_a_while_is_not_tried_again(
+    flaky: MooncakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FlakyEngine, "fails_after_s", 0.1)
+    monkeypatch.setattr(transport_module, "STALE_CONNECTION_WINDOW_S", 0.05)
+    with pytest.raises(TransportError, match=r"read of 4096 bytes from 127\.0\.0\.1:15001 failed"):
+        flaky.read("127.0.0.1:15001", "pool", [Copy(0, 0, BLOCK)]).result(5)
+    assert len(flaky._engine.submitted) == 1

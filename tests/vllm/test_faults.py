@@ -96,6 +96,22 @@ def test_an_engine_started_while_the_daemon_is_down_encodes_then_uses_it_once_it
     assert after.loaded == {"img-b": digest(encoder_output("img-b"))}
 
 
+def test_an_outage_leaves_no_save_intent_behind_and_the_key_is_saved_once_it_is_over(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(pool="durable")
+    daemon.kill()
+    wait_until(lambda: not e.scheduler.view.synced)
+    step = e.schedule([request("r1", "img-b")])  # encoded, not saved: the daemon is away
+    assert not step.metadata.save_intents  # so no worker keeps the output for it
+    assert not e.finish(e.run(step))
+    daemon.start()
+    wait_until(lambda: e.scheduler.view.synced, timeout_s=10)
+    assert not e.connector.has_pending_push_work()  # the engine may idle
+    e.save("r2", "img-b")
+    wait_until(lambda: e.scheduler.view.has(b"img-b"))
+
+
 def test_a_worker_killed_mid_save_leaves_nothing_pending_once_its_engine_stops(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
