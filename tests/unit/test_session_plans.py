@@ -206,6 +206,6 @@ def test_a_step_that_fails_tells_every_debt_and_raises() -> None:
     state = opened(connect_timeout_s=0.0)
     heard: list[object] = []
     parcel = Parcel(releases=[Debt(settle=heard.append, lease_id=7)])
-    with pytest.raises(EcdError):
+    with pytest.raises(EcdError) as raised:
         ScriptedDaemon(state, UNAVAILABLE).run(state.step(parcel, parcel.step("p")))
-    assert heard == [UNAVAILABLE]
+    assert heard == [raised.value]
