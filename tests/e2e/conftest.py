@@ -1,11 +1,17 @@
 """Fixtures of the end-to-end suite: the tiny model, a baseline engine, a daemon per test, and
-engines that are shut down when their test ends."""
+engines that are shut down when their test ends; and the suite's report (per scenario, each
+engine's role, requests, encoder outputs and median request latency), printed at the end and
+written with the figures to ECD_E2E_JSON when set."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tiny_model
@@ -14,6 +20,33 @@ from ecd_testing import Daemon, running_daemon
 
 # Images the scenarios use; the baseline engine answers each once.
 IMAGES = tuple(range(1, 7))
+REPORT: dict[str, Any] = {"scenarios": {}, "figures": {}}
+
+
+@pytest.fixture
+def figures() -> dict[str, Any]:
+    """Where a test leaves figures for the report."""
+    return REPORT["figures"]  # type: ignore[no-any-return]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    rows = REPORT["scenarios"]
+    if not rows:
+        return
+    terminalreporter.section("ecd end to end: engines per scenario")
+    terminalreporter.write_line(
+        f"{'scenario':70} {'role':12} {'requests':>8} {'encoded':>7} {'p50 ms':>8}"
+    )
+    for test, engines in rows.items():
+        for row in engines:
+            terminalreporter.write_line(
+                f"{test[:70]:70} {row['role']:12} {row['requests']:>8} {row['encoded']:>7} "
+                f"{row['latency_ms_p50']:>8.0f}"
+            )
+    if REPORT["figures"]:
+        terminalreporter.write_line(json.dumps(REPORT["figures"], indent=2))
+    if path := os.environ.get("ECD_E2E_JSON"):
+        Path(path).write_text(json.dumps(REPORT, indent=2))
 
 
 @pytest.fixture(scope="session")
@@ -44,9 +77,22 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
 
 
 @pytest.fixture
-def engines(model: str, daemon: Daemon, tmp_path: Path) -> Iterator[Engines]:
+def engines(
+    model: str, daemon: Daemon, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Engines]:
     started = Engines(model, daemon, tmp_path)
     try:
         yield started
     finally:
         started.close()
+        REPORT["scenarios"][request.node.name] = [
+            {
+                "role": engine.spec.role or "none",
+                "requests": sum(len(a.tokens) for a in engine.answers),
+                "encoded": sum(a.encoded for a in engine.answers),
+                "latency_ms_p50": 1000
+                * statistics.median([t for a in engine.answers for t in a.latency_s] or [0.0]),
+                "start_s": engine.start_s,
+            }
+            for engine in started.started
+        ]

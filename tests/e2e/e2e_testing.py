@@ -71,6 +71,7 @@ class Engine:
     def __init__(self, spec: EngineSpec, log_dir: Path, name: str) -> None:
         self.spec = spec
         self.log_path = log_dir / f"engine-{name}.log"
+        self.answers: list[Generated] = []  # every generate's, for the suite's report
         ours, theirs = socket.socketpair()
         env = {
             **os.environ,
@@ -109,7 +110,9 @@ class Engine:
 
     def generate(self, *images: int) -> Generated:
         """One request per image, in turn, each waited for."""
-        return Generated(**self._call("generate", list(images)))
+        answer = Generated(**self._call("generate", list(images)))
+        self.answers.append(answer)
+        return answer
 
     def reset_encoder_cache(self) -> None:
         """Empty vLLM's own encoder cache, so the next request of a seen image asks the
@@ -162,7 +165,7 @@ class Engines:
 
     def __init__(self, model: str, daemon: Daemon, log_dir: Path) -> None:
         self.model, self.daemon, self.log_dir = model, daemon, log_dir
-        self._started: list[Engine] = []
+        self.started: list[Engine] = []
 
     def start(self, role: str | None, pool: str | None = "e2e", **spec: Any) -> Engine:
         spec.setdefault("address", self.daemon.address)
@@ -170,12 +173,12 @@ class Engines:
         engine = Engine(
             EngineSpec(role=role, pool=pool, **spec),
             self.log_dir,
-            f"{len(self._started)}-{role}",
+            f"{len(self.started)}-{role}",
         )
-        self._started.append(engine)
+        self.started.append(engine)
         return engine
 
     def close(self) -> None:
-        for engine in self._started:
+        for engine in self.started:
             engine.close()
             print(f"engine log: {engine.log_path}")

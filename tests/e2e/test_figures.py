@@ -1,14 +1,13 @@
 """The suite's figures, measured in one run: a request's latency when its image loads from ecd
 against the same request encoding it, and an engine's start time with and without the
-connector. Printed, and written as JSON to ECD_E2E_JSON when set. With the tiny model the
-encoder is cheap, so a hit and an encode should cost about the same: the figure shows the
-connector adds no latency of its own, not what a real encoder saves."""
+connector. In the suite's report (printed at its end, and in ECD_E2E_JSON when set). With the
+tiny model the encoder is cheap, so a hit and an encode should cost about the same: the figure
+shows the connector adds no latency of its own, not what a real encoder saves."""
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
+from typing import Any
 
 import pytest
 from e2e_testing import Engines
@@ -20,7 +19,9 @@ REQUESTS = 10
 IMAGES = tuple(range(101, 101 + REQUESTS))  # not seen by any other test's engines
 
 
-def test_figures_hit_latency_against_encoding_and_start_times(engines: Engines) -> None:
+def test_figures_hit_latency_against_encoding_and_start_times(
+    engines: Engines, figures: dict[str, Any]
+) -> None:
     plain = engines.start(None)
     plain.close()
     engine = engines.start("ec_both")
@@ -31,7 +32,7 @@ def test_figures_hit_latency_against_encoding_and_start_times(engines: Engines) 
 
     assert (encoded.encoded, loaded.encoded) == (REQUESTS, 0)
     assert loaded.tokens == encoded.tokens
-    figures = {
+    figures |= {
         "requests": REQUESTS,
         "encode_latency_ms_p50": 1000 * statistics.median(encoded.latency_s),
         "hit_latency_ms_p50": 1000 * statistics.median(loaded.latency_s),
@@ -39,7 +40,3 @@ def test_figures_hit_latency_against_encoding_and_start_times(engines: Engines) 
         "start_s_with_connector": engine.start_s,
     }
     figures["hit_over_encode"] = figures["hit_latency_ms_p50"] / figures["encode_latency_ms_p50"]
-    print("\n" + json.dumps(figures, indent=2))
-    if path := os.environ.get("ECD_E2E_JSON"):
-        with open(path, "w") as out:
-            json.dump(figures, out, indent=2)
