@@ -61,8 +61,10 @@ E2E_STAMP := $(E2E_VENV)/.installed
 
 e2e-env: $(E2E_STAMP)
 
-# torch from PyPI alone (no local wheels, no local index): see requirements-torch.txt.
-$(E2E_STAMP): $(E2E_REQUIREMENTS)
+# torch from PyPI alone (no local wheels, no local index): see requirements-torch.txt. No
+# prerequisites: the directory's name is the requirements' digest, and a fresh clone's files are
+# newer than any stamp (a dependency on them would rebuild the environment every time).
+$(E2E_STAMP):
 	rm -rf $(E2E_VENV)
 	$(PYTHON) -m venv $(E2E_VENV)
 	$(E2E_VENV)/bin/python -m pip install --quiet --upgrade pip==26.3
