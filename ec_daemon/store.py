@@ -275,6 +275,13 @@ class Store:
         allocated = self._allocate(session, pool, allocates)
         return api.StepResult(released, committed, aborted, acquired, allocated)
 
+    def view_misses(self, engine_id: str, misses: int) -> None:
+        """Misses a client answered from its view of the pool (StepRequest.misses): they are
+        the pool's misses as much as those Acquire answers. None counted for a pool gone."""
+        pool = self._pools.find(engine_id)
+        if misses and pool is not None:
+            pool.index.counters.misses += misses
+
     def _allocate(
         self, session: Session, pool: Pool, items: Sequence[tuple[bytes, api.TensorSpec]]
     ) -> list[api.AllocateResult]:
