@@ -336,8 +336,8 @@ class Owed:
 
     def _pool(self, engine_id: str) -> _Pool:
         pool = self._pools.get(engine_id)
-        if pool is None:
-            pool = self._pools[engine_id] = _Pool()
+        if pool is None:  # quiet from now on, not since the clock's start
+            pool = self._pools[engine_id] = _Pool(last_step=self._clock())
         return pool
 
 

@@ -275,3 +275,12 @@ def test_flush_sends_the_misses_owed() -> None:
     o.flush(5)
     assert [(e, p.misses) for e, p in sender.parcels] == [(POOL, 2)]
     o.close()
+
+
+def test_a_new_pools_misses_wait_the_misses_linger_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ec_client.owed.MISSES_LINGER_S", 60.0)
+    sender = Sender()
+    o = Owed(sender, 0.01)  # no Step to the pool yet
+    o.misses(POOL, 1)
+    assert not sender.sent.wait(0.2)
+    o.close()
