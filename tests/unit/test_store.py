@@ -473,6 +473,6 @@ def test_an_admin_session_may_open_pools_but_neither_produce_nor_consume(store: 
 def test_misses_a_client_answered_from_its_view_add_to_the_pools_misses(store: Store) -> None:
     sid = session(store, "c")
     store.acquire(sid, "p", [b"absent"])  # one the daemon answered
-    store.view_misses("p", 4)
-    store.view_misses("gone", 2)  # a pool dropped meanwhile: nothing to count them in
+    store.count_misses("p", 4)
+    store.count_misses("gone", 2)  # a pool dropped meanwhile: nothing to count them in
     assert pool_stats(store).misses == 5
