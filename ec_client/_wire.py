@@ -285,8 +285,10 @@ def step(
     aborts: Sequence[api.Key] = (),
     acquires: Sequence[api.Key] = (),
     allocates: Sequence[api.AllocateItem] = (),
+    misses: int = 0,
 ) -> Call[api.StepResult]:
-    """A Step; `commits` as (key, checksum) pairs (commit_pairs)."""
+    """A Step; `commits` as (key, checksum) pairs (commit_pairs); `misses`, those answered from
+    the client's view of the pool since its last Step to it (StepRequest.misses)."""
     ids, raw_aborts, raw_acquires = list(releases), keys(aborts), keys(acquires)
 
     def build(sid: str) -> pb.StepRequest:
@@ -296,6 +298,7 @@ def step(
             releases=ids,
             aborts=raw_aborts,
             acquires=raw_acquires,
+            misses=misses,
         )
         add_commits(request.commits, commits)
         add_allocates(request.allocates, allocates)

@@ -10,7 +10,9 @@ written after wait_ms) as None. Steps of a get:
    the view is not synced (starting, or the daemon away) every key is asked; with wait_ms every
    key is asked too, since the daemon is what waits (for a key PENDING or not there yet). A key
    another client committed a moment ago (the event's trip, well under a millisecond on one
-   node) may still be such a miss: pass wait_ms to ask the daemon.
+   node) may still be such a miss: pass wait_ms to ask the daemon. Such misses are counted all
+   the same: their count rides on the client's next Step to the pool (ec_client.owed), so the
+   daemon's miss counters hold them.
 2. One Step pins the hits (the round trip; it also carries what the client owes the pool, its
    own Commits first, so a client always reads its own writes), then their copies out of the
    pool are launched.
@@ -115,6 +117,7 @@ class Consumer:
         engine_id = self.endpoint.engine_id
         tensors: dict[Key, torch.Tensor | None] = {key: None for key in keys}
         asked = self._worth_asking(keys, wait_ms)
+        self.client.owed.misses(engine_id, len(keys) - len(asked))  # the view's answers
         if not asked:
             return GetHandle(tensors, [])
         if wait_ms:  # the daemon waits: an Acquire of its own, what is owed goes its own way

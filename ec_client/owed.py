@@ -10,22 +10,40 @@ Release never lets an entry go while it is still being read.
 
 Each debt carries `settle`, called once with its answer (an ItemResult / LeaseResult) or with the
 EcdError that kept it from the daemon.
+
+The misses a Consumer answered from its view of the pool (no round trip) are owed too, as a count
+(StepRequest.misses), so that the daemon's miss counters hold every miss: they ride on the next
+Step to the pool, or go alone once it has been quiet for MISSES_LINGER_S (a count waits longer
+than a pin: nothing is held meanwhile). A Step that does not reach the daemon (UNAVAILABLE,
+CANCELLED) gives its count back to the next one; one the daemon refused drops it, logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import grpc
+
 from ec_client import _wire
 from ec_client.errors import EcdError
 from ec_client.types import AllocateItem, Key, StepResult
 
+log = logging.getLogger("ec_client")
+
 Settle = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
+
+# How long the misses owed to a quiet pool wait for a Step to ride on before they go alone.
+MISSES_LINGER_S = 1.0
+
+# The errors of a Step that did not reach the daemon (or was cut off as it stopped, its counters
+# going with it): its misses go with the next Step.
+NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class Copy(Protocol):
@@ -63,9 +81,11 @@ class Parcel:
     commits: list[Debt] = field(default_factory=list)
     aborts: list[Debt] = field(default_factory=list)
     delivered: Callable[[Parcel], None] = lambda parcel: None
+    misses: int = 0  # answered from the view since the pool's last Step (StepRequest.misses)
+    returned: Callable[[int], None] = lambda misses: None  # a failed Step's misses, owed again
 
     def __bool__(self) -> bool:
-        return bool(self.releases or self.commits or self.aborts)
+        return bool(self.releases or self.commits or self.aborts or self.misses)
 
     def release_ids(self) -> list[int]:
         return [d.lease_id for d in self.releases]
@@ -96,6 +116,13 @@ class Parcel:
         )
 
     def fail(self, error: EcdError) -> None:
+        if self.misses and error.code in NOT_DELIVERED:
+            self.returned(self.misses)
+        elif self.misses:
+            log.warning(
+                "ecd: %d miss(es) answered from the view not counted: %s", self.misses, error
+            )
+        self.misses = 0
         for debt in self.releases + self.commits + self.aborts:
             debt.settle(error)
         self.delivered(self)
@@ -117,6 +144,7 @@ class Parcel:
             self.abort_keys() + list(aborts),
             acquires,
             allocates,
+            self.misses,
         )
 
 
@@ -129,9 +157,16 @@ class _Pool:
     commits: list[Debt] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
+    misses: int = 0  # answered from the view, not sent yet
 
     def owing(self) -> bool:
-        return bool(self.releases or self.commits)
+        return bool(self.releases or self.commits or self.misses)
+
+    def due_at(self, linger_s: float) -> float:
+        """When the background thread sends what is owed, if no Step goes before."""
+        if self.releases or self.commits:
+            return self.last_step + linger_s
+        return self.last_step + max(linger_s, MISSES_LINGER_S)
 
 
 class Owed:
@@ -159,6 +194,22 @@ class Owed:
     def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
         self._owe(lambda: self._pool(engine_id).releases.extend(debts))
 
+    def misses(self, engine_id: str, count: int) -> None:
+        """`count` misses answered from the view of the pool, for the daemon's counters."""
+        if count <= 0:
+            return
+        with self._lock:
+            pool = self._pool(engine_id)
+            first = not pool.owing()
+            pool.misses += count
+        if first:  # the background thread learns of a due time; later ones change nothing
+            self._owe(lambda: None)
+
+    def _returned(self, pool: _Pool, misses: int) -> None:
+        with self._lock:
+            pool.misses += misses
+            self._lock.notify_all()
+
     def commits_owed(self, engine_id: str) -> dict[bytes, bool]:
         """The keys whose Commit is still owed to the pool (PENDING until it goes), each with
         whether its copy has landed (so that it can ride on the next Step)."""
@@ -184,7 +235,10 @@ class Owed:
                 _split(pool.commits, wait),
                 [],  # aborts: those of commits whose copy failed, added as they are found
                 lambda delivered: self._delivered(pool, delivered),
+                pool.misses,
+                lambda misses: self._returned(pool, misses),
             )
+            pool.misses = 0
             pool.in_transit.update(d.key for d in parcel.commits)
         return self._landed(parcel)
 
@@ -257,14 +311,15 @@ class Owed:
                     self._lock.wait()
                 if self._closed:
                     return
-                quiet = self._clock() - self._linger_s
-                due = [e for e, p in self._pools.items() if p.owing() and p.last_step <= quiet]
+                now = self._clock()
+                owing = {e: p.due_at(self._linger_s) for e, p in self._pools.items() if p.owing()}
+                due = [e for e, at in owing.items() if at <= now]
                 if due:
                     self._sending += 1
             if not due:
                 with self._lock:  # woken early by close (or new debts: due is worked out anew)
                     if not self._closed:
-                        self._lock.wait(self._linger_s)
+                        self._lock.wait(max(min(owing.values(), default=now) - now, 0.0))
                 continue
             try:
                 for engine_id in due:
@@ -281,8 +336,8 @@ class Owed:
 
     def _pool(self, engine_id: str) -> _Pool:
         pool = self._pools.get(engine_id)
-        if pool is None:
-            pool = self._pools[engine_id] = _Pool()
+        if pool is None:  # quiet from now on, not since the clock's start
+            pool = self._pools[engine_id] = _Pool(last_step=self._clock())
         return pool
 
 

@@ -312,11 +312,13 @@ class PoolIndex:
 
     # ---- consumer side -------------------------------------------------------------------------
 
-    def pin(self, key: bytes) -> Outcome:
-        """Acquire: a READY entry is pinned (HIT), a PENDING one answers PENDING, else MISS."""
+    def pin(self, key: bytes, count_miss: bool = True) -> Outcome:
+        """Acquire: a READY entry is pinned (HIT), a PENDING one answers PENDING, else MISS
+        (counted, unless the caller counts the misses it finally answers: a Step's pulls)."""
         entry = self._entries.get(key)
         if entry is None:
-            self.counters.misses += 1
+            if count_miss:
+                self.counters.misses += 1
             return Outcome(Status.MISS)
         if entry.state is EntryState.PENDING:
             return Outcome(Status.PENDING, "the producer has not committed it yet", entry)

@@ -90,7 +90,7 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
 # Per-pool counters: PoolStats field, help. Exposed as ecd_pool_<field>_total.
 POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("hits", "Acquire items answered HIT"),
-    ("misses", "Acquire items answered MISS"),
+    ("misses", "Acquire items answered MISS, and misses clients answered from their view"),
     ("evictions", "READY entries evicted to make room, or by an operator"),
     ("no_space", "Allocate items answered NO_SPACE (what was left was PENDING or pinned)"),
     ("commits", "Entries committed"),

@@ -199,7 +199,16 @@ class Remote:
         self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
     ) -> StepResult:
         """A Step's answer once the acquires it missed that peers hold were pulled: those are
-        acquired again (after the Step's other parts, which the pulls could not disturb)."""
+        acquired again (after the Step's other parts, which the pulls could not disturb). The
+        Step's acquires were pinned without counting their misses (Store.step's count_misses):
+        its final MISS answers are counted here, so that a remote hit counts as a hit only."""
+        result = await self._pulled(session_id, engine_id, acquires, result)
+        self._store.count_misses(engine_id, sum(r.status is Status.MISS for r in result.acquires))
+        return result
+
+    async def _pulled(
+        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
+    ) -> StepResult:
         missed = {
             key
             for key, r in zip(acquires, result.acquires, strict=True)
@@ -212,7 +221,9 @@ class Remote:
         if not again:
             return result
         try:
-            fresh = self._store.acquire(session_id, engine_id, [acquires[i] for i in again])
+            fresh = self._store.acquire(
+                session_id, engine_id, [acquires[i] for i in again], count_misses=False
+            )
         except CoreError:  # the session or the pool went while the pulls ran
             return result
         answers = list(result.acquires)

@@ -412,9 +412,13 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(aborts),
             valid(acquires),
             valid(allocates),
+            count_misses=self.remote is None,  # else remote.step counts them, once they are known
         )
         if self.remote is not None:  # acquires only peers can answer: pulled, and waited for
             result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
+        # Counted last, with nothing left to fail or wait for: a Step that raises left them to
+        # the client's next one, so they are counted once.
+        self.store.count_misses(engine_id, request.misses)
         reply = pb.StepReply(boot_epoch=self.epoch)
         for lease in result.releases:
             wire.put_lease_result(reply.releases.add(), lease)

@@ -240,10 +240,10 @@ class Store:
         return [key for key in keys if index.state(key) is not api.EntryState.READY]
 
     def acquire(
-        self, session_id: str, engine_id: str, keys: Sequence[bytes]
+        self, session_id: str, engine_id: str, keys: Sequence[bytes], count_misses: bool = True
     ) -> list[api.AcquireResult]:
         session = self._sessions.touch(session_id, CONSUME)
-        return self._acquire(session, self._pools.get(engine_id), keys)
+        return self._acquire(session, self._pools.get(engine_id), keys, count_misses)
 
     def may_consume(self, session_id: str) -> None:
         """Renew the session's lease; PERMISSION_DENIED unless its role may Acquire."""
@@ -261,9 +261,12 @@ class Store:
         aborts: Sequence[bytes],
         acquires: Sequence[bytes],
         allocates: Sequence[tuple[bytes, api.TensorSpec]],
+        count_misses: bool = True,
     ) -> api.StepResult:
         """Release, Commit, Abort, Acquire and Allocate in this order, in one call. The session,
-        the roles its parts need and the pool are checked before any part is applied."""
+        the roles its parts need and the pool are checked before any part is applied. Without
+        count_misses, the acquires' misses are the caller's to count (`count_misses`), once it
+        knows them: those that peers then answer are hits, not misses (ec_daemon.remote)."""
         produces, consumes = bool(commits or aborts or allocates), bool(releases or acquires)
         may = PRODUCE & CONSUME if produces and consumes else PRODUCE if produces else CONSUME
         session = self._sessions.touch(session_id, may if produces or consumes else None)
@@ -271,9 +274,17 @@ class Store:
         released = self._release(session, releases)
         committed = self._commit(session, pool, commits)
         aborted = self._abort(session, pool, aborts)
-        acquired = self._acquire(session, pool, acquires)
+        acquired = self._acquire(session, pool, acquires, count_misses)
         allocated = self._allocate(session, pool, allocates)
         return api.StepResult(released, committed, aborted, acquired, allocated)
+
+    def count_misses(self, engine_id: str, misses: int) -> None:
+        """Misses answered elsewhere than by a pin: by a client from its view of the pool
+        (StepRequest.misses), or a Step's acquires once peers had their say (ec_daemon.remote).
+        None counted for a pool gone."""
+        pool = self._pools.find(engine_id)
+        if misses and pool is not None:
+            pool.index.counters.misses += misses
 
     def _allocate(
         self, session: Session, pool: Pool, items: Sequence[tuple[bytes, api.TensorSpec]]
@@ -317,11 +328,11 @@ class Store:
         return results
 
     def _acquire(
-        self, session: Session, pool: Pool, keys: Sequence[bytes]
+        self, session: Session, pool: Pool, keys: Sequence[bytes], count_misses: bool = True
     ) -> list[api.AcquireResult]:
         results = []
         for key in keys:
-            outcome = pool.index.pin(key)
+            outcome = pool.index.pin(key, count_misses)
             entry = outcome.entry
             if outcome.status is api.Status.HIT and entry is not None:
                 lease_id = self._sessions.add_lease(session, pool.engine_id, entry).id

@@ -254,6 +254,10 @@ class SchedulerSide:
         if self.config.is_consumer and self.loads.dispatch(request.request_id, key):
             return
         self.loads.scheduled(request.request_id, key)
+        if self.config.is_consumer and self.view.synced and not self._ready(key):
+            # A miss the view answered (nothing was asked of the daemon): its count rides on
+            # the next Step, for the daemon's miss counters.
+            self._reached().owed.misses(self.config.pool, 1)
         if self.config.is_producer and not self._ready(key):
             spec = self._save_spec(feature)
             if spec is not None:

@@ -44,6 +44,20 @@ def remote_view_has(client: Client, key: str) -> bool:
     return view.has(key.encode()) and not view.has_local(key.encode())
 
 
+def test_a_remote_hit_counts_as_a_hit_and_a_remote_hit_not_a_miss() -> None:
+    with peered_daemons(2) as (a, b), a.client() as ca, b.client() as cb:
+        open_pool(ca), open_pool(cb)
+        wait_peers_synced(cb, 1)
+        put(ca, "img", 1 << 20)
+        wait_until(lambda: remote_view_has(cb, "img"))
+
+        assert Consumer(cb, POOL).get("img") is not None  # a Step's acquire, pulled
+        cb.settle()
+
+        [pool] = cb.stats(POOL).pools
+        assert (pool.hits, pool.misses, pool.remote_hits) == (1, 0, 1)
+
+
 def test_an_entry_put_on_one_node_is_read_bit_identical_on_another_after_one_read() -> None:
     with peered_daemons(2) as (a, b), a.client() as ca, b.client() as cb:
         open_pool(ca), open_pool(cb)

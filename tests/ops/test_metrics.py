@@ -14,7 +14,7 @@ from ecd_testing import Daemon, run_ecd, running_daemon, wait_until
 from peer_testing import needs_mooncake, peer_args
 from prometheus_client.parser import text_string_to_metric_families
 
-from ec_client import AllocateItem, Client, EcdError
+from ec_client import AllocateItem, Client, Consumer, EcdError
 from ec_client.types import PoolStats, Stats, Status
 
 POOL = "metrics-pool"
@@ -149,6 +149,25 @@ def test_metrics_move_with_traffic_and_equal_stats(metrics_daemon: tuple[Daemon,
         assert rpc_count(after, "Stats") == 1  # the assert_equals_stats above the pin
         bucket = frozenset({("method", "Allocate"), ("le", "+Inf")})
         assert after[("ecd_rpc_duration_seconds_bucket", bucket)] == 3
+
+
+def test_misses_answered_from_the_clients_view_are_counted(
+    metrics_daemon: tuple[Daemon, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ec_client.owed.MISSES_LINGER_S", 60.0)  # only the settle sends them
+    daemon, port = metrics_daemon
+    with daemon.client(name="metrics", keepalive=False) as client:
+        client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=CAPACITY)
+        consumer = Consumer(client, POOL)
+        assert client.view(POOL).wait_synced(5)
+        for i in range(50):
+            assert consumer.get(f"absent-{i}") is None
+        assert rpc_count(scrape(port), "Step") == 0  # the view answered: no round trip
+        client.settle(5)
+        samples = scrape(port)
+        assert pool_value(samples, "ecd_pool_misses_total") == 50
+        [pool] = client.stats(POOL).pools
+        assert pool.misses == 50
 
 
 def test_rpcs_are_counted_by_method_and_status_code(metrics_daemon: tuple[Daemon, int]) -> None:

@@ -339,6 +339,19 @@ async def test_a_step_that_missed_a_key_a_peer_holds_answers_a_hit(pair: Pair) -
     assert [r.status for r in step.acquires] == [Status.HIT, Status.MISS]
 
 
+async def test_a_steps_remote_hit_counts_as_a_hit_and_a_remote_hit_not_a_miss(
+    pair: Pair,
+) -> None:
+    pair.store_on_peer(b"k", os.urandom(BLOCK))
+    session = consumer(pair)
+    acquires = [b"k", b"nowhere"]
+    step = pair.local.store.step(session, POOL, [], [], [], acquires, [], count_misses=False)
+    step = await pair.remote.step(session, POOL, acquires, step)
+    assert [r.status for r in step.acquires] == [Status.HIT, Status.MISS]
+    stats = pair.local.stats()
+    assert (stats.hits, stats.misses, stats.remote_hits) == (1, 1, 1)
+
+
 async def test_a_read_failing_after_the_peer_restarted_behind_its_endpoint_is_tried_again(
     pair: Pair,
 ) -> None:

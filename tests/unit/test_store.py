@@ -468,3 +468,11 @@ def test_an_admin_session_may_open_pools_but_neither_produce_nor_consume(store: 
         with pytest.raises(CoreError) as info:
             call()
         assert info.value.code is Code.PERMISSION_DENIED
+
+
+def test_misses_a_client_answered_from_its_view_add_to_the_pools_misses(store: Store) -> None:
+    sid = session(store, "c")
+    store.acquire(sid, "p", [b"absent"])  # one the daemon answered
+    store.count_misses("p", 4)
+    store.count_misses("gone", 2)  # a pool dropped meanwhile: nothing to count them in
+    assert pool_stats(store).misses == 5

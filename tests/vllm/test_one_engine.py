@@ -97,6 +97,16 @@ def test_a_miss_costs_no_round_trip(engine: EngineFactory) -> None:
     assert sum(e.scheduler.rpcs.values()) == before
 
 
+def test_a_miss_the_view_answered_is_counted_by_the_daemon(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(workers=False)
+    assert len(e.schedule([request("r1", *[f"new-{i}" for i in range(3)])]).encode) == 3
+    e.answered()
+    with daemon.client() as c:
+        assert c.stats(e.pool).pools[0].misses == 3
+
+
 def test_a_step_makes_at_most_one_rpc_of_each_purpose_however_many_images(
     engine: EngineFactory,
 ) -> None:

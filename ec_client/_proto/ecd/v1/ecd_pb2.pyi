@@ -376,7 +376,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., results: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates")
+    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates", "misses")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,7 @@ class StepRequest(_message.Message):
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATES_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     releases: _containers.RepeatedScalarFieldContainer[int]
@@ -391,7 +392,8 @@ class StepRequest(_message.Message):
     aborts: _containers.RepeatedScalarFieldContainer[bytes]
     acquires: _containers.RepeatedScalarFieldContainer[bytes]
     allocates: _containers.RepeatedCompositeFieldContainer[AllocateItem]
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
+    misses: int
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("boot_epoch", "releases", "commits", "aborts", "acquires", "allocates")
