@@ -5,10 +5,10 @@ Order of startup: check the shm directory (huge pages if asked for) and budget -
 registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock) ->
 metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
 READY=1.
-Order of shutdown (SIGTERM/SIGINT): health NOT_SERVING and STOPPING=1 -> stop accepting, end
-Watch streams and waiting Acquires, let in-flight RPCs finish within shutdown_grace -> stop the
-metrics endpoint -> stop following peers, abort the pulls in flight -> close pool files (they
-stay: they are the cache) -> stop the transfer engine.
+Order of shutdown (SIGTERM/SIGINT): stop accepting and health NOT_SERVING (in one step of the
+loop), STOPPING=1 -> end Watch streams and waiting Acquires, let in-flight RPCs finish within
+shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the pulls in flight
+-> close pool files (they stay: they are the cache) -> stop the transfer engine.
 """
 
 from __future__ import annotations
@@ -342,6 +342,10 @@ async def feed_watchdog(interval_s: float) -> None:
 
 async def stop(daemon: Daemon) -> None:
     log.info("stopping", extra={"grace_s": daemon.config.shutdown_grace})
+    # Refusing new calls begins in the same step of the loop as NOT_SERVING goes out (stop's
+    # task is scheduled first), so a client that reacts to NOT_SERVING finds its next call
+    # refused rather than served by a daemon on its way out.
+    stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
     # server.stop refuses new calls at once and waits for in-flight ones, up to the grace. Two
@@ -351,7 +355,6 @@ async def stop(daemon: Daemon) -> None:
     # pinned, safe to retry) for their clients to wait on at the next daemon. The grace is left
     # to calls that are doing work. Waiting out the grace here was what made a restart take
     # seconds, longer than clients would wait for the next daemon.
-    stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
     daemon.hub.shut_down()
     daemon.hub.end_waits()
     await stopped
