@@ -286,9 +286,10 @@ def step(
     acquires: Sequence[api.Key] = (),
     allocates: Sequence[api.AllocateItem] = (),
     misses: int = 0,
+    hits: Sequence[bytes] = (),
 ) -> Call[api.StepResult]:
-    """A Step; `commits` as (key, checksum) pairs (commit_pairs); `misses`, those answered from
-    the client's view of the pool since its last Step to it (StepRequest.misses)."""
+    """A Step; `commits` as (key, checksum) pairs (commit_pairs); `misses` and `hits`, those the
+    client answered itself since its last Step to the pool (StepRequest.misses, .hits)."""
     ids, raw_aborts, raw_acquires = list(releases), keys(aborts), keys(acquires)
 
     def build(sid: str) -> pb.StepRequest:
@@ -299,6 +300,7 @@ def step(
             aborts=raw_aborts,
             acquires=raw_acquires,
             misses=misses,
+            hits=hits,
         )
         add_commits(request.commits, commits)
         add_allocates(request.allocates, allocates)
@@ -408,6 +410,7 @@ def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
         nbytes=event.nbytes,
         boot_epoch=event.boot_epoch,
         remote=event.remote,
+        slot=event.slot if event.HasField("slot") else None,
     )
 
 

@@ -11,11 +11,13 @@ Release never lets an entry go while it is still being read.
 Each debt carries `settle`, called once with its answer (an ItemResult / LeaseResult) or with the
 EcdError that kept it from the daemon.
 
-The misses a Consumer answered from its view of the pool (no round trip) are owed too, as a count
-(StepRequest.misses), so that the daemon's miss counters hold every miss: they ride on the next
-Step to the pool, or go alone once it has been quiet for MISSES_LINGER_S (a count waits longer
-than a pin: nothing is held meanwhile). A Step that does not reach the daemon (UNAVAILABLE,
-CANCELLED) gives its count back to the next one; one the daemon refused drops it, logged.
+What a client answered itself, with no round trip, is owed too (`Answered`): the misses it
+answered from its view of the pool, as a count (StepRequest.misses), and the hits it read under
+lock pins, as keys (StepRequest.hits), so that the daemon's counters hold every hit and miss and
+its LRU order every hit. They ride on the next Step to the pool, or go alone once it has been
+quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwhile). A Step that
+does not reach the daemon (UNAVAILABLE, CANCELLED) gives them back to the next one; one the daemon
+refused drops them, logged.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ log = logging.getLogger("ec_client")
 
 Settle = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
 
-# How long the misses owed to a quiet pool wait for a Step to ride on before they go alone.
-MISSES_LINGER_S = 1.0
+# How long the hits and misses owed to a quiet pool wait for a Step to ride on before they go
+# alone: recency a second late changes little, and one Step then carries many.
+ANSWERED_LINGER_S = 1.0
 
 # The errors of a Step that did not reach the daemon (or was cut off as it stopped, its counters
-# going with it): its misses go with the next Step.
+# going with it): its hits and misses go with the next Step.
 NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
@@ -73,6 +76,22 @@ class Debt:
 
 
 @dataclass
+class Answered:
+    """What the client answered itself since its last Step to a pool: misses from its view,
+    hits (keys) under lock pins."""
+
+    misses: int = 0
+    hits: list[bytes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.misses or self.hits)
+
+    def add(self, other: Answered) -> None:
+        self.misses += other.misses
+        self.hits += other.hits
+
+
+@dataclass
 class Parcel:
     """The debts one Step carries, in the order of its parts. `delivered` is told once the
     Step is answered (or failed), so the keys it commits stop counting as in transit."""
@@ -81,11 +100,11 @@ class Parcel:
     commits: list[Debt] = field(default_factory=list)
     aborts: list[Debt] = field(default_factory=list)
     delivered: Callable[[Parcel], None] = lambda parcel: None
-    misses: int = 0  # answered from the view since the pool's last Step (StepRequest.misses)
-    returned: Callable[[int], None] = lambda misses: None  # a failed Step's misses, owed again
+    answered: Answered = field(default_factory=Answered)  # since the pool's last Step
+    returned: Callable[[Answered], None] = lambda answered: None  # a failed Step's, owed again
 
     def __bool__(self) -> bool:
-        return bool(self.releases or self.commits or self.aborts or self.misses)
+        return bool(self.releases or self.commits or self.aborts or self.answered)
 
     def release_ids(self) -> list[int]:
         return [d.lease_id for d in self.releases]
@@ -116,13 +135,16 @@ class Parcel:
         )
 
     def fail(self, error: EcdError) -> None:
-        if self.misses and error.code in NOT_DELIVERED:
-            self.returned(self.misses)
-        elif self.misses:
+        answered, self.answered = self.answered, Answered()
+        if answered and error.code in NOT_DELIVERED:
+            self.returned(answered)
+        elif answered:
             log.warning(
-                "ecd: %d miss(es) answered from the view not counted: %s", self.misses, error
+                "ecd: %d miss(es) and %d hit(s) the client answered not counted: %s",
+                answered.misses,
+                len(answered.hits),
+                error,
             )
-        self.misses = 0
         for debt in self.releases + self.commits + self.aborts:
             debt.settle(error)
         self.delivered(self)
@@ -144,7 +166,8 @@ class Parcel:
             self.abort_keys() + list(aborts),
             acquires,
             allocates,
-            self.misses,
+            self.answered.misses,
+            self.answered.hits,
         )
 
 
@@ -157,16 +180,16 @@ class _Pool:
     commits: list[Debt] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
-    misses: int = 0  # answered from the view, not sent yet
+    answered: Answered = field(default_factory=Answered)  # not sent yet
 
     def owing(self) -> bool:
-        return bool(self.releases or self.commits or self.misses)
+        return bool(self.releases or self.commits or self.answered)
 
     def due_at(self, linger_s: float) -> float:
         """When the background thread sends what is owed, if no Step goes before."""
         if self.releases or self.commits:
             return self.last_step + linger_s
-        return self.last_step + max(linger_s, MISSES_LINGER_S)
+        return self.last_step + max(linger_s, ANSWERED_LINGER_S)
 
 
 class Owed:
@@ -196,18 +219,25 @@ class Owed:
 
     def misses(self, engine_id: str, count: int) -> None:
         """`count` misses answered from the view of the pool, for the daemon's counters."""
-        if count <= 0:
-            return
+        if count > 0:
+            self._answered(engine_id, Answered(misses=count))
+
+    def hits(self, engine_id: str, keys: Sequence[bytes]) -> None:
+        """Entries read under lock pins, for the daemon's counters and its LRU order."""
+        if keys:
+            self._answered(engine_id, Answered(hits=list(keys)))
+
+    def _answered(self, engine_id: str, answered: Answered) -> None:
         with self._lock:
             pool = self._pool(engine_id)
             first = not pool.owing()
-            pool.misses += count
+            pool.answered.add(answered)
         if first:  # the background thread learns of a due time; later ones change nothing
             self._owe(lambda: None)
 
-    def _returned(self, pool: _Pool, misses: int) -> None:
+    def _returned(self, pool: _Pool, answered: Answered) -> None:
         with self._lock:
-            pool.misses += misses
+            pool.answered.add(answered)
             self._lock.notify_all()
 
     def commits_owed(self, engine_id: str) -> dict[bytes, bool]:
@@ -235,10 +265,10 @@ class Owed:
                 _split(pool.commits, wait),
                 [],  # aborts: those of commits whose copy failed, added as they are found
                 lambda delivered: self._delivered(pool, delivered),
-                pool.misses,
-                lambda misses: self._returned(pool, misses),
+                pool.answered,
+                lambda answered: self._returned(pool, answered),
             )
-            pool.misses = 0
+            pool.answered = Answered()
             pool.in_transit.update(d.key for d in parcel.commits)
         return self._landed(parcel)
 

@@ -18,6 +18,10 @@ events with `remote` set), kept apart: `has` counts them too, since an Acquire h
 a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
 entries, for callers that must not wait on a transfer (vLLM's synchronous pin).
 
+Each local READY key comes with its slot in the pool file (the events carry it), where a reader
+takes a lock pin and finds the entry's record (`slot`: docs/design.md §5, ec_client/slot_locks.py):
+a hit with no round trip. A slot from the view is a hint too: the lock pin checks the record.
+
 It also follows the keys being written (include_pending: PENDING events, in the snapshot too),
 so that `pending` tells a caller a producer is writing a key right now: worth waiting for its
 commit rather than encoding the item again (the disaggregated flow, where the same request
@@ -63,7 +67,7 @@ class ReadyView:
         self._engine_id = engine_id
         self._reattach = reattach
         self._lock = threading.Lock()
-        self._ready: set[bytes] = set()
+        self._ready: dict[bytes, int | None] = {}  # READY here -> its slot (None: not heard yet)
         self._remote: set[bytes] = set()  # keys peer daemons hold (whether here or not)
         self._pending: set[bytes] = set()  # keys being written into this daemon's pool
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
@@ -91,6 +95,10 @@ class ReadyView:
         """READY in this daemon's pool: an Acquire pins it without a transfer."""
         return key in self._ready and self._synced.is_set()
 
+    def slot(self, key: bytes) -> int | None:
+        """Where `key`'s record is, if it is READY here and the view has heard of its slot."""
+        return self._ready.get(key) if self._synced.is_set() else None
+
     def pending(self, key: bytes) -> bool:
         """PENDING in this daemon's pool: a producer is writing it; its commit is to come."""
         return key in self._pending and self._synced.is_set()
@@ -98,14 +106,14 @@ class ReadyView:
     def add(self, key: bytes) -> None:
         """This process committed `key` itself: known READY before the event comes back."""
         with self._lock:
-            self._ready.add(key)
+            self._ready.setdefault(key, None)  # its slot comes with its COMMITTED event
             self._added.add(key)
             self._pending.discard(key)
 
     def discard(self, key: bytes) -> None:
         """An Acquire found `key` gone (here and at the peers) before the event came."""
         with self._lock:
-            self._ready.discard(key)
+            self._ready.pop(key, None)
             self._remote.discard(key)
             self._added.discard(key)
 
@@ -145,12 +153,15 @@ class ReadyView:
             self._stream = stream
         if self._closed.is_set():
             stream.cancel()  # close() ran between the loop's check and the assignment
-        snapshot: set[bytes] = set()
+        snapshot: dict[bytes, int | None] = {}
         remote: set[bytes] = set()
         pending: set[bytes] = set()
         for event in stream:
             if event.type is EventType.SNAPSHOT:
-                (remote if event.remote else snapshot).add(event.key)
+                if event.remote:
+                    remote.add(event.key)
+                else:
+                    snapshot[event.key] = event.slot
             elif event.type is EventType.PENDING:
                 with self._lock:
                     (self._pending if self._synced.is_set() else pending).add(event.key)
@@ -158,21 +169,23 @@ class ReadyView:
                 with self._lock:
                     # A key committed here after the stream opened may be missing from the
                     # snapshot, its event still to come: the client must read its own writes.
-                    self._ready = snapshot | self._added
+                    self._ready = dict.fromkeys(self._added) | snapshot
                     self._remote = remote
-                    self._pending = pending - self._ready
+                    self._pending = pending - self._ready.keys()
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
                 with self._lock:
-                    (self._remote if event.remote else self._ready).add(event.key)
-                    if not event.remote:
+                    if event.remote:
+                        self._remote.add(event.key)
+                    else:
+                        self._ready[event.key] = event.slot
                         self._pending.discard(event.key)
             elif event.type in _GONE:
                 with self._lock:
                     if event.remote:
                         self._remote.discard(event.key)
                     else:
-                        self._ready.discard(event.key)
+                        self._ready.pop(event.key, None)
                         self._added.discard(event.key)
                         self._pending.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:

@@ -238,6 +238,7 @@ class PoolStats:
     remote_seconds_sum: float  # and their sum
     held_blocks: int  # blocks of reads from peers given up on, until the engine is done
     remote_reads: int  # transfer-engine reads started by pulls (one per remote hit)
+    entries_locked: int  # slots readers hold lock pins on now (docs/design.md §5)
 
 
 @dataclass(frozen=True)
@@ -273,3 +274,4 @@ class WatchEvent:
     nbytes: int
     boot_epoch: str
     remote: bool = False  # about the keys peer daemons hold (Watch with include_remote)
+    slot: int | None = None  # the entry's slot (local SNAPSHOT, PENDING, COMMITTED): lock pins

@@ -13,13 +13,21 @@ Lifecycle of an entry:
 - A READY entry removed while pinned (Delete, or its pool dropped with force) leaves the index at
   once but keeps its blocks until its last pin is released, so a consumer never reads blocks that
   were handed to someone else.
+- Readers also pin READY entries with no round trip, by a shared lock on the slot's lock byte
+  (docs/design.md §5, ec_client/slot_locks.py), which this index never sees until it tries to
+  erase the slot's record: the journal's `erase_slot` takes the byte's exclusive lock first and
+  refuses while a reader holds it. So eviction passes over locked entries (as over pinned
+  ones), and a locked entry that is removed anyway (Delete) leaves the index at once but keeps
+  its record and its blocks (`_locked`) until `reclaim` finds the lock gone and erases it.
 - An entry whose blocks a transfer engine is writing (a pull from a peer daemon: `writing`)
   that is removed however it is (the pull given up on, an operator's Delete, ...) leaves the
   index at once (its waiters see it go) but its blocks are *held* until the engine is done with
   them (`writes_over`).
 
-Invariant (`check`): free blocks + blocks held by entries (indexed, removed-but-pinned, or
-held while being written) == num_blocks, and no block is in two places.
+Invariant (`check`): free blocks + blocks held by entries (indexed, removed-but-pinned,
+removed-but-locked, or held while being written) == num_blocks, and no block is in two places.
+A removed entry's blocks are free only once its record is erased: a restart never adopts an
+entry whose blocks belong to someone else, and a reader never locks a record whose blocks do.
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ class Entry:
     committed_at: float = 0.0
     commit_seq: int = 0
     removed: bool = False  # left the index while pinned: blocks return at the last unpin
+    # Its slot record is in the pool file (committed, not erased yet): readers may lock-pin it,
+    # and its blocks are not free until the record is erased.
+    recorded: bool = False
     writing: bool = False  # a transfer engine writes its blocks: removal holds them till it ends
 
     @property
@@ -113,7 +124,17 @@ class SlotJournal(Protocol):
 
     def write_slot(self, slot: int, record: SlotRecord) -> None: ...
 
-    def erase_slot(self, slot: int) -> None: ...
+    def erase_slot(self, slot: int) -> bool:
+        """Erase the slot's record, unless a reader holds its lock pin (then False)."""
+        ...
+
+    def slot_locked(self, slot: int) -> bool:
+        """Whether a reader holds the slot's lock pin now."""
+        ...
+
+    def locked_slots(self) -> set[int]:
+        """The slots readers hold lock pins on now."""
+        ...
 
 
 class PoolIndex:
@@ -124,10 +145,10 @@ class PoolIndex:
         journal: SlotJournal,
         policy: EvictionPolicy,
         clock: Callable[[], float],
-        emit: Callable[[EventType, bytes, int], None],
+        emit: Callable[[EventType, bytes, int, int], None],
     ) -> None:
-        """emit(type, key, nbytes): tells watchers and waiters that a key became READY or went
-        away (the store adds the pool and the boot epoch)."""
+        """emit(type, key, nbytes, slot): tells watchers and waiters that a key is being written,
+        became READY or went away (the store adds the pool and the boot epoch)."""
         self.engine_id = engine_id
         self.geometry = geometry
         self.counters = PoolCounters()
@@ -139,6 +160,7 @@ class PoolIndex:
         self._allocator = ExtentAllocator(geometry.num_blocks)
         self._entries: dict[bytes, Entry] = {}
         self._orphans: set[Entry] = set()  # removed while pinned
+        self._locked: set[Entry] = set()  # removed while lock-pinned: record and blocks stay
         self._held: set[Entry] = set()  # removed while `writing`: blocks return at writes_over
         self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
         self._evictable_blocks = 0  # blocks of READY entries with no pins
@@ -172,6 +194,7 @@ class PoolIndex:
                 checksum=record.checksum,
                 committed_at=self._clock(),
                 commit_seq=record.commit_seq,
+                recorded=True,
             )
             if entry.blocks != self.blocks_for(record.nbytes):
                 raise ValueError(
@@ -229,7 +252,7 @@ class PoolIndex:
             created_at=self._clock(),
         )
         self._entries[key] = entry
-        self._emit(EventType.PENDING, key, spec.nbytes)
+        self._emit(EventType.PENDING, key, spec.nbytes, entry.slot)
         return Outcome(Status.ALLOCATED, entry=entry)
 
     def commit(
@@ -268,10 +291,11 @@ class PoolIndex:
                 extents=tuple((e.start, e.count) for e in entry.extents),
             ),
         )
+        entry.recorded = True
         self._policy.on_ready(key)
         self._set_evictable(entry, True)
         self.counters.commits += 1
-        self._emit(EventType.COMMITTED, key, entry.spec.nbytes)
+        self._emit(EventType.COMMITTED, key, entry.spec.nbytes, entry.slot)
         return Outcome(Status.OK, entry=entry)
 
     def abort(self, key: bytes, session_id: str) -> Outcome:
@@ -288,8 +312,7 @@ class PoolIndex:
         are free again."""
         entry.writing = False
         if entry in self._held:
-            self._held.discard(entry)
-            self._release_space(entry)
+            self._place(entry)
 
     def _not_pending_of(self, entry: Entry | None, session_id: str, verb: str) -> Outcome | None:
         if entry is None:
@@ -334,10 +357,17 @@ class PoolIndex:
         if entry.pins > 0:
             return
         if entry.removed:
-            self._orphans.discard(entry)
-            self._release_space(entry)
+            self._place(entry)
         else:
             self._set_evictable(entry, True)
+
+    def touch(self, key: bytes) -> None:
+        """A reader hit the entry under a lock pin, with no round trip (StepRequest.hits): a hit
+        all the same, and recency for the policy if the entry is still here."""
+        self.counters.hits += 1
+        entry = self._entries.get(key)
+        if entry is not None and entry.state is EntryState.READY:
+            self._policy.on_access(key)
 
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
@@ -364,12 +394,20 @@ class PoolIndex:
                 f"the entry is pinned {entry.pins} time(s); Delete drops it anyway, its blocks "
                 "going back at the last release (ecd delete)",
             )
+        if not self._journal.erase_slot(entry.slot):
+            return Outcome(
+                Status.FAILED_PRECONDITION,
+                "a reader holds a lock pin on the entry (it is being read); Delete drops it "
+                "anyway, its blocks going back once the reader is done (ecd delete)",
+            )
+        entry.recorded = False
         self._remove(entry, EventType.EVICTED)
         self.counters.evictions += 1
         return Outcome(Status.OK, entry=entry)
 
     def delete(self, key: bytes) -> Outcome:
-        """Drop an entry in any state; a pinned one keeps its blocks until its last release."""
+        """Drop an entry in any state; a pinned or lock-pinned one keeps its blocks until its
+        last release or unlock."""
         entry = self._entries.get(key)
         if entry is None:
             return Outcome(Status.NOT_FOUND, "no entry with this key")
@@ -381,8 +419,16 @@ class PoolIndex:
         deleted) or refused (its file is kept as found, for inspection). Returns how many."""
         entries = list(self._entries.values())
         for entry in entries:
-            self._remove(entry, None, journal=False)
+            entry.recorded = False  # the file goes (or stays as found): its records do not matter
+            self._remove(entry, None)
         return len(entries)
+
+    def reclaim(self) -> int:
+        """Free what removed entries held once their readers' locks are gone (called
+        periodically, and before an allocation evicts); returns how many entries wait on."""
+        for entry in list(self._locked):
+            self._place(entry)
+        return len(self._locked)
 
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
@@ -411,6 +457,7 @@ class PoolIndex:
             remote_seconds_counts=tuple(self.remote_seconds.counts),
             remote_seconds_sum=self.remote_seconds.sum,
             held_blocks=sum(e.blocks for e in self._held),
+            entries_locked=len(self._journal.locked_slots()),
             **dataclasses.asdict(self.counters),
         )
 
@@ -426,48 +473,82 @@ class PoolIndex:
 
         Nothing is evicted when even evicting every evictable entry could not make room.
         """
+        if self._locked and self._allocator.free_blocks < blocks:
+            self.reclaim()
         if self._allocator.free_blocks + self._evictable_blocks < blocks:
             return None
         if not self._free_slots and not self._evictable_entries:
+            return None
+        need = max(blocks - self._allocator.free_blocks, 0 if self._free_slots else 1)
+        if need and not self._unlocked_enough(need):
             return None
         while True:
             if self._free_slots:
                 extents = self._allocator.allocate(blocks, most_extents)
                 if extents is not None:
                     return extents
-            victim = next(
-                (self._entries[k] for k in self._policy.candidates() if self._entries[k].pins == 0),
-                None,
-            )
+            victim = self._victim()
             if victim is None:
                 return None
             self._remove(victim, EventType.EVICTED)
             self.counters.evictions += 1
+
+    def _unlocked_enough(self, blocks: int) -> bool:
+        """Whether evictable entries no reader locks hold `blocks` blocks together. One probe of
+        the file's locks when none is held (the common case), else one per candidate."""
+        if not self._journal.locked_slots():
+            return True
+        found = 0
+        for key in self._policy.candidates():
+            entry = self._entries[key]
+            if entry.pins == 0 and not self._journal.slot_locked(entry.slot):
+                found += entry.blocks
+                if found >= blocks:
+                    return True
+        return False
+
+    def _victim(self) -> Entry | None:
+        """The policy's first choice among the entries nobody pins, its record already erased
+        (which fails for the entries readers lock: they are passed over)."""
+        for key in self._policy.candidates():
+            entry = self._entries[key]
+            if entry.pins == 0 and self._journal.erase_slot(entry.slot):
+                entry.recorded = False
+                return entry
+        return None
 
     def _set_evictable(self, entry: Entry, evictable: bool) -> None:
         sign = 1 if evictable else -1
         self._evictable_blocks += sign * entry.blocks
         self._evictable_entries += sign
 
-    def _remove(self, entry: Entry, event: EventType | None, journal: bool = True) -> None:
+    def _remove(self, entry: Entry, event: EventType | None) -> None:
         del self._entries[entry.key]
         if entry.state is EntryState.READY:
-            # Erase the record before the blocks can be reused: a restart must never adopt an
-            # entry whose blocks belong to someone else.
-            if journal:
-                self._journal.erase_slot(entry.slot)
             self._policy.on_removed(entry.key)
             if entry.pins == 0:
                 self._set_evictable(entry, False)
         entry.removed = True
+        self._place(entry)
+        if event is not None:
+            self._emit(event, entry.key, entry.spec.nbytes, entry.slot)
+
+    def _place(self, entry: Entry) -> None:
+        """Where a removed entry's blocks are now. Its record is erased first, as soon as no
+        reader locks it (a restart must never adopt an entry whose blocks belong to someone
+        else); the blocks are free once nothing pins, locks or writes them."""
+        if entry.recorded and self._journal.erase_slot(entry.slot):
+            entry.recorded = False
+        for where in (self._orphans, self._locked, self._held):
+            where.discard(entry)
         if entry.pins:
             self._orphans.add(entry)
+        elif entry.recorded:
+            self._locked.add(entry)
         elif entry.writing:
             self._held.add(entry)
         else:
             self._release_space(entry)
-        if event is not None:
-            self._emit(event, entry.key, entry.spec.nbytes)
 
     def _release_space(self, entry: Entry) -> None:
         self._allocator.free(entry.extents)
@@ -476,7 +557,7 @@ class PoolIndex:
     def check(self) -> None:
         """Raise AssertionError unless every block and slot is in exactly one place."""
         self._allocator.check()
-        holders = [*self._entries.values(), *self._orphans, *self._held]
+        holders = [*self._entries.values(), *self._orphans, *self._locked, *self._held]
         held = sorted(e for entry in holders for e in entry.extents)
         runs = sorted(held + self._allocator.free_runs())
         assert sum(e.count for e in runs) == self.geometry.num_blocks
@@ -491,4 +572,6 @@ class PoolIndex:
         assert self._evictable_entries == len(evictable)
         assert all(e.pins > 0 and e.removed for e in self._orphans)
         assert all(e.pins == 0 and e.removed for e in self._held)
+        assert all(e.pins == 0 and e.removed and e.recorded for e in self._locked)
+        assert all(e.recorded == (e.state is EntryState.READY) for e in self._entries.values())
         assert all(e.pins >= 0 for e in holders)

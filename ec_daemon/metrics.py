@@ -81,6 +81,11 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
     ("ecd_pool_pinned_entries", "READY entries with pins", lambda p: p.entries_pinned),
     ("ecd_pool_pins", "Outstanding pins (Acquire leases)", lambda p: p.pins),
     (
+        "ecd_pool_locked_entries",
+        "Slots readers hold lock pins on (pins taken with no round trip)",
+        lambda p: p.entries_locked,
+    ),
+    (
         "ecd_pool_held_bytes",
         "Bytes of blocks held for reads from peers given up on until the transfer is over",
         lambda p: _block_bytes(p, p.held_blocks),
@@ -89,7 +94,7 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
 
 # Per-pool counters: PoolStats field, help. Exposed as ecd_pool_<field>_total.
 POOL_COUNTERS: tuple[tuple[str, str], ...] = (
-    ("hits", "Acquire items answered HIT"),
+    ("hits", "Acquire items answered HIT, and hits clients answered under lock pins"),
     ("misses", "Acquire items answered MISS, and misses clients answered from their view"),
     ("evictions", "READY entries evicted to make room, or by an operator"),
     ("no_space", "Allocate items answered NO_SPACE (what was left was PENDING or pinned)"),

@@ -26,6 +26,7 @@ from ec_client.layout import (
     pool_file_name,
     slot_offset,
 )
+from ec_client.slot_locks import lock_exclusive, locked_slots, unlock
 from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 
@@ -137,8 +138,29 @@ class PoolFile:
         # record is then ignored at adoption.
         os.pwrite(self._fd, record.pack(), slot_offset(slot))
 
-    def erase_slot(self, slot: int) -> None:
-        os.pwrite(self._fd, _MARK.pack(SLOT_FREE_MARK), slot_offset(slot))
+    def erase_slot(self, slot: int) -> bool:
+        """Erase the slot's record, unless a reader holds a lock pin on it (then False, and the
+        record stays). docs/design.md §5: the record is erased under the slot's exclusive lock,
+        so a reader that locks after it finds a free mark, and one that locked before keeps the
+        entry whole."""
+        if not lock_exclusive(self._fd, slot):
+            return False
+        try:
+            os.pwrite(self._fd, _MARK.pack(SLOT_FREE_MARK), slot_offset(slot))
+        finally:
+            unlock(self._fd, slot)
+        return True
+
+    def slot_locked(self, slot: int) -> bool:
+        """Whether a reader holds a lock pin on the slot now (a probe: it may change at once)."""
+        if not lock_exclusive(self._fd, slot):
+            return True
+        unlock(self._fd, slot)
+        return False
+
+    def locked_slots(self) -> set[int]:
+        """The slots readers hold lock pins on now."""
+        return locked_slots(self._fd, self.header.geometry.num_slots)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -272,8 +272,8 @@ class PoolRegistry:
             )
 
     def _new_index(self, engine_id: str, geometry: Geometry, file: PoolFile) -> PoolIndex:
-        def emit(type: EventType, key: bytes, nbytes: int) -> None:
-            self._publish(WatchEvent(type, engine_id, key, nbytes, self._boot_epoch))
+        def emit(type: EventType, key: bytes, nbytes: int, slot: int) -> None:
+            self._publish(WatchEvent(type, engine_id, key, nbytes, self._boot_epoch, slot=slot))
 
         policy = POLICIES[self.settings.eviction]()
         return PoolIndex(engine_id, geometry, file, policy, self._clock, emit)

@@ -397,6 +397,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             request.aborts,
             request.acquires,
             request.allocates,
+            request.hits,
         ):
             validate.batch(len(part), self.limits)
         commits, aborts = wire.checked_commits(request.commits), wire.checked_keys(request.aborts)
@@ -419,6 +420,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         # Counted last, with nothing left to fail or wait for: a Step that raises left them to
         # the client's next one, so they are counted once.
         self.store.count_misses(engine_id, request.misses)
+        self.store.touch(engine_id, request.hits)
         reply = pb.StepReply(boot_epoch=self.epoch)
         for lease in result.releases:
             wire.put_lease_result(reply.releases.add(), lease)

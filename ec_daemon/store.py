@@ -167,15 +167,16 @@ class Store:
         return [pool.engine_id for pool in self._pools.all()]
 
     def drop_pool(self, engine_id: str, force: bool) -> int:
-        """Delete a pool and its file; refused while entries are PENDING or pinned, unless
-        forced. Returns how many entries went with it."""
+        """Delete a pool and its file; refused while entries are PENDING, pinned or locked,
+        unless forced (readers keep the pages they mapped). Returns how many entries went."""
         pool = self._pools.get(engine_id)
         stats = pool.stats()
-        if (stats.entries_pending or stats.pins) and not force:
+        if (stats.entries_pending or stats.pins or stats.entries_locked) and not force:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
-                f"pool {engine_id!r} has {stats.entries_pending} PENDING entries and "
-                f"{stats.pins} pins outstanding; wait, or drop with force",
+                f"pool {engine_id!r} has {stats.entries_pending} PENDING entries, "
+                f"{stats.pins} pins outstanding and {stats.entries_locked} entries being read "
+                "under lock pins; wait, or drop with force",
             )
         dropped = self._forget(pool)
         pool.file.unlink()
@@ -285,6 +286,19 @@ class Store:
         pool = self._pools.find(engine_id)
         if misses and pool is not None:
             pool.index.counters.misses += misses
+
+    def touch(self, engine_id: str, keys: Sequence[bytes]) -> None:
+        """Hits a client answered under lock pins, with no round trip (StepRequest.hits): counted,
+        and each entry still here refreshed for eviction. None counted for a pool gone."""
+        pool = self._pools.find(engine_id)
+        if pool is not None:
+            for key in keys:
+                pool.index.touch(key)
+
+    def reclaim(self) -> None:
+        """Free the blocks of removed entries whose readers' lock pins are gone."""
+        for pool in self._pools.all():
+            pool.index.reclaim()
 
     def _allocate(
         self, session: Session, pool: Pool, items: Sequence[tuple[bytes, api.TensorSpec]]
@@ -479,7 +493,12 @@ class Store:
             snapshot_of[api.EntryState.PENDING] = api.EventType.PENDING
         return [
             api.WatchEvent(
-                snapshot_of[e.state], pool.engine_id, e.key, e.spec.nbytes, self.boot_epoch
+                snapshot_of[e.state],
+                pool.engine_id,
+                e.key,
+                e.spec.nbytes,
+                self.boot_epoch,
+                slot=e.slot,
             )
             for pool in pools
             for e in pool.index.entries()

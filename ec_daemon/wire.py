@@ -160,6 +160,7 @@ def watch_event_pb(e: api.WatchEvent) -> pb.WatchEvent:
         key=e.key,
         nbytes=e.nbytes,
         remote=e.remote,
+        slot=e.slot,
     )
 
 

@@ -15,19 +15,36 @@ BLOCK = 1024
 
 
 class FakeJournal:
-    """Records the slot writes and erasures, in order, with what the index showed at the time."""
+    """Records the slot writes and erasures, in order, with what the index showed at the time.
+    `locked` stands for the slots readers hold lock pins on: their records cannot be erased."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[str, int]] = []
         self.records: dict[int, SlotRecord] = {}
+        self.locked: set[int] = set()
 
     def write_slot(self, slot: int, record: SlotRecord) -> None:
         self.ops.append(("write", slot))
         self.records[slot] = record
 
-    def erase_slot(self, slot: int) -> None:
+    def erase_slot(self, slot: int) -> bool:
+        if slot in self.locked:
+            return False
         self.ops.append(("erase", slot))
         self.records.pop(slot, None)
+        return True
+
+    def slot_locked(self, slot: int) -> bool:
+        return slot in self.locked
+
+    def locked_slots(self) -> set[int]:
+        return set(self.locked)
+
+    def lock(self, key: bytes) -> int:
+        """A reader's lock pin on the slot holding `key`'s record; returns the slot."""
+        [slot] = [s for s, r in self.records.items() if r.key == key]
+        self.locked.add(slot)
+        return slot
 
 
 class Sink:
@@ -38,7 +55,7 @@ class Sink:
         self.events: list[tuple[EventType, bytes]] = []
         self.journaled_at_event: list[bool] = []
 
-    def __call__(self, type: EventType, key: bytes, nbytes: int) -> None:
+    def __call__(self, type: EventType, key: bytes, nbytes: int, slot: int) -> None:
         self.events.append((type, key))
         self.journaled_at_event.append(any(r.key == key for r in self.journal.records.values()))
 
@@ -144,6 +161,78 @@ def test_an_entry_removed_while_pinned_keeps_its_blocks_until_the_last_unpin() -
     index.check()
 
 
+def test_eviction_passes_over_an_entry_a_reader_holds_a_lock_pin_on() -> None:
+    index, journal, sink = make_index(blocks=3, slots=8)
+    for key in (b"a", b"b", b"c"):
+        put(index, key, 1)
+    journal.lock(b"a")  # a is the oldest, but being read: b goes first
+    index.allocate(b"d", spec(BLOCK), "s", "producer")
+    assert (EventType.EVICTED, b"b") in sink.events
+    assert index.state(b"a") is EntryState.READY
+    index.check()
+
+
+def test_an_allocation_that_only_locked_entries_could_make_room_for_evicts_nothing() -> None:
+    index, journal, sink = make_index(blocks=4)
+    put(index, b"locked", 2)
+    journal.lock(b"locked")
+    put(index, b"free", 1)
+    assert index.allocate(b"big", spec(3 * BLOCK), "s", "producer").status is Status.NO_SPACE
+    assert index.state(b"free") is EntryState.READY
+    assert not any(t is EventType.EVICTED for t, _ in sink.events)
+    index.check()
+
+
+def test_an_operator_evict_of_a_locked_entry_is_refused_saying_why() -> None:
+    index, journal, _ = make_index()
+    put(index, b"k", 1)
+    journal.lock(b"k")
+    outcome = index.evict(b"k")
+    assert outcome.status is Status.FAILED_PRECONDITION and "lock pin" in outcome.message
+    assert index.state(b"k") is EntryState.READY
+
+
+def test_a_locked_entry_deleted_keeps_its_record_and_blocks_until_the_lock_drops() -> None:
+    index, journal, sink = make_index(blocks=4)
+    put(index, b"k", 4)
+    slot = journal.lock(b"k")
+    index.delete(b"k")
+    assert index.state(b"k") is EntryState.ABSENT and (EventType.DELETED, b"k") in sink.events
+    assert slot in journal.records  # still readable by the reader holding it
+    assert index.allocate(b"x", spec(BLOCK), "s", "p").status is Status.NO_SPACE
+    assert index.reclaim() == 1
+    journal.locked.clear()  # the reader is done
+    assert index.reclaim() == 0
+    assert slot not in journal.records
+    assert index.allocate(b"x", spec(BLOCK), "s", "p").status is Status.ALLOCATED
+    index.check()
+
+
+def test_a_pinned_and_locked_entry_removed_keeps_its_blocks_until_both_are_gone() -> None:
+    index, journal, _ = make_index(blocks=4)
+    put(index, b"k", 4)
+    pinned = index.pin(b"k").entry
+    assert pinned is not None
+    journal.lock(b"k")
+    index.delete(b"k")
+    index.unpin(pinned)
+    assert index.allocate(b"x", spec(BLOCK), "s", "p").status is Status.NO_SPACE
+    journal.locked.clear()
+    assert index.allocate(b"x", spec(BLOCK), "s", "p").status is Status.ALLOCATED
+    index.check()
+
+
+def test_a_hit_under_a_lock_pin_counts_and_refreshes_recency() -> None:
+    index, _, sink = make_index(blocks=2, slots=8)
+    put(index, b"a", 1)
+    put(index, b"b", 1)
+    index.touch(b"a")  # a read a moment ago: b is now the least recently used
+    index.touch(b"gone")  # read before it went: a hit all the same
+    index.allocate(b"c", spec(BLOCK), "s", "producer")
+    assert (EventType.EVICTED, b"b") in sink.events and index.state(b"a") is EntryState.READY
+    assert index.counters.hits == 2
+
+
 def test_restore_adopts_records_oldest_commit_first() -> None:
     index, journal, _ = make_index()
     put(index, b"old", 1)
@@ -174,6 +263,14 @@ def test_stats_count_states_pins_and_bytes() -> None:
     assert (stats.entries_ready, stats.entries_pending, stats.entries_pinned) == (1, 1, 1)
     assert (stats.pins, stats.bytes_ready, stats.free_blocks) == (1, 2 * BLOCK, 5)
     assert stats.num_blocks == 8 and stats.commits == 1 and stats.hits == 1
+
+
+def test_stats_count_the_slots_readers_lock() -> None:
+    index, journal, _ = make_index()
+    put(index, b"a", 1)
+    put(index, b"b", 1)
+    journal.lock(b"a")
+    assert index.stats("").entries_locked == 1
 
 
 def test_check_finds_a_block_held_twice() -> None:

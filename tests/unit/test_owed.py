@@ -221,8 +221,29 @@ def test_misses_answered_from_the_view_ride_on_the_pools_next_step() -> None:
     o.misses(POOL, 2)
     o.misses(POOL, 1)
     parcel = o.take(POOL)
-    assert parcel.misses == 3 and o.take("other").misses == 0
+    assert parcel.answered.misses == 3 and o.take("other").answered.misses == 0
     assert parcel.step(POOL).build("sid").misses == 3  # StepRequest.misses
+    o.close()
+
+
+def test_hits_read_under_lock_pins_ride_on_the_pools_next_step() -> None:
+    o, _ = owed()
+    o.hits(POOL, [b"a"])
+    o.hits(POOL, [b"b", b"a"])
+    parcel = o.take(POOL)
+    assert parcel.answered.hits == [b"a", b"b", b"a"]  # each read is a hit
+    assert list(parcel.step(POOL).build("sid").hits) == [b"a", b"b", b"a"]  # StepRequest.hits
+    assert not o.take(POOL).answered
+    o.close()
+
+
+def test_a_step_that_did_not_reach_the_daemon_leaves_its_hits_to_the_next_one() -> None:
+    o, _ = owed()
+    o.hits(POOL, [b"a"])
+    parcel = o.take(POOL)
+    o.hits(POOL, [b"b"])
+    parcel.fail(EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd"))
+    assert sorted(o.take(POOL).answered.hits) == [b"a", b"b"]
     o.close()
 
 
@@ -231,7 +252,7 @@ def test_an_answered_steps_misses_are_not_sent_again() -> None:
     o.misses(POOL, 3)
     parcel = o.take(POOL)
     parcel.settle(answer(parcel))
-    assert o.take(POOL).misses == 0
+    assert o.take(POOL).answered.misses == 0
     o.close()
 
 
@@ -241,7 +262,7 @@ def test_a_step_that_did_not_reach_the_daemon_leaves_its_misses_to_the_next_one(
     parcel = o.take(POOL)
     o.misses(POOL, 1)  # while the Step was on its way
     parcel.fail(EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd"))
-    assert o.take(POOL).misses == 4
+    assert o.take(POOL).answered.misses == 4
     o.close()
 
 
@@ -251,21 +272,21 @@ def test_a_step_the_daemon_refused_drops_its_misses_and_says_so(
     o, _ = owed()
     o.misses(POOL, 3)
     o.take(POOL).fail(EcdError(grpc.StatusCode.NOT_FOUND, "pool 'pool' does not exist"))
-    assert o.take(POOL).misses == 0  # the pool would refuse them again, for good
-    assert "3 miss(es) answered from the view not counted" in caplog.text
+    assert o.take(POOL).answered.misses == 0  # the pool would refuse them again, for good
+    assert "3 miss(es) and 0 hit(s) the client answered not counted" in caplog.text
     o.close()
 
 
 def test_the_background_sends_a_quiet_pools_misses_after_the_misses_linger(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("ec_client.owed.MISSES_LINGER_S", 0.2)
+    monkeypatch.setattr("ec_client.owed.ANSWERED_LINGER_S", 0.2)
     o, sender = owed(linger_s=0.01)
     o.misses(POOL, 5)
     assert not sender.sent.wait(0.1)  # a count waits longer than a pin for a Step to ride on
     assert sender.sent.wait(5)
     [(engine_id, parcel)] = sender.parcels
-    assert engine_id == POOL and parcel.misses == 5
+    assert engine_id == POOL and parcel.answered.misses == 5
     o.close()
 
 
@@ -273,12 +294,12 @@ def test_flush_sends_the_misses_owed() -> None:
     o, sender = owed()
     o.misses(POOL, 2)
     o.flush(5)
-    assert [(e, p.misses) for e, p in sender.parcels] == [(POOL, 2)]
+    assert [(e, p.answered.misses) for e, p in sender.parcels] == [(POOL, 2)]
     o.close()
 
 
 def test_a_new_pools_misses_wait_the_misses_linger_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ec_client.owed.MISSES_LINGER_S", 60.0)
+    monkeypatch.setattr("ec_client.owed.ANSWERED_LINGER_S", 60.0)
     sender = Sender()
     o = Owed(sender, 0.01)  # no Step to the pool yet
     o.misses(POOL, 1)

@@ -4,7 +4,10 @@
 - a PENDING entry stays until its producer commits or aborts it, it is deleted, or the producer's
   lease runs out: eviction never takes it;
 - a pinned entry stays READY and in place until it is released or deleted;
-- every READY entry's recorded bytes length matches what its producer allocated.
+- every READY entry's recorded bytes length matches what its producer allocated;
+- an entry a reader holds a lock pin on (a real shared lock on its slot, docs/design.md §5) keeps
+  its record in the file and its blocks, which no other entry is given, until it is unlocked,
+  however it is removed meanwhile (evicted, deleted, its pool's space needed).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_client.types import EntryState, Extent, Role, Status
+from ec_client.layout import SlotRecord
+from ec_client.slot_locks import SlotPins
+from ec_client.types import EntryState, EventType, Extent, Role, Status
 
 BLOCK = 512
 BLOCKS = 32  # small, so that a few allocations fill the pool and eviction runs often
@@ -47,7 +52,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = make_store(
             self.shm_dir, self.clock, eviction=eviction, entries_per_pool=slots, lease_ttl_s=TTL
         )
-        open_pool(self.store, "p", BLOCK, BLOCKS * BLOCK)
+        info = open_pool(self.store, "p", BLOCK, BLOCKS * BLOCK)
+        self.reader = SlotPins(info.path, info.pool_uuid)  # another process's, as it were
+        self.locks: list[tuple[int, SlotRecord]] = []  # lock pins held: (slot, record)
         self.pending: dict[bytes, tuple[str, tuple[Extent, ...]]] = {}  # key -> (session, extents)
         self.pins: dict[int, tuple[str, bytes]] = {}  # lease -> (session, key)
         self.deleted: set[int] = set()  # leases whose entry was deleted while pinned
@@ -55,6 +62,7 @@ class StoreMachine(RuleBasedStateMachine):
         return multiple(*(self.store.open_session(n, 1, Role.BOTH) for n in ("a", "b")))
 
     def teardown(self) -> None:
+        self.reader.close()
         self.store.close()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
@@ -110,6 +118,37 @@ class StoreMachine(RuleBasedStateMachine):
         if result.status is Status.HIT:
             self.pins[result.lease_id] = (sid, key)
 
+    @rule(key=KEYS)
+    def lock_pin(self, key: bytes) -> None:
+        """A reader lock-pins an entry where its view says it is (a slot of the snapshot)."""
+        slots = {
+            e.key: e.slot
+            for e in self.store.ready_snapshot("p")
+            if e.type is EventType.SNAPSHOT and e.slot is not None
+        }
+        if key in slots:
+            record = self.reader.pin(slots[key], key)
+            assert record is not None and record.key == key  # nobody erases it meanwhile
+            self.locks.append((slots[key], record))
+
+    @rule(key=KEYS, slot=st.integers(0, 31))
+    def lock_pin_a_stale_slot(self, key: bytes, slot: int) -> None:
+        """A reader whose view is out of date: a hit only if the slot holds that very key."""
+        record = self.reader.pin(slot, key)
+        if record is not None:
+            assert record.key == key
+            self.locks.append((slot, record))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data: st.DataObject) -> None:
+        slot, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+        self.reader.unpin(slot)
+
+    @rule()
+    def reclaim(self) -> None:
+        self.store.reclaim()
+
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
@@ -162,6 +201,17 @@ class StoreMachine(RuleBasedStateMachine):
         for key, (_, extents) in self.pending.items():
             assert listed[key].state is EntryState.PENDING
             assert listed[key].extents == extents
+
+    @invariant()
+    def locked_entries_keep_their_record_and_blocks(self) -> None:
+        listed = self.store.list_entries("p", b"", 1000)[0]
+        for slot, record in self.locks:
+            assert self.reader.pin(slot, record.key) == record
+            self.reader.unpin(slot)
+            mine = {b for start, count in record.extents for b in range(start, start + count)}
+            for entry in listed:
+                if tuple((e.start, e.count) for e in entry.extents) != record.extents:
+                    assert not mine & {b for e in entry.extents for b in range(e.start, e.end)}
 
     @invariant()
     def pinned_entries_stay_until_released(self) -> None:

@@ -376,7 +376,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., results: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates", "misses")
+    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates", "misses", "hits")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class StepRequest(_message.Message):
     ACQUIRES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATES_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     releases: _containers.RepeatedScalarFieldContainer[int]
@@ -393,7 +394,8 @@ class StepRequest(_message.Message):
     acquires: _containers.RepeatedScalarFieldContainer[bytes]
     allocates: _containers.RepeatedCompositeFieldContainer[AllocateItem]
     misses: int
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., misses: _Optional[int] = ...) -> None: ...
+    hits: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., misses: _Optional[int] = ..., hits: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("boot_epoch", "releases", "commits", "aborts", "acquires", "allocates")
@@ -512,7 +514,7 @@ class ListEntriesReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads")
+    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads", "entries_locked")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -542,6 +544,7 @@ class PoolStats(_message.Message):
     REMOTE_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_READS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_LOCKED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     capacity_bytes: int
     block_size_bytes: int
@@ -571,7 +574,8 @@ class PoolStats(_message.Message):
     remote_seconds_sum: float
     held_blocks: int
     remote_reads: int
-    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ...) -> None: ...
+    entries_locked: int
+    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ..., entries_locked: _Optional[int] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("address", "state", "boot_epoch", "keys", "error")
@@ -630,17 +634,19 @@ class WatchRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., include_remote: _Optional[bool] = ..., include_pending: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes", "remote")
+    __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes", "remote", "slot")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     type: EventType
     engine_id: str
     key: bytes
     nbytes: int
     remote: bool
-    def __init__(self, boot_epoch: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., engine_id: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., remote: _Optional[bool] = ...) -> None: ...
+    slot: int
+    def __init__(self, boot_epoch: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., engine_id: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., remote: _Optional[bool] = ..., slot: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,175 @@
+"""Lock pins: pins on READY entries that the kernel keeps, taken with no round trip.
+
+docs/design.md §5. Every slot of a pool file's slot table has one lock byte: the first byte of
+its record. A reader pins an entry by taking a *shared* open-file-description lock (Linux
+`F_OFD_SETLK`) on that byte, then reads the record and checks it is the entry it wants. The
+daemon erases a slot's record (to evict, delete or reuse the entry's blocks) only while it holds
+the byte's *exclusive* lock, which the kernel refuses at once while anyone holds it shared. So:
+
+- a reader that locked the slot and found its key in a whole record (mark READY, CRC) reads
+  bytes that stay that entry's until it unlocks: the daemon cannot erase the record meanwhile,
+  and blocks are reused only after their record was erased;
+- a reader that locked a slot the daemon erased (a stale view) finds a free mark, another key or
+  a record being written (its CRC fails): a miss, never another entry's bytes;
+- a reader that tries while the daemon holds the exclusive lock is refused at once: a miss.
+
+The kernel drops a process's locks when it dies, at once (no lease to wait for), and the locks
+belong to the file, not to the daemon: a pin taken before a daemon restart holds after it. Locks
+are advisory: they change nothing about who may map, read or write the file.
+
+Locks of one open file description do not stack (locking a byte twice is once), so `SlotPins`
+counts a process's pins per slot and unlocks at the last. This module is torch-free: the daemon
+uses its primitives too.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import math
+import os
+import struct
+import threading
+import uuid
+from dataclasses import dataclass
+
+from ec_client.layout import HEADER_SIZE, SLOT_SIZE, Header, LayoutError, SlotRecord, slot_offset
+
+# Linux's open-file-description lock commands (fcntl.h); Python's fcntl module lacks the names.
+F_OFD_GETLK = 36
+F_OFD_SETLK = 37
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+
+
+def _flock(kind: int, start: int, length: int = 1) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)  # l_pid must be 0 for OFD locks
+
+
+def _set(fd: int, kind: int, slot: int) -> bool:
+    """Take (or drop) a slot's lock byte; False if another description holds a conflicting
+    lock."""
+    try:
+        fcntl.fcntl(fd, F_OFD_SETLK, _flock(kind, slot_offset(slot)))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def lock_shared(fd: int, slot: int) -> bool:
+    """A reader's pin on the slot; False while the daemon is erasing it."""
+    return _set(fd, fcntl.F_RDLCK, slot)
+
+
+def lock_exclusive(fd: int, slot: int) -> bool:
+    """The daemon's claim on the slot before it erases the record; False while a reader holds
+    a pin on it."""
+    return _set(fd, fcntl.F_WRLCK, slot)
+
+
+def unlock(fd: int, slot: int) -> None:
+    _set(fd, fcntl.F_UNLCK, slot)
+
+
+def locked_slots(fd: int, num_slots: int) -> set[int]:
+    """The slots some other open file description holds a lock on (pins, seen from the
+    daemon): one F_OFD_GETLK per locked range, not per slot."""
+    found: set[int] = set()
+    start, end = slot_offset(0), slot_offset(num_slots)
+    while start < end:
+        answer = fcntl.fcntl(fd, F_OFD_GETLK, _flock(fcntl.F_WRLCK, start, end - start))
+        kind, _, at, length, _ = _FLOCK.unpack(answer)
+        if kind == fcntl.F_UNLCK:
+            break
+        stop = end if length == 0 else min(end, at + length)
+        first = max(0, -(-(at - slot_offset(0)) // SLOT_SIZE))  # the first lock byte in range
+        found.update(range(first, (stop - 1 - slot_offset(0)) // SLOT_SIZE + 1))
+        start = stop
+    return found
+
+
+@dataclass
+class _Held:
+    record: SlotRecord
+    count: int
+
+
+class SlotPins:
+    """This process's lock pins on one pool file, counted per slot.
+
+    Opened read-only: a reader needs no write access to take shared locks or read records.
+    Thread-safe. Closing the file drops every lock it holds, so `close` waits for nothing: call
+    it only once no copy reads under these pins (the pool was recreated, or the client ends).
+    """
+
+    def __init__(self, path: str, pool_uuid: str) -> None:
+        """LayoutError if the file at `path` is not the pool `pool_uuid` (recreated since)."""
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.header = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
+            if self.header.pool_uuid != uuid.UUID(pool_uuid):
+                raise LayoutError(f"{path} is pool {self.header.pool_uuid}, not {pool_uuid}")
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.pool_uuid = pool_uuid
+        self._lock = threading.Lock()
+        self._held: dict[int, _Held] = {}
+
+    def pin(self, slot: int, key: bytes) -> SlotRecord | None:
+        """Pin the entry `key` in `slot`; its record (extents, spec, checksum), or None when
+        the slot does not hold it now (a miss)."""
+        if not 0 <= slot < self.header.geometry.num_slots:
+            return None
+        with self._lock:
+            held = self._held.get(slot)
+            if held is not None:  # already locked by us: the record cannot have changed
+                if held.record.key != key:
+                    return None
+                held.count += 1
+                return held.record
+            if not lock_shared(self._fd, slot):
+                return None
+            record = self._read(slot)
+            if record is None or record.key != key:
+                unlock(self._fd, slot)
+                return None
+            self._held[slot] = _Held(record, 1)
+            return record
+
+    def unpin(self, slot: int) -> None:
+        """Give one pin back; the lock goes with the slot's last. Only once every copy made under
+        the pin has landed."""
+        with self._lock:
+            held = self._held[slot]
+            held.count -= 1
+            if held.count == 0:
+                del self._held[slot]
+                if self._fd >= 0:
+                    unlock(self._fd, slot)
+
+    def held(self) -> int:
+        """Slots this process holds locked."""
+        with self._lock:
+            return len(self._held)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self._held.clear()
+
+    def _read(self, slot: int) -> SlotRecord | None:
+        """The slot's record if it is whole and fits the pool; anything else is a miss."""
+        record = SlotRecord.unpack(os.pread(self._fd, SLOT_SIZE, slot_offset(slot)))
+        if record is None:
+            return None
+        g = self.header.geometry
+        blocks = sum(count for _, count in record.extents)
+        if blocks != math.ceil(record.nbytes / g.block_size_bytes) or any(
+            start + count > g.num_blocks for start, count in record.extents
+        ):
+            return None
+        return record
