@@ -1,29 +1,34 @@
-"""Consumer: read encoder outputs from a pool. One round trip per batch of hits, none per miss.
+"""Consumer: read encoder outputs from a pool. No round trip for a local hit or a miss.
 
     t = Consumer(client, "qwen-vl-node1").get("mm-hash-1", device="cuda:0", wait_ms=500)
 
 A hit comes back as a tensor of the stored shape and dtype; a miss (absent, or still being
-written after wait_ms) as None. Steps of a get:
+written after wait_ms) as None. Steps of a get (docs/design.md §12):
 
-1. Misses without a round trip: the client follows the pool's READY keys (ReadyView, fed by
-   Watch), so a key it does not know is answered None at once, without asking the daemon. While
-   the view is not synced (starting, or the daemon away) every key is asked; with wait_ms every
-   key is asked too, since the daemon is what waits (for a key PENDING or not there yet). A key
-   another client committed a moment ago (the event's trip, well under a millisecond on one
-   node) may still be such a miss: pass wait_ms to ask the daemon. Such misses are counted all
-   the same: their count rides on the client's next Step to the pool (ec_client.owed), so the
-   daemon's miss counters hold them.
-2. One Step pins the hits (the round trip; it also carries what the client owes the pool, its
-   own Commits first, so a client always reads its own writes), then their copies out of the
-   pool are launched.
-3. The pins are owed back from then on (ec_client.owed): released with the client's next Step to
-   the pool, or alone once it has been quiet for `linger_s`, and never before the copies landed:
-   the entry cannot be evicted or overwritten while it is being read.
+1. The client follows the pool's READY keys and their slots (ReadyView, fed by Watch). A key it
+   does not know is a miss, answered at once. A key it knows READY here is pinned by a lock pin
+   on its slot (ec_client/slot_locks.py: a shared lock, about 2 us, no daemon), which also reads
+   the entry's record (extents, shape, dtype, checksum): a local hit makes no round trip. A lock
+   pin that finds another entry in the slot (the view was behind an eviction) is a miss.
+2. Everything else asks the daemon, in one Step for the batch: keys only a peer daemon holds
+   (the Acquire pulls them), keys whose slot the view has not heard yet, keys whose Commit this
+   client still owes (the same Step carries the Commit first: a client reads its own writes),
+   and every key while the view is not synced (starting, or the daemon away) or with wait_ms
+   (the daemon is what waits, for a key PENDING or not there yet).
+3. The copies out of the pool are launched. Pins are given back only once their copies landed:
+   lock pins are unlocked (at once for a CPU copy, else by the owed thread), leases are released
+   with the client's next Step to the pool or alone once it has been quiet (ec_client.owed).
+4. What the client answered itself reaches the daemon owed, with its next Step: the misses as a
+   count, the local hits as keys (the daemon's hit counter and LRU order).
+
+A key another client committed a moment ago (the event's trip, well under a millisecond on one
+node) may still be a miss: pass wait_ms to ask the daemon.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,22 +39,30 @@ import torch
 from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
+from ec_client.layout import LayoutError
 from ec_client.mover import TensorMover, Transfer, wait_all
 from ec_client.owed import Debt
-from ec_client.types import AcquireResult, Key, LeaseResult, Status, key_bytes
+from ec_client.slot_locks import SlotPins
+from ec_client.types import Extent, Key, LeaseResult, Status, TensorSpec, key_bytes
 
 log = logging.getLogger("ec_client")
 
 
 @dataclass
 class _Read:
-    """One pinned entry this call is copying out of the pool."""
+    """One pinned entry this call is copying out of the pool, under a lease (`lease_id`, from
+    an Acquire) or a lock pin (`slot` of `pins`)."""
 
     key: Key
-    result: AcquireResult
+    extents: tuple[Extent, ...]
+    spec: TensorSpec
+    checksum: int
     mover: TensorMover
     tensor: torch.Tensor
     transfer: Transfer
+    lease_id: int = 0
+    pins: SlotPins | None = None
+    slot: int = -1
 
 
 class GetHandle:
@@ -112,58 +125,144 @@ class Consumer:
         wait_ms: int = 0,
         out: dict[Key, torch.Tensor] | None = None,
     ) -> GetHandle:
-        """Acquire the keys that may be there in one round trip and launch their copies; their
-        pins are owed back from then on, and go as soon as the copies landed."""
+        """Pin the hits (lock pins here, one Step for what only the daemon can answer) and
+        launch their copies; the pins go back as soon as the copies landed."""
         engine_id = self.endpoint.engine_id
         tensors: dict[Key, torch.Tensor | None] = {key: None for key in keys}
-        asked = self._worth_asking(keys, wait_ms)
-        self.client.owed.misses(engine_id, len(keys) - len(asked))  # the view's answers
-        if not asked:
-            return GetHandle(tensors, [])
-        if wait_ms:  # the daemon waits: an Acquire of its own, what is owed goes its own way
-            results = self.client.acquire(engine_id, asked, wait_ms)
-        else:
-            results = self.client.step(engine_id, acquires=asked).acquires
+        local, asked = self._plan(keys, wait_ms)
         reads: list[_Read] = []
+        unread: list[int] = []  # leases of hits whose copy was not launched
         try:
-            error = item_errors("Acquire", results)
-            if error is not None:
-                raise error
-            mover = self.endpoint.mover(device)
-            for key, result in zip(asked, results, strict=True):
-                if result.status is Status.HIT and result.spec is not None:
-                    target = out.get(key) if out else None
-                    tensor, transfer = mover.load(result.extents, result.spec, target)
-                    reads.append(_Read(key, result, mover, tensor, transfer))
-                elif result.status is Status.MISS and self._view is not None:
-                    self._view.discard(key_bytes(key))
+            if local:
+                self._read_locally(local, device, out, reads)
+            misses = len(keys) - len(asked) - len(reads)
+            self.client.owed.misses(engine_id, misses)  # answered with no round trip
+            self.client.owed.hits(engine_id, [key_bytes(r.key) for r in reads])
+            if asked:
+                self._read_from_daemon(asked, device, wait_ms, out, reads, unread)
+            if self.verify:
+                self._verify(reads)
         except BaseException:
             with contextlib.suppress(Exception):  # no pin goes while a copy may still read
                 wait_all(r.transfer for r in reads)
-            self._release([r.lease_id for r in results if r.status is Status.HIT])
+            self._give_back_now(reads, unread)
             raise
-        if self.verify:
-            self._verify(reads)  # waits for the copies; releases even if it raises
         tensors.update({r.key: r.tensor for r in reads})
-        self.client.owed.releases(
-            engine_id,
-            [Debt(self._released, r.transfer, lease_id=r.result.lease_id) for r in reads],
-        )
+        self._give_back(reads)
+        self._release(unread)
         return GetHandle(tensors, reads)
 
-    def _worth_asking(self, keys: Sequence[Key], wait_ms: int) -> list[Key]:
-        """The keys to Acquire: all of them unless the view is synced and no wait is asked for,
-        in which case only those it has READY, and those whose Commit this client still owes
-        (the same Step carries the Commit first: a client reads its own writes). The rest are
-        misses, answered with no round trip."""
+    def _plan(self, keys: Sequence[Key], wait_ms: int) -> tuple[list[tuple[Key, int]], list[Key]]:
+        """(key, slot) of the keys to lock-pin here, and the keys to ask the daemon for; the
+        rest are misses. See the module's steps 1 and 2."""
         owed = self.client.owed.commits_owed(self.endpoint.engine_id)
         if any(not owed[k] for k in map(key_bytes, keys) if k in owed):
             self.client.settle()  # a write of ours still being copied: let it land and commit
             owed = {}
         view = self._view
         if view is None or wait_ms or not view.synced:
-            return list(keys)
-        return [key for key in keys if (k := key_bytes(key)) in owed or view.has(k)]
+            return [], list(keys)
+        local: list[tuple[Key, int]] = []
+        asked: list[Key] = []
+        for key in keys:
+            k = key_bytes(key)
+            if k in owed:
+                asked.append(key)
+            elif (slot := view.slot(k)) is not None:
+                local.append((key, slot))
+            elif view.has(k):
+                asked.append(key)
+        return local, asked
+
+    def _read_locally(
+        self,
+        local: list[tuple[Key, int]],
+        device: torch.device | str,
+        out: dict[Key, torch.Tensor] | None,
+        reads: list[_Read],
+    ) -> None:
+        """Lock-pin each (key, slot) and launch its copy; a slot that no longer holds the key is
+        a miss (the view was behind)."""
+        mover = self.endpoint.mover(device)  # maps a newer file first, if there is one
+        try:
+            pins = self.endpoint.pins()
+        except (LayoutError, OSError) as error:  # the pool is being recreated: all misses
+            log.debug("ecd: cannot lock-pin pool %s now: %s", self.endpoint.engine_id, error)
+            return
+        for key, slot in local:
+            record = pins.pin(slot, key_bytes(key))
+            if record is None:
+                continue
+            extents = tuple(Extent(start, count) for start, count in record.extents)
+            spec = TensorSpec(record.shape, record.dtype, record.nbytes)
+            try:
+                tensor, transfer = mover.load(extents, spec, out.get(key) if out else None)
+            except BaseException:
+                pins.unpin(slot)
+                raise
+            reads.append(_Read(key, extents, spec, record.checksum, mover, tensor, transfer))
+            reads[-1].pins, reads[-1].slot = pins, slot
+
+    def _read_from_daemon(
+        self,
+        asked: list[Key],
+        device: torch.device | str,
+        wait_ms: int,
+        out: dict[Key, torch.Tensor] | None,
+        reads: list[_Read],
+        unread: list[int],
+    ) -> None:
+        """One round trip pins the keys only the daemon can answer; launch their copies. The
+        leases of hits whose copy was not launched stay in `unread`, for the caller to release
+        (after the copies launched landed, should this raise)."""
+        engine_id = self.endpoint.engine_id
+        if wait_ms:  # the daemon waits: an Acquire of its own, what is owed goes its own way
+            results = self.client.acquire(engine_id, asked, wait_ms)
+        else:
+            results = self.client.step(engine_id, acquires=asked).acquires
+        unread.extend(r.lease_id for r in results if r.status is Status.HIT)
+        error = item_errors("Acquire", results)
+        if error is not None:
+            raise error
+        mover = self.endpoint.mover(device) if unread else None
+        for key, result in zip(asked, results, strict=True):
+            if result.status is Status.MISS and self._view is not None:
+                self._view.discard(key_bytes(key))
+            if mover is None or result.status is not Status.HIT or result.spec is None:
+                continue
+            target = out.get(key) if out else None
+            tensor, transfer = mover.load(result.extents, result.spec, target)
+            spec, checksum, lease_id = result.spec, result.checksum, result.lease_id
+            reads.append(
+                _Read(key, result.extents, spec, checksum, mover, tensor, transfer, lease_id)
+            )
+            unread.remove(lease_id)
+
+    def _give_back(self, reads: list[_Read]) -> None:
+        """Each pin goes back once its copy landed: a lock pin whose copy is done (a CPU copy)
+        at once, the others owed (ec_client.owed)."""
+        engine_id = self.endpoint.engine_id
+        leases = [r for r in reads if r.pins is None]
+        self.client.owed.releases(
+            engine_id, [Debt(self._released, r.transfer, lease_id=r.lease_id) for r in leases]
+        )
+        later = []
+        for read in reads:
+            if read.pins is None:
+                continue
+            if read.transfer.done():
+                read.pins.unpin(read.slot)
+            else:
+                later.append(Debt(functools.partial(_unpin, read.pins, read.slot), read.transfer))
+        if later:
+            self.client.owed.unlocks(engine_id, later)
+
+    def _give_back_now(self, reads: list[_Read], unread: list[int]) -> None:
+        """Give every pin back at once (a batch that broke: its copies landed or never began)."""
+        for read in reads:
+            if read.pins is not None:
+                read.pins.unpin(read.slot)
+        self._release([r.lease_id for r in reads if r.pins is None] + unread)
 
     def _released(self, answer: LeaseResult | EcdError) -> None:
         error = answer if isinstance(answer, EcdError) else item_errors("Release", [answer])
@@ -184,18 +283,19 @@ class Consumer:
             log.warning("ecd: release of %d pin(s) failed: %s", len(lease_ids), error)
 
     def _verify(self, reads: Sequence[_Read]) -> None:
-        try:
-            for read in reads:
-                read.transfer.wait()
-                stored = read.result.checksum
-                if not stored or read.result.spec is None:
-                    continue
-                found = read.mover.checksum(read.result.extents, read.result.spec.nbytes)
-                if found != stored:
-                    raise EcdError(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"entry {read.key!r}: checksum {found:#x} != stored {stored:#x}",
-                    )
-        except BaseException:
-            self._release([r.result.lease_id for r in reads])
-            raise
+        """Check each entry's stored CRC-32 once its copy landed (raises DATA_LOSS; the caller
+        gives the pins back)."""
+        for read in reads:
+            read.transfer.wait()
+            if not read.checksum:
+                continue
+            found = read.mover.checksum(read.extents, read.spec.nbytes)
+            if found != read.checksum:
+                raise EcdError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"entry {read.key!r}: checksum {found:#x} != stored {read.checksum:#x}",
+                )
+
+
+def _unpin(pins: SlotPins, slot: int, answer: object) -> None:
+    pins.unpin(slot)

@@ -11,6 +11,7 @@ from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.mapping import PoolMapping
 from ec_client.mover import TensorMover, cuda_device
+from ec_client.slot_locks import SlotPins
 from ec_client.types import ItemResult, LeaseResult
 
 
@@ -20,6 +21,16 @@ class PoolEndpoint:
         self.engine_id = engine_id
         self._movers: dict[torch.device, TensorMover] = {}
         self.mapping = PoolMapping.open(client.pool_info(engine_id))
+        self._pins: SlotPins | None = None  # opened on the first lock pin
+
+    def pins(self) -> SlotPins:
+        """The lock pins on the file mapped now (call `mover` first: it maps a newer file)."""
+        info = self.mapping.info
+        if self._pins is None or self._pins.pool_uuid != info.pool_uuid:
+            if self._pins is not None:
+                self._pins.retire()  # its pins go as their copies land
+            self._pins = SlotPins(info.path, info.pool_uuid)
+        return self._pins
 
     def mover(self, device: torch.device | str) -> TensorMover:
         """The mover for a device, re-mapping first if the pool was recreated since."""

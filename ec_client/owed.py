@@ -100,6 +100,7 @@ class Parcel:
     commits: list[Debt] = field(default_factory=list)
     aborts: list[Debt] = field(default_factory=list)
     delivered: Callable[[Parcel], None] = lambda parcel: None
+    unlocks: list[Debt] = field(default_factory=list)  # lock pins: dropped here, never sent
     answered: Answered = field(default_factory=Answered)  # since the pool's last Step
     returned: Callable[[Answered], None] = lambda answered: None  # a failed Step's, owed again
 
@@ -178,16 +179,17 @@ class _Pool:
 
     releases: list[Debt] = field(default_factory=list)
     commits: list[Debt] = field(default_factory=list)
+    unlocks: list[Debt] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
     answered: Answered = field(default_factory=Answered)  # not sent yet
 
     def owing(self) -> bool:
-        return bool(self.releases or self.commits or self.answered)
+        return bool(self.releases or self.commits or self.unlocks or self.answered)
 
     def due_at(self, linger_s: float) -> float:
         """When the background thread sends what is owed, if no Step goes before."""
-        if self.releases or self.commits:
+        if self.releases or self.commits or self.unlocks:
             return self.last_step + linger_s
         return self.last_step + max(linger_s, ANSWERED_LINGER_S)
 
@@ -216,6 +218,11 @@ class Owed:
 
     def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
         self._owe(lambda: self._pool(engine_id).releases.extend(debts))
+
+    def unlocks(self, engine_id: str, debts: Sequence[Debt]) -> None:
+        """Lock pins to drop (each debt's settle) once their copies landed. Nothing is sent for
+        them: they ride with the pool's other debts only to share the waiting for copies."""
+        self._owe(lambda: self._pool(engine_id).unlocks.extend(debts))
 
     def misses(self, engine_id: str, count: int) -> None:
         """`count` misses answered from the view of the pool, for the daemon's counters."""
@@ -265,6 +272,7 @@ class Owed:
                 _split(pool.commits, wait),
                 [],  # aborts: those of commits whose copy failed, added as they are found
                 lambda delivered: self._delivered(pool, delivered),
+                _split(pool.unlocks, wait),
                 pool.answered,
                 lambda answered: self._returned(pool, answered),
             )
@@ -276,11 +284,14 @@ class Owed:
     def _landed(parcel: Parcel) -> Parcel:
         """Wait for the parcel's copies (landed already, unless taken with wait). A commit
         whose copy failed becomes an abort: its bytes must never be exposed. A pin goes back
-        whatever its copy did (the reader learns of a failed copy from its own handle)."""
-        for debt in parcel.releases:
+        whatever its copy did (the reader learns of a failed copy from its own handle); lock
+        pins are dropped here."""
+        for debt in parcel.releases + parcel.unlocks:
             if debt.copy is not None:
                 with contextlib.suppress(Exception):
                     debt.copy.wait()
+        for debt in parcel.unlocks:
+            debt.settle(None)
         for debt in list(parcel.commits):
             try:
                 if debt.copy is not None:

@@ -116,6 +116,7 @@ class SlotPins:
         self.pool_uuid = pool_uuid
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
+        self._retired = False
 
     def pin(self, slot: int, key: bytes) -> SlotRecord | None:
         """Pin the entry `key` in `slot`; its record (extents, spec, checksum), or None when
@@ -123,6 +124,8 @@ class SlotPins:
         if not 0 <= slot < self.header.geometry.num_slots:
             return None
         with self._lock:
+            if self._fd < 0:
+                return None
             held = self._held.get(slot)
             if held is not None:  # already locked by us: the record cannot have changed
                 if held.record.key != key:
@@ -148,18 +151,30 @@ class SlotPins:
                 del self._held[slot]
                 if self._fd >= 0:
                     unlock(self._fd, slot)
+                if self._retired and not self._held:
+                    self._close()
 
     def held(self) -> int:
         """Slots this process holds locked."""
         with self._lock:
             return len(self._held)
 
+    def retire(self) -> None:
+        """No new pins (a newer file replaced this one): close once the last pin is given back."""
+        with self._lock:
+            self._retired = True
+            if not self._held:
+                self._close()
+
     def close(self) -> None:
         with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._close()
             self._held.clear()
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _read(self, slot: int) -> SlotRecord | None:
         """The slot's record if it is whole and fits the pool; anything else is a miss."""
