@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +169,77 @@ def test_another_clients_commit_reaches_the_view(client: Client, daemon: Daemon)
     wait_until(lambda: client.view(POOL).has(b"theirs"))
     loaded = consumer.get("theirs")
     assert loaded is not None and int(loaded.sum()) == BLOCK
+
+
+def counting_calls(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The RPCs the client makes from now on, by method (its background threads' too)."""
+    calls: list[str] = []
+    real = client._do
+
+    def do(step: Any) -> Any:
+        call = getattr(step, "call", None)
+        if call is not None:
+            calls.append(call.method)
+        return real(step)
+
+    monkeypatch.setattr(client, "_do", do)
+    return calls
+
+
+def committed_elsewhere(daemon: Daemon, tensors: dict[str, torch.Tensor]) -> None:
+    with daemon.client(name="producer") as other:
+        other.open_pool(POOL, BLOCK, 256 * BLOCK)
+        Producer(other, POOL).put_many_async(tensors).wait(10)
+
+
+def test_a_local_hit_makes_no_round_trip_and_unlocks_once_copied(
+    client: Client, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer = Consumer(client, POOL)
+    committed_elsewhere(daemon, {"theirs": torch.arange(BLOCK, dtype=torch.int32)})
+    wait_until(lambda: client.view(POOL).slot(b"theirs") is not None)
+    calls = counting_calls(client, monkeypatch)
+    loaded = consumer.get("theirs")
+    assert calls == []  # not even one in the background yet: the hit is owed, with a linger
+    assert loaded is not None and torch.equal(loaded, torch.arange(BLOCK, dtype=torch.int32))
+    assert consumer.endpoint.pins().held() == 0  # a CPU copy lands at once: unlocked
+    client.settle(10)
+    [pool] = client.stats(POOL).pools
+    assert (pool.hits, pool.entries_locked, pool.pins) == (1, 0, 0)  # the owed hit arrived
+
+
+def test_a_lock_pin_is_held_until_the_copy_landed(
+    client: Client, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer = Consumer(client, POOL)
+    committed_elsewhere(daemon, {"theirs": torch.ones(BLOCK, dtype=torch.uint8)})
+    wait_until(lambda: client.view(POOL).slot(b"theirs") is not None)
+    gate = GatedTransfer()
+    load = mover_module.TensorMover.load
+
+    def gated_load(self: mover_module.TensorMover, *args: Any) -> tuple[torch.Tensor, Transfer]:
+        return load(self, *args)[0], gate
+
+    monkeypatch.setattr(mover_module.TensorMover, "load", gated_load)
+    consumer.get_many_async(["theirs"])
+    assert client.stats(POOL).pools[0].entries_locked == 1
+    assert client.evict(POOL, ["theirs"])[0].status.is_error  # being read: not evicted
+    gate.gate.set()
+    client.settle(10)
+    assert client.stats(POOL).pools[0].entries_locked == 0
+
+
+def test_hits_answered_under_lock_pins_keep_the_lru_order(daemon: Daemon) -> None:
+    with daemon.client(name="lru") as c:
+        c.open_pool("lru", BLOCK, 2 * BLOCK)
+        producer, consumer = Producer(c, "lru"), Consumer(c, "lru")
+        producer.put("old", torch.ones(BLOCK, dtype=torch.uint8))
+        producer.put("new", torch.ones(BLOCK, dtype=torch.uint8))
+        producer.flush()
+        wait_until(lambda: c.view("lru").slot(b"old") is not None)
+        assert consumer.get("old") is not None  # a local hit: "new" is now the least recent
+        c.settle(10)
+        producer.put("third", torch.ones(BLOCK, dtype=torch.uint8))
+        producer.flush()
+        states = {r.key: r.state for r in c.lookup("lru", ["old", "new"])}
+        assert states == {b"old": EntryState.READY, b"new": EntryState.ABSENT}
