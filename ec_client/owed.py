@@ -214,15 +214,18 @@ class Owed:
     # ---- what the client owes ----------------------------------------------------------------
 
     def commits(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        self._owe(lambda: self._pool(engine_id).commits.extend(debts))
+        if debts:  # waking the background thread for nothing costs the caller the GIL
+            self._owe(lambda: self._pool(engine_id).commits.extend(debts))
 
     def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        self._owe(lambda: self._pool(engine_id).releases.extend(debts))
+        if debts:
+            self._owe(lambda: self._pool(engine_id).releases.extend(debts))
 
     def unlocks(self, engine_id: str, debts: Sequence[Debt]) -> None:
         """Lock pins to drop (each debt's settle) once their copies landed. Nothing is sent for
         them: they ride with the pool's other debts only to share the waiting for copies."""
-        self._owe(lambda: self._pool(engine_id).unlocks.extend(debts))
+        if debts:
+            self._owe(lambda: self._pool(engine_id).unlocks.extend(debts))
 
     def misses(self, engine_id: str, count: int) -> None:
         """`count` misses answered from the view of the pool, for the daemon's counters."""

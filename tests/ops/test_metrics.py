@@ -77,6 +77,7 @@ def assert_pool_equals(samples: Samples, pool: PoolStats) -> None:
     assert pool_value(samples, "ecd_pool_entries", state="ready") == pool.entries_ready
     assert pool_value(samples, "ecd_pool_pinned_entries") == pool.entries_pinned
     assert pool_value(samples, "ecd_pool_pins") == pool.pins
+    assert pool_value(samples, "ecd_pool_locked_entries") == pool.entries_locked
     assert pool_value(samples, "ecd_pool_held_bytes") == pool.held_blocks * block
     for counter in (
         "hits",
