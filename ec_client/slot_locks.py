@@ -145,7 +145,9 @@ class SlotPins:
         """Give one pin back; the lock goes with the slot's last. Only once every copy made under
         the pin has landed."""
         with self._lock:
-            held = self._held[slot]
+            held = self._held.get(slot)
+            if held is None:  # closed meanwhile: its locks went with the file
+                return
             held.count -= 1
             if held.count == 0:
                 del self._held[slot]
