@@ -8,6 +8,7 @@ import pytest
 from core_testing import FakeClock, make_store, open_pool, session, spec
 
 from ec_client.layout import HEADER_SIZE, Header, pool_file_name
+from ec_client.slot_locks import SlotPins
 from ec_client.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.store import Store
@@ -405,6 +406,36 @@ def test_a_new_store_adopts_ready_entries_and_drops_pending_ones(
     assert sum(e.count for e in kept.extents) == 3
     assert present(adopted, [b"lost"]) == [False]
     assert pool_stats(adopted).free_blocks == 13
+    adopted.check()
+
+
+def test_a_restart_keeps_a_locked_entry_that_was_deleted_and_put_again_out_of_use(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    """Two records of one key: the entry deleted while a reader held its lock pin, and its
+    successor. The newer is served; the older's blocks stay out of use until the reader is
+    done, rather than the whole pool being refused or the reader's bytes reused."""
+    sid = session(store)
+    put(store, sid, b"k", 8)
+    [snapshot] = store.ready_snapshot("p")
+    info = store.pool_info("p")
+    reader = SlotPins(info.path, info.pool_uuid)
+    record = reader.pin(snapshot.slot or 0, b"k")
+    assert record is not None
+    store.delete("p", [b"k"])
+    put(store, sid, b"k", 8)  # the other 8 blocks: the old ones are still being read
+    store.close()
+
+    adopted = make_store(shm_dir, clock)
+    adopted.adopt_pools()
+    assert entry(adopted, b"k") is not None
+    assert pool_stats(adopted).free_blocks == 0  # the reader's 8 blocks are not free
+    [made] = adopted.allocate(session(adopted), "p", [(b"x", spec(BLOCK))])
+    assert made.status is Status.ALLOCATED  # the new "k" was evicted for it
+    assert made.extents[0].start >= 8 or record.extents[0][0] >= 8  # not the blocks being read
+    reader.close()
+    adopted.reclaim()
+    assert pool_stats(adopted).free_blocks == 15
     adopted.check()
 
 
