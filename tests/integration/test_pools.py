@@ -32,7 +32,8 @@ def test_a_consumer_attaches_by_name_alone_and_reads_what_the_producer_wrote(
             COMPAT,
         )
         assert attached.pool_uuid == created.pool_uuid
-        loaded = Consumer(decoder, POOL).get("img")
+        # The put is visible to others once its owed Commit arrived: ask the daemon to wait.
+        loaded = Consumer(decoder, POOL).get("img", wait_ms=5000)
         assert loaded is not None and torch.equal(loaded, tensor)
 
 
