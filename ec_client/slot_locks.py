@@ -124,7 +124,7 @@ class SlotPins:
         if not 0 <= slot < self.header.geometry.num_slots:
             return None
         with self._lock:
-            if self._fd < 0:
+            if self._retired or self._fd < 0:
                 return None
             held = self._held.get(slot)
             if held is not None:  # already locked by us: the record cannot have changed
