@@ -205,12 +205,12 @@ def test_a_call_whose_path_is_not_utf8_does_not_leave_a_deaf_daemon() -> None:
                 return True
             try:
                 with grpc.insecure_channel(daemon.address) as channel:
-                    grpc.channel_ready_future(channel).result(timeout=0.2)
+                    grpc.channel_ready_future(channel).result(timeout=1.0)
                 return True
             except grpc.FutureTimeoutError:
                 return False
 
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 10  # a loaded machine: the check itself takes seconds
         while not serving_or_gone() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert serving_or_gone(), "the daemon runs but accepts no connection"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ec_client.mapping import Span, chunk_bytes, register_chunks, split_at
@@ -61,6 +61,7 @@ def byte_pairs(plan: list[Span]) -> list[tuple[int, int]]:
     return [(pool_at + i, at + i) for pool_at, at, length in plan for i in range(length)]
 
 
+@settings(deadline=None)  # a loaded 2-core machine: an example can take a second
 @given(
     copies=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 4096)), max_size=8),
     chunk=st.integers(1, 8192),
