@@ -179,9 +179,15 @@ class PoolIndex:
         self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, used)
         seen_slots = set()
         for slot, record in sorted(records, key=lambda sr: sr[1].commit_seq):
-            if record.key in self._entries or slot in seen_slots:
-                raise ValueError(f"slot table names key {record.key!r} or slot {slot} twice")
+            if slot in seen_slots:
+                raise ValueError(f"slot table names slot {slot} twice")
             seen_slots.add(slot)
+            older = self._entries.get(record.key)
+            if older is not None:
+                # The key was deleted while a reader lock-pinned it (its record stays until the
+                # reader lets go) and put again: the newer record is the entry, the older one
+                # waits for its reader as it did before the restart (or is erased now).
+                self._remove(older, None)
             entry = Entry(
                 key=record.key,
                 spec=TensorSpec(record.shape, record.dtype, record.nbytes),
@@ -204,9 +210,8 @@ class PoolIndex:
             self._policy.on_ready(record.key)
             self._set_evictable(entry, True)
             self._commit_seq = max(self._commit_seq, record.commit_seq)
-        self._free_slots = [
-            s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in seen_slots
-        ]
+        taken = {e.slot for e in (*self._entries.values(), *self._locked)}
+        self._free_slots = [s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in taken]
 
     # ---- producer side -------------------------------------------------------------------------
 

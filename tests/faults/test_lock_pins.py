@@ -213,6 +213,42 @@ def test_a_daemon_killed_and_restarted_under_a_lock_pin_keeps_the_pinned_entry_w
         reader.close()
 
 
+@pytest.mark.fault_kind("daemon killed under a lock pin")
+def test_a_key_deleted_under_a_lock_pin_and_put_again_survives_a_daemon_restart(
+    daemon: Daemon, interpreters: Interpreters
+) -> None:
+    with daemon.client(name="filler") as c:
+        keys = fill(c, "twice")
+        key = keys[0]
+        reader = holder(interpreters, daemon, [key])
+        # Deleted while locked: it leaves the index, its record stays (its blocks are the
+        # reader's) until the lock goes. Put again meanwhile, as version 1, at another slot.
+        assert [r.status for r in c.delete(POOL, [key])] == [Status.OK]
+        producer = Producer(c, POOL, checksum=True)
+        again = make_tensor(key, ENTRY_BLOCKS * BLOCK, version=1)
+        c.evict(POOL, [keys[1]])  # room for it
+        assert producer.put(key, again) is PutStatus.COMMITTING
+        producer.flush()
+        assert locked(c) == 1
+
+    daemon.restart()  # SIGKILL before the reader let go: two records of the key in the file
+
+    with daemon.client(name="after") as c:
+        c.open_pool(POOL, BLOCK, CAPACITY)  # adopted, not refused
+        assert states(c, keys[:1] + keys[2:]) == [EntryState.READY] * (ENTRIES - 1)
+        got = Consumer(c, POOL, verify=True).get(key)
+        assert got is not None and check_entry_bytes(key, tensor_bytes(got), 1) is None
+        c.settle()
+        reader.send("read")  # the old bytes, under the old pin, are still whole
+        assert reader.expect("read") == "read", f"bytes changed under the pin: {reader.said}"
+        reader.send("unpin")
+        assert reader.expect("unpinned") == "unpinned 0"
+        wait_until(lambda: locked(c) == 0, UNLOCK_DEADLINE, "the unpinned lock to go")
+        wait_until(lambda: _accounted(c), 5.0, "the old record's blocks to be reclaimed")
+        assert_intact(c, POOL, version=None)
+        reader.close()
+
+
 # ---- everyone at once, at random ---------------------------------------------------------------
 
 CHURN_BLOCK = 4096
