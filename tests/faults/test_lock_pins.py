@@ -7,9 +7,12 @@ Proven here:
 - a daemon SIGKILLed and restarted warm while a reader holds a lock pin keeps the pinned entry
   READY and whole: pressure evicts every other entry, or answers NO_SPACE, never it, and the
   reader's bytes are still the committed ones; once unpinned it is evictable;
+- a key deleted under a lock pin and put again (two records of it in the file) survives a daemon
+  restart: the pool is adopted, the new bytes served, the old ones whole under the old pin;
 - readers, writers and an admin (evicting, deleting, dropping and recreating the pool) at random
-  on one small pool, slots and blocks reused all the time: no reader ever reads bytes of another
-  entry, under a fresh view or a stale one, and the daemon's books balance afterwards;
+  on one small pool, slots and blocks reused all the time, with or without the daemon SIGKILLed
+  and restarted midway: no reader ever reads bytes of another entry, under a fresh view or a
+  stale one, and the daemon's books balance afterwards;
 - a stale view (the entry evicted and its slot given to another) is a miss, never wrong bytes.
 """
 
@@ -50,10 +53,19 @@ ENTRIES = 8
 CAPACITY = ENTRIES * ENTRY_BLOCKS * BLOCK  # exactly the 8 entries each test fills it with
 LEASE_TTL = 10.0  # far longer than a lock pin may outlive its holder: a lease cannot explain it
 UNLOCK_DEADLINE = 0.5  # seconds from a holder's death to its locks being gone, with slack
+READERS = 2  # reader processes in a churn trial (and one writer)
 
 
 def daemon_args(*more: str) -> tuple[str, ...]:
     return ("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL), "--log-level", "debug", *more)
+
+
+@pytest.fixture(scope="module")
+def interpreters() -> Iterator[Interpreters]:
+    """Enough client processes warming at once for a churn trial's readers and writer."""
+    pool = Interpreters(spares=READERS + 1)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture
@@ -256,7 +268,6 @@ CHURN_CAPACITY = 48 * CHURN_BLOCK
 CHURN_SLOTS = 12  # fewer slots than the blocks could hold: slots are reused all the time too
 UNIVERSE = 40  # keys k0..k39, each of a size fixed by its key (1 to 4 blocks, ragged)
 CHURN_SECONDS = 3.0
-READERS = 2
 
 # Shared by the churn's child processes: a key's size is a function of the key, like its bytes.
 SIZE_OF = """
@@ -427,7 +438,20 @@ def admin(
 def test_readers_never_read_another_entrys_bytes_while_others_write_evict_delete_and_drop(
     interpreters: Interpreters, trial: int
 ) -> None:
-    rng, replay = trial_rng("lock-pin churn", trial)
+    churn(interpreters, *trial_rng("lock-pin churn", trial), kill_daemon=False)
+
+
+@pytest.mark.fault_kind("readers, writers and an admin at random, the daemon killed midway")
+@pytest.mark.parametrize("trial", range(FAULT_TRIALS))
+def test_readers_never_read_another_entrys_bytes_across_a_daemon_killed_mid_churn(
+    interpreters: Interpreters, trial: int
+) -> None:
+    churn(interpreters, *trial_rng("lock-pin churn, daemon killed", trial), kill_daemon=True)
+
+
+def churn(interpreters: Interpreters, rng: random.Random, replay: str, kill_daemon: bool) -> None:
+    """Readers, a writer and the admin at random for CHURN_SECONDS (the daemon SIGKILLed and
+    restarted warm a quarter of the way in, if asked), then the checks."""
     args = daemon_args("--entries-per-pool", str(CHURN_SLOTS))
     with running_daemon(*args) as daemon, daemon.client(name="admin") as c:
         c.open_pool(POOL, CHURN_BLOCK, CHURN_CAPACITY)
@@ -457,7 +481,12 @@ def test_readers_never_read_another_entrys_bytes_while_others_write_evict_delete
                 proc.send("go")
             # Drops only in the first half: deletes of locked entries late in the run must be
             # reclaimed by the daemon, not wiped by a drop, for the books below to be checked.
-            time.sleep(CHURN_SECONDS / 2)
+            if kill_daemon:
+                time.sleep(CHURN_SECONDS / 4)
+                daemon.restart()  # with the readers' lock pins held, deletes under them
+                time.sleep(CHURN_SECONDS / 4)
+            else:
+                time.sleep(CHURN_SECONDS / 2)
             drops.clear()
             lines = [r.finish(60) for r in readers]
             writer.finish(60)
