@@ -170,9 +170,7 @@ class PoolIndex:
     # ---- restore -------------------------------------------------------------------------------
 
     def restore(self, records: list[tuple[int, SlotRecord]]) -> None:
-        """Re-adopt READY entries from the slot table of a pool file (their eviction order that
-        of their commits). Of two records of one key, the newer is the entry; the older is one
-        deleted while lock-pinned, kept out of use until reclaimed.
+        """Re-adopt READY entries from the slot table of a pool file (oldest commit first).
 
         Raises ValueError if records overlap each other or lie outside the pool; the caller then
         refuses the whole pool rather than serve bytes two entries claim.
@@ -180,10 +178,16 @@ class PoolIndex:
         used = [Extent(s, c) for _, r in records for s, c in r.extents]
         self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, used)
         seen_slots = set()
-        for slot, record in sorted(records, key=lambda sr: sr[1].commit_seq, reverse=True):
+        for slot, record in sorted(records, key=lambda sr: sr[1].commit_seq):
             if slot in seen_slots:
                 raise ValueError(f"slot table names slot {slot} twice")
             seen_slots.add(slot)
+            older = self._entries.get(record.key)
+            if older is not None:
+                # The key was deleted while a reader lock-pinned it (its record stays until the
+                # reader lets go) and put again: the newer record is the entry, the older one
+                # waits for its reader as it did before the restart (or is erased now).
+                self._remove(older, None)
             entry = Entry(
                 key=record.key,
                 spec=TensorSpec(record.shape, record.dtype, record.nbytes),
@@ -202,21 +206,12 @@ class PoolIndex:
                 raise ValueError(
                     f"entry {record.key!r}: extents do not match {record.nbytes} bytes"
                 )
-            self._commit_seq = max(self._commit_seq, record.commit_seq)
-            if record.key in self._entries:
-                # An older record of a key committed again: that entry was deleted while a
-                # reader held its lock pin, and not yet reclaimed. Its blocks stay out of use
-                # until the reader is done (reclaim), as they would have without the restart.
-                entry.removed = True
-                self._locked.add(entry)
-                continue
             self._entries[record.key] = entry
-        for entry in sorted(self._entries.values(), key=lambda e: e.commit_seq):
-            self._policy.on_ready(entry.key)
+            self._policy.on_ready(record.key)
             self._set_evictable(entry, True)
-        self._free_slots = [
-            s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in seen_slots
-        ]
+            self._commit_seq = max(self._commit_seq, record.commit_seq)
+        taken = {e.slot for e in (*self._entries.values(), *self._locked)}
+        self._free_slots = [s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in taken]
 
     # ---- producer side -------------------------------------------------------------------------
 

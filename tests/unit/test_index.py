@@ -254,6 +254,43 @@ def test_restore_refuses_records_that_overlap() -> None:
         index.restore([(0, record), (1, twin)])
 
 
+def deleted_under_a_lock_and_put_again() -> tuple[list[tuple[int, SlotRecord]], int]:
+    """The slot table left by a key deleted while a reader locked it, then put again: two
+    records of the key. Returns the records and the older one's slot."""
+    index, journal, _ = make_index()
+    put(index, b"k", 2)
+    old_slot = journal.lock(b"k")
+    assert index.delete(b"k").status is Status.OK  # its record stays: the reader holds it
+    put(index, b"k", 3)
+    assert sorted(r.key for r in journal.records.values()) == [b"k", b"k"]
+    return sorted(journal.records.items()), old_slot
+
+
+@pytest.mark.parametrize("still_locked", [True, False])
+def test_restore_of_a_key_deleted_under_a_lock_and_put_again_adopts_the_newer_record(
+    still_locked: bool,
+) -> None:
+    records, old_slot = deleted_under_a_lock_and_put_again()
+    restored, journal, _ = make_index()
+    journal.records = dict(records)
+    if still_locked:  # locks outlive the daemon: the reader may still hold it
+        journal.locked.add(old_slot)
+    restored.restore(records)  # not refused
+    entry = restored.get(b"k")
+    assert entry is not None and entry.slot != old_slot and entry.blocks == 3
+    assert entry.commit_seq == max(r.commit_seq for _, r in records)
+    restored.check()
+    # The older record's blocks are the reader's until it lets go, then free again.
+    assert restored.stats("").free_blocks == (3 if still_locked else 5)
+    assert (old_slot in journal.records) is still_locked
+    journal.locked.clear()
+    assert restored.reclaim() == 0
+    assert restored.stats("").free_blocks == 5 and old_slot not in journal.records
+    restored.check()
+    restored.allocate(b"fill", spec(5 * BLOCK), "s", "p")  # every free block, a free slot
+    restored.check()
+
+
 def test_stats_count_states_pins_and_bytes() -> None:
     index, _, _ = make_index()
     put(index, b"ready", 2)

@@ -1,0 +1,221 @@
+"""Lock pins' primitives (ec_client/slot_locks.py) on a real pool file: real OFD locks, no daemon.
+
+Two open file descriptions in one process conflict as two processes would (OFD locks belong to
+the description), so the daemon's side is a PoolFile (its own read-write description) and each
+reader a SlotPins (a read-only one). Proven here: a shared lock refuses the exclusive one and
+only its own byte; pins count per slot; a pin is a miss, and leaves no lock, whenever the slot
+does not hold a whole record of the key that fits the pool, or while the exclusive lock is
+held; `locked_slots` lists exactly the locked slots; a retired SlotPins closes with its last pin.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ec_client.layout import SLOT_SIZE, Geometry, SlotRecord, slot_offset
+from ec_client.slot_locks import SlotPins, lock_exclusive, lock_shared, locked_slots, unlock
+from ec_daemon.pool import PoolFile
+
+BLOCK = 4096
+GEOMETRY = Geometry(BLOCK, num_blocks=64, num_slots=8)
+
+
+def record(key: bytes, start: int = 0, nbytes: int = 3 * BLOCK) -> SlotRecord:
+    blocks = -(-nbytes // BLOCK)
+    return SlotRecord(key, "uint8", (nbytes,), nbytes, 0, 1, ((start, blocks),))
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[PoolFile]:
+    """A pool file whose slots 0..7 hold entries k0..k7 (3 blocks each, back to back)."""
+    pool = PoolFile.create(tmp_path, "p", GEOMETRY, "model", 0o600, None)
+    for slot in range(GEOMETRY.num_slots):
+        pool.write_slot(slot, record(f"k{slot}".encode(), start=3 * slot))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def pins(pool: PoolFile) -> Iterator[SlotPins]:
+    pins = SlotPins(str(pool.path), str(pool.header.pool_uuid))
+    yield pins
+    pins.close()
+
+
+def key(slot: int) -> bytes:
+    return f"k{slot}".encode()
+
+
+def test_a_shared_lock_refuses_the_exclusive_one_and_a_free_byte_grants_it(pool: PoolFile) -> None:
+    reader = os.open(pool.path, os.O_RDONLY)
+    other_reader = os.open(pool.path, os.O_RDONLY)
+    daemon = os.open(pool.path, os.O_RDWR)
+    try:
+        assert lock_shared(reader, 3)
+        assert lock_shared(other_reader, 3)  # readers share
+        assert not lock_exclusive(daemon, 3)
+        assert lock_exclusive(daemon, 2) and lock_exclusive(daemon, 4)  # only its own byte
+        unlock(daemon, 2)
+        unlock(daemon, 4)
+        unlock(reader, 3)
+        assert not lock_exclusive(daemon, 3)  # the other reader still holds it
+        unlock(other_reader, 3)
+        assert lock_exclusive(daemon, 3)
+        assert not lock_shared(reader, 3)  # and the exclusive one refuses readers
+    finally:
+        for fd in (reader, other_reader, daemon):
+            os.close(fd)
+
+
+def test_pinning_a_slot_twice_and_unpinning_once_keeps_its_lock(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    assert pins.pin(5, key(5)) == record(key(5), start=15)
+    assert pins.pin(5, key(5)) == record(key(5), start=15)
+    assert pins.held() == 1
+    pins.unpin(5)
+    assert pool.slot_locked(5)
+    assert not pool.erase_slot(5)
+    assert pins.pin(5, key(5)) is not None  # the record is still there, whole
+    pins.unpin(5)
+    pins.unpin(5)
+    assert pins.held() == 0
+    assert not pool.slot_locked(5)
+    assert pool.erase_slot(5)
+    assert pins.pin(5, key(5)) is None  # erased: a miss
+
+
+def test_a_pin_holds_the_record_against_erasure_until_unpinned(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    assert pins.pin(2, key(2)) is not None
+    assert not pool.erase_slot(2)
+    assert _record_at(pool, 2) == record(key(2), start=6)
+    assert pool.erase_slot(3)  # a neighbour is not held by it
+    pins.unpin(2)
+    assert pool.erase_slot(2)
+
+
+def _patch(pool: PoolFile, at: int, data: bytes) -> None:
+    """Write into the file as another process would."""
+    fd = os.open(pool.path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, at)
+    finally:
+        os.close(fd)
+
+
+def _record_at(pool: PoolFile, slot: int) -> SlotRecord | None:
+    fd = os.open(pool.path, os.O_RDONLY)
+    try:
+        return SlotRecord.unpack(os.pread(fd, SLOT_SIZE, slot_offset(slot)))
+    finally:
+        os.close(fd)
+
+
+def _tear(pool: PoolFile) -> None:
+    """Flip one byte of slot 1's key: its CRC no longer matches."""
+    at = slot_offset(1) + len(record(key(1)).pack()) - 1
+    _patch(pool, at, b"\xff")
+
+
+MISSES: dict[str, Callable[[PoolFile], object]] = {
+    "another key": lambda pool: pool.write_slot(1, record(b"someone-else", start=3)),
+    "a free slot": lambda pool: _patch(pool, slot_offset(1), b"\0" * SLOT_SIZE),
+    "an erased slot": lambda pool: pool.erase_slot(1),
+    "a torn record": _tear,
+    "extents past the pool": lambda pool: pool.write_slot(
+        1, record(key(1), start=GEOMETRY.num_blocks - 2)
+    ),
+    "extents not its size": lambda pool: pool.write_slot(
+        1, SlotRecord(key(1), "uint8", (BLOCK,), BLOCK, 0, 1, ((3, 2),))
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MISSES)
+def test_a_pin_of_a_slot_not_holding_a_whole_fitting_record_of_the_key_is_a_miss_and_leaves_no_lock(
+    pool: PoolFile, pins: SlotPins, case: str
+) -> None:
+    MISSES[case](pool)
+    assert pins.pin(1, key(1)) is None
+    assert pins.held() == 0
+    assert not pool.slot_locked(1)
+    assert pool.locked_slots() == set()
+    assert pins.pin(0, key(0)) is not None  # the others are unaffected
+
+
+def test_a_pin_of_a_slot_out_of_range_is_a_miss(pins: SlotPins) -> None:
+    assert pins.pin(GEOMETRY.num_slots, key(0)) is None
+    assert pins.pin(-1, key(0)) is None
+    assert pins.held() == 0
+
+
+def test_a_pin_while_the_exclusive_lock_is_held_is_a_miss_and_leaves_no_lock(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    daemon = os.open(pool.path, os.O_RDWR)
+    try:
+        assert lock_exclusive(daemon, 4)
+        assert pins.pin(4, key(4)) is None
+        assert pins.held() == 0
+        unlock(daemon, 4)
+        assert not pool.slot_locked(4)
+        assert pins.pin(4, key(4)) is not None
+    finally:
+        os.close(daemon)
+
+
+def test_locked_slots_lists_exactly_the_locked_slots(pool: PoolFile, pins: SlotPins) -> None:
+    assert pool.locked_slots() == set()
+    other = SlotPins(str(pool.path), str(pool.header.pool_uuid))
+    try:
+        for slot in (0, 3, 4):
+            assert pins.pin(slot, key(slot)) is not None
+        for slot in (4, 7):  # another reader, overlapping on 4; the last slot too
+            assert other.pin(slot, key(slot)) is not None
+        assert pool.locked_slots() == {0, 3, 4, 7}
+        pins.unpin(4)
+        assert pool.locked_slots() == {0, 3, 4, 7}  # the other reader still holds 4
+        other.unpin(4)
+        pins.unpin(0)
+        assert pool.locked_slots() == {3, 7}
+        # Seen from any description that holds none itself, the daemon's read-only view too.
+        probe = os.open(pool.path, os.O_RDONLY)
+        try:
+            assert locked_slots(probe, GEOMETRY.num_slots) == {3, 7}
+        finally:
+            os.close(probe)
+        other.close()  # closing drops every lock it held
+        assert pool.locked_slots() == {3}
+    finally:
+        other.close()
+    pins.unpin(3)
+    assert pool.locked_slots() == set()
+
+
+def test_retire_closes_the_file_once_the_last_pin_is_given_back(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    assert pins.pin(1, key(1)) is not None
+    assert pins.pin(6, key(6)) is not None
+    pins.retire()
+    assert pool.locked_slots() == {1, 6}  # retiring drops no pin
+    pins.unpin(1)
+    assert pool.locked_slots() == {6}
+    assert pins.pin(6, key(6)) is not None  # still open while pins are held
+    pins.unpin(6)
+    pins.unpin(6)
+    assert pool.locked_slots() == set()
+    assert pins.pin(2, key(2)) is None  # closed: every pin is a miss
+    assert pool.locked_slots() == set()
+
+
+def test_retire_with_no_pins_closes_at_once(pool: PoolFile, pins: SlotPins) -> None:
+    pins.retire()
+    assert pins.pin(0, key(0)) is None
+    assert pool.locked_slots() == set()
