@@ -207,8 +207,8 @@ def test_retire_closes_the_file_once_the_last_pin_is_given_back(
     assert pool.locked_slots() == {1, 6}  # retiring drops no pin
     pins.unpin(1)
     assert pool.locked_slots() == {6}
-    assert pins.pin(6, key(6)) is not None  # still open while pins are held
-    pins.unpin(6)
+    assert pins.pin(6, key(6)) is None  # retired: no new pins, not even of a slot held
+    assert pool.locked_slots() == {6}
     pins.unpin(6)
     assert pool.locked_slots() == set()
     assert pins.pin(2, key(2)) is None  # closed: every pin is a miss
