@@ -156,7 +156,7 @@ class SchedulerSide:
         self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
         self._unavailable: set[str] = set()
         self._no_width: set[str] = set()  # modalities already warned about
-        self._hits: list[bytes] = []  # lock pins taken in this call: hits owed to the daemon
+        self._hits: list[bytes] = []  # lock pins taken this step: hits owed to the daemon
         # Set once, when the daemon is first reached: the view last, so that a synced view
         # always means a client and a generation to go with it.
         self.client: Client | None = None
@@ -250,9 +250,6 @@ class SchedulerSide:
             pending_wait_s=self.config.pending_wait_s,
             lock=self._lock_pin,
         )
-        if self._hits:  # the daemon's hit counters and LRU order, with the next Step
-            hits, self._hits = self._hits, []
-            self._reached().owed.hits(self.config.pool, hits)
         return admitted
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -278,6 +275,7 @@ class SchedulerSide:
     def build_connector_meta(self) -> ECDaemonConnectorMetadata:
         self._absorb()
         self._unlock_done()
+        self._owe_hits()  # they ride on this Step
         if self.view.synced:
             self._send_owed(
                 "flush", acquires=self.loads.take_wanted(), allocates=self.saves.take_planned()
@@ -342,12 +340,15 @@ class SchedulerSide:
         if client is None:
             return  # the daemon was never reached
         self._absorb()
+        self._owe_hits()
         if self.view.synced:
             self._send_owed("shutdown")
         self.view.close()
         if self._slot_pins is not None:
             self._slot_pins.close()
         if self.config.pool_is_private:
+            with contextlib.suppress(EcdError, TimeoutError):
+                client.settle(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
         client.close()  # after the background Steps are answered (within its settle time)
@@ -485,6 +486,12 @@ class SchedulerSide:
         self.view.discard(raw)  # gone (or not ours): it is encoded, and saved again
         return LOCK_MISSED
 
+    def _owe_hits(self) -> None:
+        """The lock pins' hits, for the daemon's hit counters and its LRU order (next Step)."""
+        if self._hits:
+            hits, self._hits = self._hits, []
+            self._reached().owed.hits(self.config.pool, hits)
+
     def _unlock_done(self) -> None:
         """Unlock the lock pins the book is done with (every copy under them landed)."""
         unlocks = self.loads.take_unlocks()
@@ -532,6 +539,7 @@ class SchedulerSide:
         failed = self.loads.void(locks_too=new_file)
         self.saves.void()
         if new_file:  # the workers remap the new file: the old one's locks pin nothing of use
+            self._hits.clear()
             if self._slot_pins is not None:
                 self._slot_pins.close()
             self._slot_pins = self._open_slot_pins(self.client)

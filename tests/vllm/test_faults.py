@@ -99,6 +99,26 @@ def test_a_load_under_a_lock_pin_outlives_a_daemon_restart_and_its_entry_is_not_
     assert replies[0].loaded == {"img-a": digest(encoder_output("img-a"))}
 
 
+def test_a_recreated_pool_fails_the_loads_under_lock_pins_and_lock_pins_work_on_the_new_file(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(pool="durable")
+    e.save("r0", "img-a")
+    step = e.schedule([request("r1", "img-a")])  # lock-pinned, and the load is ordered
+    assert step.load == {"img-a"}
+    replies = e.run(step)
+    uuid = e.scheduler.client.pool_info("durable").pool_uuid
+    with daemon.client(name="operator") as c:
+        c.drop_pool("durable", force=True)  # the engine's view recreates it: a new file
+    wait_until(lambda: e.scheduler.client.pool_info("durable").pool_uuid != uuid, 10)
+    wait_until(lambda: e.scheduler.view.synced, 10)
+    assert e.finish(replies) == {"r1"}  # its extents were the old file's
+    e.save("r2", "img-b")
+    _, after = e.admit(request("r3", "img-b"))
+    assert after.loaded == {"img-b": digest(encoder_output("img-b"))}
+    assert e.locked() == (0, 0)
+
+
 def test_a_daemon_restart_fails_only_the_requests_whose_loads_under_a_lease_were_in_flight(
     engine: EngineFactory, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
