@@ -1,10 +1,10 @@
 """SchedulerSide: the connector in vLLM's scheduler process, the only part that calls the daemon.
 
-The scheduler thread waits on no round trip (docs/design.md §12): everything owed to the daemon
-and asked of it goes in a Step (one RPC: Release, Commit, Abort, Acquire, Allocate, in that
-order, with the hits and misses answered here since the last one) sent from the client's
-background thread, and its answer is taken on the scheduler thread at its next call into the
-connector, before anything depends on it. Per step:
+The scheduler thread waits on no round trip in steady state (docs/design.md §12), pins
+included: everything owed to the daemon and asked of it goes in a Step (one RPC: Release,
+Commit, Abort, Acquire, Allocate, in that order, with the hits and misses answered here since the
+last one) sent from the client's background thread, and its answer is taken on the scheduler
+thread at its next call into the connector, before anything depends on it. Per step:
 
     ensure_cache_available   from local state, no round trip: a needed item READY in this
         daemon's pool whose slot the ready view knows is pinned right there, by a lock on its
