@@ -16,7 +16,7 @@ pool), and takes a fresh snapshot.
 With peer daemons (docs/design.md §13) the stream also carries the keys peers hold (include_remote:
 events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
 a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
-entries, for callers that must not wait on a transfer (vLLM's synchronous pin).
+entries, for callers that must not wait on a transfer.
 
 Each local READY key comes with its slot in the pool file (the events carry it), where a reader
 takes a lock pin and finds the entry's record (`slot`: docs/design.md §5, ec_client/slot_locks.py):

@@ -25,6 +25,7 @@ from typing import Any
 from unittest.mock import patch
 
 import torch
+from ecd_testing import wait_until
 from vllm.config import VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
@@ -33,6 +34,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
+from ec_client import Client
 from ec_client.vllm import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, WorkerRank
 from ec_client.vllm.offline import (
@@ -301,10 +303,26 @@ class Engine:
         raise AssertionError(f"{req.request_id} was held back {max_steps} steps")
 
     def save(self, request_id: str, key: str) -> StepResult:
-        """A request that encodes `key`, then empty steps until its save is committed."""
+        """A request that encodes `key`, then empty steps until its save is committed and the
+        view heard its slot (the COMMITTED event, a moment after the commit's answer), as for
+        an item saved a while ago: from then on a hit is lock-pinned at once."""
         result = self.step(request(request_id, key))
         self.settle()
+        self.slot_known(key)
         return result
+
+    def slot_known(self, key: str, timeout_s: float = 10.0) -> None:
+        """Wait until the view knows where `key`'s record is, if the commit went through."""
+        view = self.scheduler.view
+        self.connector.has_pending_push_work()  # takes the answers come (the commit's) as vLLM
+        if view.has_local(key.encode()):
+            wait_until(lambda: view.slot(key.encode()) is not None, timeout_s)
+
+    def locked(self) -> tuple[int, int]:
+        """The daemon's count of this pool's (lease pins, lock-pinned entries)."""
+        with Client(self.spec.address) as c:
+            [pool] = c.stats(self.pool).pools
+            return pool.pins, pool.entries_locked
 
     def settle(self, max_steps: int = 5) -> None:
         """Empty steps until nothing is owed to the daemon (as vLLM keeps stepping while

@@ -18,12 +18,14 @@ far as the connector decides it: a request arriving at a step's start gets its f
 end of the step that schedules it, each step lasting its scheduler time plus the forward pass.
 
 ECCPUConnector runs the same sequences through its own scheduler side (in-process bookkeeping
-over a /dev/shm region, no daemon) for comparison. `--pins` lists the ECDaemonConnector pin
-modes to compare (`ecd_pins`: auto, ahead, every).
+over a /dev/shm region, no daemon) for comparison. The cached items are saved by an unmeasured
+first pass; ecd's measured pass starts once its ready view heard their slots (the COMMITTED
+events, a moment after the commits), as it has in an engine whose images were saved earlier.
 
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
-With `--json`, one line: {"ecd": {"scheduler_us", "held_steps", "held_requests", "rpcs"},
-"eccpu": {"scheduler_us"}} for the burst with the first `--pins` mode (medians over `--runs`).
+With `--json`, one line: {"ecd": {"scheduler_us", "held_steps", "held_requests", "rpcs",
+"ttft_cached_ms", "ttft_new_ms"}, "eccpu": {"scheduler_us", "ttft_cached_ms", "ttft_new_ms"}}
+for the burst at the first `--step-ms` (medians over `--runs`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ from ec_client.units import parse_size
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import finish_step, image_request, offline_config, schedule_step
-from ec_client.vllm.pins import MODES as PIN_MODES
 
 
 @dataclass
@@ -174,11 +175,21 @@ def outcome(costs: list[StepCost], cached: set[str], step_s: float) -> Outcome:
     )
 
 
-def one_run(
-    connector_name: str, workload: Workload, pattern: str, address: str | None, pins: str
-) -> Outcome:
+def slots_known(connector: ECConnectorBase, keys: list[str], timeout_s: float = 5.0) -> None:
+    """Wait until ecd's ready view knows the slots of `keys` (lock pins need them)."""
+    if not isinstance(connector, ECDaemonConnector):
+        return
+    view = connector.scheduler_side.view
+    deadline = time.monotonic() + timeout_s
+    while not all(view.slot(key.encode()) is not None for key in keys):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the daemon's COMMITTED events did not come")
+        time.sleep(0.001)
+
+
+def one_run(connector_name: str, workload: Workload, pattern: str, address: str | None) -> Outcome:
     run = uuid.uuid4().hex[:8]
-    extra: dict[str, Any] = {"ec_cpu_bytes": workload.capacity, "ecd_pins": pins}
+    extra: dict[str, Any] = {"ec_cpu_bytes": workload.capacity}
     if address:
         extra["ecd_address"] = address
     config = offline_config(
@@ -198,6 +209,7 @@ def one_run(
         hits = workload.hits if pattern == "burst" else workload.items // 8
         cached = [f"{run}-hit-{i}" for i in range(hits)]
         drive(connector, [requests(cached)], report, workload.step_s)  # fill: not measured
+        slots_known(connector, cached)
         if pattern == "burst":
             new = [f"{run}-miss-{i}" for i in range(workload.items - hits)]
             arrivals = [requests(cached + new)]
@@ -227,7 +239,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", default="512MiB", help="pool size")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--step-ms", default="10", help="forward-pass time(s), comma-separated")
-    parser.add_argument("--pins", default=",".join(PIN_MODES), help="ecd_pins modes to compare")
     parser.add_argument("--patterns", default="burst,trickle", help="burst, trickle")
     parser.add_argument("--no-eccpu", action="store_true", help="skip ECCPUConnector")
     parser.add_argument("--json", action="store_true", help="print one JSON line (see above)")
@@ -236,22 +247,18 @@ def main(argv: list[str] | None = None) -> None:
     capacity = parse_size(args.capacity)
     step_times = [float(s) for s in args.step_ms.split(",")]
     patterns = args.patterns.split(",")
-    contenders = [("ECDaemonConnector", pins) for pins in args.pins.split(",")]
-    contenders += [] if args.no_eccpu else [("ECCPUConnector", "-")]
-    results: dict[tuple[str, str, str, float], Outcome] = {}
-    for name, pins in contenders:
-        mode = pins if pins != "-" else PIN_MODES[0]  # ECCPUConnector has none: any will do
+    contenders = ["ECDaemonConnector"] + ([] if args.no_eccpu else ["ECCPUConnector"])
+    results: dict[tuple[str, str, float], Outcome] = {}
+    for name in contenders:
         warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
-        one_run(name, warm, "burst", args.address, mode)
+        one_run(name, warm, "burst", args.address)
         for step_ms in step_times:
             workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
             for pattern in patterns:
-                runs = [
-                    one_run(name, workload, pattern, args.address, mode) for _ in range(args.runs)
-                ]
-                results[(name, pins, pattern, step_ms)] = median_outcome(runs)
+                runs = [one_run(name, workload, pattern, args.address) for _ in range(args.runs)]
+                results[(name, pattern, step_ms)] = median_outcome(runs)
     if args.json:
-        print(json.dumps(summary(results, step_times[0], contenders[0][1])))
+        print(json.dumps(summary(results, step_times[0])))
         return
     print(
         f"burst: {args.items} requests x 1 image ({hits} cached, {args.items - hits} new); "
@@ -259,35 +266,37 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rows} x {args.width} bf16 each; medians of {args.runs} runs"
     )
     print(
-        f"{'connector':18} {'pins':6} {'pattern':8} {'step ms':>7} {'sched us':>9} "
+        f"{'connector':18} {'pattern':8} {'step ms':>7} {'sched us':>9} "
         f"{'held':>4} {'held req':>8} {'RPCs':>5} {'TTFT cached ms':>14} {'TTFT new ms':>11}"
     )
-    for (name, pins, pattern, step_ms), o in results.items():
+    for (name, pattern, step_ms), o in results.items():
         print(
-            f"{name:18} {pins:6} {pattern:8} {step_ms:7.0f} {o.scheduler_us:9.0f} "
+            f"{name:18} {pattern:8} {step_ms:7.0f} {o.scheduler_us:9.0f} "
             f"{o.held_steps:4.0f} {o.held_requests:8.0f} {o.rpcs:5.0f} "
             f"{o.ttft_cached_ms:14.2f} {o.ttft_new_ms:11.2f}"
         )
 
 
-def summary(
-    results: dict[tuple[str, str, str, float], Outcome], step_ms: float, pins: str
-) -> dict[str, Any]:
-    """The JSON line: the burst at the first step time, the first pin mode asked for (the
-    default's, unless --pins says otherwise) against ECCPU."""
-    ecd = results[("ECDaemonConnector", pins, "burst", step_ms)]
+def summary(results: dict[tuple[str, str, float], Outcome], step_ms: float) -> dict[str, Any]:
+    """The JSON line: the burst at the first step time, ecd against ECCPU."""
+    ecd = results[("ECDaemonConnector", "burst", step_ms)]
     line: dict[str, Any] = {
         "ecd": {
             "scheduler_us": round(ecd.scheduler_us),
             "held_steps": ecd.held_steps,
             "held_requests": ecd.held_requests,
             "rpcs": ecd.rpcs,
+            **ttft(ecd),
         }
     }
-    eccpu = results.get(("ECCPUConnector", "-", "burst", step_ms))
+    eccpu = results.get(("ECCPUConnector", "burst", step_ms))
     if eccpu is not None:
-        line["eccpu"] = {"scheduler_us": round(eccpu.scheduler_us)}
+        line["eccpu"] = {"scheduler_us": round(eccpu.scheduler_us), **ttft(eccpu)}
     return line
+
+
+def ttft(o: Outcome) -> dict[str, float]:
+    return {"ttft_cached_ms": round(o.ttft_cached_ms, 2), "ttft_new_ms": round(o.ttft_new_ms, 2)}
 
 
 if __name__ == "__main__":

@@ -23,17 +23,15 @@ Keys of `ec_connector_extra_config`:
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon restarts. A call made while no daemon is there at all (no socket,
   nothing listening) fails at once: the scheduler's steps never wait on it. Default 2.
-- `ecd_pins`: when a request's cached items are pinned (see pins.py): `auto` (default) pins the
-  first such request of a scheduler step at once, by one round trip on the scheduler thread, and
-  later ones too while that waiting stays under `ecd_pin_share` of the engine's step time; the
-  others have theirs pinned in the background and wait one step. `ahead`: always in the
-  background (no round trip on the scheduler thread; every request with cached items waits one
-  step). `every`: always at once.
-- `ecd_pin_share`: the share of a step's time `auto` may spend waiting on pins. Default 0.2.
+
+`ecd_pins` and `ecd_pin_share` (of earlier versions: when cached items were pinned by a round
+trip on the scheduler thread) are ignored, with a warning: cached items are now pinned with no
+round trip (lock pins, see scheduler.py), so there is nothing left to choose.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,10 +41,15 @@ import torch
 from ec_client.layout import ENGINE_ID_PATTERN
 from ec_client.mover import dtype_name
 from ec_client.units import parse_size
-from ec_client.vllm.pins import MODES as PIN_MODES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger("ec_client.vllm")
+
+# Settings of earlier versions that mean nothing now: accepted (an engine upgraded with its old
+# config still starts), with a warning.
+IGNORED = ("ecd_pins", "ecd_pin_share")
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,6 @@ class ConnectorConfig:
     is_consumer: bool
     wait_s: float
     pending_wait_s: float
-    pins: str  # "auto", "ahead" or "every": see `ecd_pins`
-    pin_share: float
     connect_timeout_s: float
     load_reports: int  # distinct worker ranks that must report a load before its pin goes
     # Each scheduler hears only its own worker (executor "uni", or "external_launcher", where
@@ -85,6 +86,14 @@ class ConnectorConfig:
         if ec is None:
             raise ValueError("ECDaemonConnector needs an ec_transfer_config")
         extra: dict[str, Any] = dict(ec.ec_connector_extra_config or {})
+        for key in IGNORED:
+            if key in extra:
+                log.warning(
+                    "ec_connector_extra_config %s=%r is ignored: cached items are pinned with "
+                    "no round trip now, whatever it says; remove it",
+                    key,
+                    extra[key],
+                )
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
 
@@ -127,8 +136,6 @@ class ConnectorConfig:
             is_consumer=bool(ec.is_ec_consumer),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
             pending_wait_s=_number(extra, "ecd_pending_wait_ms", 2000) / 1000,
-            pins=_choice(extra, "ecd_pins", PIN_MODES),
-            pin_share=_number(extra, "ecd_pin_share", 0.2),
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),
             load_reports=1 if alone else loaders,
             worker_is_alone=alone,
@@ -150,13 +157,6 @@ def _size(extra: dict[str, Any], key: str) -> int:
     if size <= 0:
         raise ValueError(f"{key} must be positive, got {value!r}")
     return size
-
-
-def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
-    value = extra.get(key, allowed[0])
-    if value not in allowed:
-        raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-    return str(value)
 
 
 def _number(extra: dict[str, Any], key: str, default: float) -> float:

@@ -1,4 +1,4 @@
-"""LoadBook: the scheduler side's pins and the loads dispatched out of them (no RPCs here).
+"""LoadBook: the scheduler side's pins and the loads dispatched out of them (no I/O here).
 
 Why pins come first. When `has_cache_item(key)` answers True, vLLM's scheduler does not schedule
 the encoder for that input: the worker must then find the tensor in its encoder cache, or the
@@ -6,22 +6,32 @@ forward pass raises "Encoder cache miss" (vllm/v1/worker/gpu/mm/encoder_runner.p
 whole engine down; a stand-in tensor would instead compute, and prefix-cache, the request's KV
 from wrong embeddings. The decision cannot be taken back when the step's metadata is built, and
 `take_unavailable_requests` is read only after the step ran. So the connector answers True only
-for entries it already holds a pin on:
+for entries it already holds a pin on. A pin is of one of two kinds:
 
-    admit (ensure_cache_available): a key the pool has READY but we hold no pin on is *wanted*;
-        the request is held back, unless the scheduler side pins it at once (see scheduler.py:
-        a synchronous Step, within a per-step budget).
+- a *lock pin* (docs/design.md §5, ec_client/slot_locks.py): a shared lock on the entry's slot
+  in the pool file, taken by the scheduler side itself, with no round trip, for an entry READY
+  in this daemon's pool whose slot the ready view knows. It is given back here (`take_unlocks`)
+  and it outlives a daemon restart: the lock belongs to the file.
+- a *lease pin*: a lease ID from an Acquire, for what a lock pin cannot take: an entry only a
+  peer daemon holds (the Acquire pulls it), or one committed a moment ago whose slot the view
+  has not heard yet. Released by a Step (`take_releases`); a new session voids it.
+
+The steps:
+
+    admit (ensure_cache_available): a key the pool has READY and we hold no pin on is lock-pinned
+        at once (the caller's `lock`), and the request admitted in the same call. A key that
+        cannot be lock-pinned is *wanted*, and its request held back.
     flush (build_connector_meta): the still-wanted keys are *acquiring*: one Step pins them in
         the background, its answer taken before the next step -> Pin, or *missed*.
     next step: admit passes, has_cache_item is True, dispatch mints a transfer ID.
-    workers report the transfer ID from every rank -> the pin is owed back (released with the
-        next Step).
+    workers report the transfer ID from every rank -> the pin is owed back (a lease released
+        with the next Step, a lock dropped at once by the caller).
 
-A missed key (evicted between the view's READY and the Acquire) is encoded by its request
-instead, and that request is not held back for that key again, so nothing waits forever. Nor is
-a request held back for a key already scheduled for it (loaded or encoded): a request whose
-prefill spans several steps is asked about again every step, and its encoder output is on the
-GPU by then.
+A missed key (evicted between the view's READY and the pin: the lock found another record, or
+the Acquire nothing) is encoded by its request instead, and that request is not held back for
+that key again, so nothing waits forever. Nor is a request held back for a key already scheduled
+for it (loaded or encoded): a request whose prefill spans several steps is asked about again
+every step, and its encoder output is on the GPU by then.
 """
 
 from __future__ import annotations
@@ -34,17 +44,39 @@ from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.metadata import LoadOrder, WorkerRank
 
 
+@dataclass(frozen=True)
+class LockPin:
+    """A lock pin the caller took on `slot`: the entry's extents and spec, from its record."""
+
+    slot: int
+    extents: tuple[Extent, ...]
+    spec: TensorSpec
+
+
+class LockMissed:
+    """The caller's lock pin found the slot not holding the key (evicted meanwhile)."""
+
+
+LOCK_MISSED = LockMissed()
+
+# What `admit`'s `lock` answers for a key: a lock pin, a miss, or None (no lock pin possible
+# here: not READY in this daemon's pool, or its slot not known yet): then the Acquire path.
+Lock = Callable[[str], LockPin | LockMissed | None]
+
+
 @dataclass
 class Pin:
-    """A lease this engine holds on one READY entry, so it cannot be evicted.
+    """A pin this engine holds on one READY entry, so it cannot be evicted: a lease (lease_id)
+    or a lock on its slot (slot).
 
     Released once no waiting request counts on it (`holders` empty) and every copy dispatched
     out of it was reported by every rank (`transfers` empty).
     """
 
-    lease_id: int
     extents: tuple[Extent, ...]
     spec: TensorSpec
+    lease_id: int | None = None
+    slot: int | None = None
     holders: set[str] = field(default_factory=set)
     transfers: set[int] = field(default_factory=set)
 
@@ -72,7 +104,8 @@ class LoadBook:
         self._no_wait: set[tuple[str, str]] = set()  # (request, key): missed, or scheduled
         self._absent_since: dict[tuple[str, str], float] = {}  # (request, key) -> first seen
         self._by_request: defaultdict[str, set[str]] = defaultdict(set)  # for forget()
-        self._releases: list[int] = []
+        self._releases: list[int] = []  # lease pins owed back to the daemon
+        self._unlocks: list[int] = []  # lock pins' slots, for the caller to unlock
 
     # ---- the scheduler's questions -------------------------------------------------------------
 
@@ -85,12 +118,15 @@ class LoadBook:
         wait_s: float,
         pending: Callable[[str], bool] = lambda key: False,
         pending_wait_s: float = 0.0,
+        lock: Lock = lambda key: None,
     ) -> bool:
         """Whether the request may be scheduled now: every key it still needs is pinned, or is
-        to be encoded. A key the pool has READY is wanted (pinned at the next flush); a key
-        `pending` in the pool (a producer is writing it) is waited for up to pending_wait_s,
-        and with wait_s a key the pool lacks up to that long (another engine may be about to
-        encode it). Any of these holds the request back this step."""
+        to be encoded. A key with no pin is first offered to `lock`: a lock pin taken there
+        admits it at once, a lock that missed has it encoded. Otherwise a key the pool has READY
+        is wanted (pinned at the next flush); a key `pending` in the pool (a producer is
+        writing it) is waited for up to pending_wait_s, and with wait_s a key the pool lacks up
+        to that long (another engine may be about to encode it). Any of these holds the request
+        back this step."""
         admitted = True
         for key in keys:
             self._by_request[request_id].add(key)
@@ -99,9 +135,17 @@ class LoadBook:
             pin = self._pins.get(key)
             if pin is not None:
                 pin.holders.add(request_id)
-            elif key in self._acquiring:
+                continue
+            if key in self._acquiring:  # its Acquire answers first: one pin per key
                 self._acquiring[key].add(request_id)
                 admitted = False
+                continue
+            locked = lock(key)
+            if isinstance(locked, LockPin):
+                holders = self._wanted.pop(key, set()) | {request_id}
+                self._pins[key] = Pin(locked.extents, locked.spec, None, locked.slot, holders)
+            elif locked is not None:  # missed: encoded, like a missed Acquire
+                self._no_wait.add((request_id, key))
             elif key in self._wanted or ready(key):
                 self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
@@ -167,8 +211,13 @@ class LoadBook:
         missing = []
         for key, result in zip(keys, results, strict=True):
             requests = self._wanted.pop(key, set()) | self._acquiring.pop(key, set())
+            if result.status is Status.HIT and key in self._pins:  # pinned meanwhile
+                self._pins[key].holders |= requests
+                self._releases.append(result.lease_id)
+                continue
             if result.status is Status.HIT and result.spec is not None and usable(result.spec):
-                self._pins[key] = Pin(result.lease_id, result.extents, result.spec, requests)
+                pin = Pin(result.extents, result.spec, lease_id=result.lease_id, holders=requests)
+                self._pins[key] = pin
                 self._release_if_unused(key)  # its requests may have gone meanwhile
                 continue
             if result.status is Status.HIT:
@@ -225,14 +274,30 @@ class LoadBook:
     def requeue_releases(self, lease_ids: Iterable[int]) -> None:
         self._releases.extend(lease_ids)
 
-    def void(self) -> set[str]:
-        """The daemon lost our pins (it restarted, or the pool was dropped). Forget them and the
-        releases owed; return the requests whose copies may have raced an eviction: they fail."""
-        failed = {r for transfer in self._transfers.values() for r in transfer.requests}
+    def take_unlocks(self) -> list[int]:
+        """The slots of the lock pins done with (no holder left, every copy reported by every
+        rank): the caller unlocks each once."""
+        unlocks, self._unlocks = self._unlocks, []
+        return unlocks
+
+    def void(self, locks_too: bool = True) -> set[str]:
+        """Our pins are lost: the lease pins when our session is new (the daemon restarted, or
+        our lease ran out: `locks_too=False`, the lock pins hold, they belong to the pool file),
+        every pin when the pool file is new (the pool was recreated: the caller drops the old
+        file's locks). Forget them and what is owed for them; return the requests whose copies
+        under them may have raced an eviction: they fail."""
+        lost = {key for key, pin in self._pins.items() if locks_too or pin.slot is None}
+        failed: set[str] = set()
+        for transfer_id, transfer in list(self._transfers.items()):
+            if transfer.key in lost:
+                failed |= transfer.requests
+                del self._transfers[transfer_id]
         self.give_up(list(self._acquiring))
-        self._pins.clear()
-        self._transfers.clear()
+        for key in lost:
+            del self._pins[key]
         self._releases.clear()
+        if locks_too:
+            self._unlocks.clear()
         return failed
 
     def busy(self) -> bool:
@@ -243,4 +308,7 @@ class LoadBook:
         pin = self._pins[key]
         if not pin.holders and not pin.transfers:
             del self._pins[key]
-            self._releases.append(pin.lease_id)
+            if pin.slot is not None:
+                self._unlocks.append(pin.slot)
+            elif pin.lease_id is not None:
+                self._releases.append(pin.lease_id)

@@ -1,19 +1,19 @@
 """SchedulerSide: the connector in vLLM's scheduler process, the only part that calls the daemon.
 
-The scheduler thread waits on no round trip in steady state (docs/design.md §12): everything owed
-to the daemon and asked of it goes in a Step (one RPC: Release, Commit, Abort, Acquire, Allocate,
-in that order) sent from the client's background thread, and its answer is taken on the scheduler
+The scheduler thread waits on no round trip in steady state (docs/design.md §12), pins
+included: everything owed to the daemon and asked of it goes in a Step (one RPC: Release,
+Commit, Abort, Acquire, Allocate, in that order, with the hits and misses answered here since the
+last one) sent from the client's background thread, and its answer is taken on the scheduler
 thread at its next call into the connector, before anything depends on it. Per step:
 
-    ensure_cache_available   from local state (the ready view, the pins held): no round trip,
-        except that a request with cached items nobody pinned yet may have them pinned at once,
-        by a synchronous Step: the first such request of a step always, later ones while the
-        step's waiting stays within a share of the step's time (`ecd_pins`, see pins.py), so a
-        lone request is never held back; the others have their items pinned in the background
-        and wait one step (see loads.py). Items only a peer daemon holds (the ready view counts
-        them: docs/design.md §13) are never pinned at once: their Acquire pulls them from the
-        peer and waits for the transfer, so they are pinned in the background, and their request
-        waits a step.
+    ensure_cache_available   from local state, no round trip: a needed item READY in this
+        daemon's pool whose slot the ready view knows is pinned right there, by a lock on its
+        slot in the pool file (a lock pin: docs/design.md §5, ec_client/slot_locks.py), and its
+        request admitted in the same call; the hit goes to the daemon with the next Step (its
+        counters and LRU order). The items a lock pin cannot take are pinned in the background
+        and their request waits one step (see loads.py): those only a peer daemon holds (the
+        ready view counts them: docs/design.md §13; their Acquire pulls them from the peer),
+        and those committed a moment ago whose slot the view has not heard yet.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
         for the wanted items, entries for this step's new outputs. The metadata orders the
@@ -21,27 +21,30 @@ thread at its next call into the connector, before anything depends on it. Per s
         step's Step (this step's outputs are save *intents*: the worker keeps them until their
         order comes, see saves.py).
     update_connector_output  the workers' report: landed saves are committed at once, in a
-        background Step, so a just-saved item can be a hit at the next step.
+        background Step, so a just-saved item can be a hit at the next step; a lock pin whose
+        copies every loading rank reported is unlocked at once.
 
 Releases and aborts come before the Allocate so their space is free for it; Acquire comes before
 Allocate so a step's allocations can never evict an entry about to be loaded (the eviction
-hazard ECCPUConnector has within a step).
+hazard ECCPUConnector has within a step); and the daemon never evicts a lock-pinned entry.
 
 The daemon is an optimisation, never a dependency of a request: while it is unreachable (the
-Watch stream is down) the connector sends nothing, answers every has_cache_item with False and
-saves nothing, so requests are encoded as if there were no cache. That holds from the start too:
-a daemon not reachable when the engine starts is tried again in the background (`NothingReady`
-stands for the pool's view until then).
+Watch stream is down) the connector sends nothing, answers has_cache_item with False for every
+item it holds no pin on and saves nothing, so requests are encoded as if there were no cache.
+That holds from the start too: a daemon not reachable when the engine starts is tried again in
+the background (`NothingReady` stands for the pool's view until then).
 
 A consumer holds a request back while an item it needs is being written into the pool (the
 view's `pending`: another engine encoded it, its save is not committed yet), up to
 `ecd_pending_wait_ms`, then loads it: in the disaggregated flow the request reaches this engine
 as soon as the encoder engine answered, a step or two before that engine commits.
 
-When our session is new (the daemon restarted, or our lease ran out) or the pool was recreated,
-everything held in the old one is void: its pins and PENDING entries are gone, and requests
-whose loads were in flight fail (take_unavailable_requests) rather than risk bytes that may have
-been overwritten.
+When our session is new (the daemon restarted, or our lease ran out), what the session held is
+void: its lease pins and PENDING entries are gone, and requests whose loads under lease pins
+were in flight fail (take_unavailable_requests) rather than risk bytes that may have been
+overwritten. Lock pins hold across it (the locks belong to the pool file, not to the daemon), so
+loads under them go on. When the pool was recreated (its UUID changed), every pin is void, lock
+pins too (the workers map the new file): the old file's locks are dropped and its loads fail.
 """
 
 from __future__ import annotations
@@ -63,11 +66,13 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 
 from ec_client.client import Client
 from ec_client.errors import EcdError
-from ec_client.layout import tensor_nbytes
+from ec_client.layout import LayoutError, tensor_nbytes
 from ec_client.ready_view import ReadyView
+from ec_client.slot_locks import SlotPins
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
+    Extent,
     ItemResult,
     LeaseResult,
     Role,
@@ -76,9 +81,8 @@ from ec_client.types import (
     TensorSpec,
 )
 from ec_client.vllm.config import ConnectorConfig
-from ec_client.vllm.loads import LoadBook
+from ec_client.vllm.loads import LOCK_MISSED, LoadBook, LockMissed, LockPin
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
-from ec_client.vllm.pins import PinPolicy
 from ec_client.vllm.saves import SaveBook
 
 if TYPE_CHECKING:
@@ -127,6 +131,9 @@ class NothingReady:
 
     has_local = pending = has
 
+    def slot(self, key: bytes) -> int | None:
+        return None
+
     def add(self, key: bytes) -> None:
         pass
 
@@ -142,17 +149,19 @@ class SchedulerSide:
         self.config = config
         self.loads = LoadBook(config.load_reports)
         self.saves = SaveBook()
-        self.rpcs: Counter[str] = Counter()  # Steps sent, by where (for `python -m ...bench`)
-        self.pins = PinPolicy(config.pins, config.pin_share, time.perf_counter)
+        # Steps sent, by why (for `python -m ...bench`); all from the background thread.
+        self.rpcs: Counter[str] = Counter()
         self._closed = threading.Event()
         self._connecting = threading.Lock()  # a late connect against shutdown
         self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
         self._unavailable: set[str] = set()
         self._no_width: set[str] = set()  # modalities already warned about
+        self._hits: list[bytes] = []  # lock pins taken this step: hits owed to the daemon
         # Set once, when the daemon is first reached: the view last, so that a synced view
         # always means a client and a generation to go with it.
         self.client: Client | None = None
         self._generation = ("", "")
+        self._slot_pins: SlotPins | None = None  # the lock pins on the current pool file
         self.view: ReadyView | NothingReady = NothingReady()
         try:
             self._connect()
@@ -195,6 +204,7 @@ class SchedulerSide:
             raise
         self.client = client
         self._generation = self._current_generation(client)
+        self._slot_pins = self._open_slot_pins(client)
         view = client.view(c.pool)  # reattaches by reopening the pool
         view.wait_synced(c.connect_timeout_s)
         self.view = view
@@ -230,18 +240,17 @@ class SchedulerSide:
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
         wait_s = self.config.wait_s if self.view.synced else 0.0
-        admitted = self._admit(request.request_id, needed, wait_s)
-        if admitted or not self._may_pin_now():
-            return admitted
-        # Only items READY in this daemon's pool: an item only a peer daemon holds is pulled
-        # by the Acquire that pins it, which waits for the transfer: that is for the background.
-        wanted = [
-            k for k in self.loads.wanted(request.request_id) if self.view.has_local(k.encode())
-        ]
-        if not wanted:
-            return False  # held for another reason (waiting for an item not in the pool)
-        self._pin_now(wanted)
-        return self._admit(request.request_id, needed, wait_s)
+        admitted = self.loads.admit(
+            request.request_id,
+            needed,
+            self._ready,
+            time.monotonic(),
+            wait_s,
+            pending=self._pending,
+            pending_wait_s=self.config.pending_wait_s,
+            lock=self._lock_pin,
+        )
+        return admitted
 
     def has_cache_item(self, identifier: str) -> bool:
         return (
@@ -265,7 +274,8 @@ class SchedulerSide:
 
     def build_connector_meta(self) -> ECDaemonConnectorMetadata:
         self._absorb()
-        self.pins.step_began()
+        self._unlock_done()
+        self._owe_hits()  # they ride on this Step
         if self.view.synced:
             self._send_owed(
                 "flush", acquires=self.loads.take_wanted(), allocates=self.saves.take_planned()
@@ -295,14 +305,17 @@ class SchedulerSide:
         self.saves.report(meta.saved, meta.failed_saves)
         for transfer_id, rank in meta.loaded:
             self.loads.report(transfer_id, rank)
+        self._unlock_done()  # every loading rank reported them: the copies have landed
         if self.view.synced:  # commit what landed at once: a hit for the very next step
             self._send_owed("report")
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         self.loads.drop_holder(request.request_id, request.mm_features[index].identifier)
+        self._unlock_done()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self.loads.forget(request.request_id)
+        self._unlock_done()
         return False, None
 
     def has_pending_push_work(self) -> bool:
@@ -316,8 +329,9 @@ class SchedulerSide:
     def shutdown(self) -> None:
         """Commit the saves whose copies landed and release what the workers are done with,
         then close the session: the daemon aborts our other PENDING entries and releases our
-        pins. A private pool (the default, per-run name) cannot be found by anyone else: drop
-        it. From now on nothing is promised: no pin survives the session."""
+        lease pins; our lock pins go with the pool file's descriptor. A private pool (the
+        default, per-run name) cannot be found by anyone else: drop it. From now on nothing is
+        promised: no pin survives the session."""
         with self._connecting:  # a late connect either finished or will not start
             if self._closed.is_set():
                 return
@@ -326,10 +340,15 @@ class SchedulerSide:
         if client is None:
             return  # the daemon was never reached
         self._absorb()
+        self._owe_hits()
         if self.view.synced:
             self._send_owed("shutdown")
         self.view.close()
+        if self._slot_pins is not None:
+            self._slot_pins.close()
         if self.config.pool_is_private:
+            with contextlib.suppress(EcdError, TimeoutError):
+                client.settle(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
         client.close()  # after the background Steps are answered (within its settle time)
@@ -446,26 +465,54 @@ class SchedulerSide:
             if answer.status.is_error and answer.status is not Status.NOT_FOUND:
                 log.warning("ecd refused to %s %s: %s", what, item, answer.message)
 
-    # ---- pins at once --------------------------------------------------------------------------
+    # ---- lock pins -----------------------------------------------------------------------------
 
-    def _may_pin_now(self) -> bool:
-        return self.view.synced and self.pins.may_pin_now()
+    def _lock_pin(self, key: str) -> LockPin | LockMissed | None:
+        """A lock pin on `key` if the view knows it READY here and its slot (None otherwise:
+        the book takes the Acquire path); LOCK_MISSED if the slot no longer holds it, or holds
+        an output of a shape this engine cannot load."""
+        pins = self._slot_pins
+        raw = key.encode()
+        slot = self.view.slot(raw)
+        if pins is None or slot is None:
+            return None
+        record = pins.pin(slot, raw)
+        if record is not None:
+            spec = TensorSpec(record.shape, record.dtype, record.nbytes)
+            if self._loadable(spec):
+                self._hits.append(raw)
+                return LockPin(slot, tuple(Extent(s, c) for s, c in record.extents), spec)
+            pins.unpin(slot)
+        self.view.discard(raw)  # gone (or not ours): it is encoded, and saved again
+        return LOCK_MISSED
 
-    def _pin_now(self, keys: list[str]) -> None:
-        """Pin a request's cached items by a synchronous Step, so the request is not held back
-        a step: a round trip on the scheduler thread (see pins.py)."""
-        self.rpcs["pin"] += 1
-        started = time.perf_counter()
+    def _owe_hits(self) -> None:
+        """The lock pins' hits, for the daemon's hit counters and its LRU order (next Step)."""
+        if self._hits:
+            hits, self._hits = self._hits, []
+            self._reached().owed.hits(self.config.pool, hits)
+
+    def _unlock_done(self) -> None:
+        """Unlock the lock pins the book is done with (every copy under them landed)."""
+        unlocks = self.loads.take_unlocks()
+        if unlocks and self._slot_pins is not None:
+            for slot in unlocks:
+                self._slot_pins.unpin(slot)
+
+    def _open_slot_pins(self, client: Client) -> SlotPins | None:
+        """The lock pins of the pool's current file; None if it cannot be opened (then every
+        cached item is pinned by a background Acquire, its request waiting one step)."""
+        info = client.pool_info(self.config.pool)
         try:
-            acquired = self._reached().step(self.config.pool, acquires=keys).acquires
-        except EcdError as error:
-            log.warning("ecd pin failed, the items are encoded: %s", error)
-            self.loads.give_up(keys)
-            return
-        finally:
-            self.pins.pinned(time.perf_counter() - started)
-        self._check_generation()
-        self._pinned(keys, acquired)
+            return SlotPins(info.path, info.pool_uuid)
+        except (OSError, LayoutError) as error:
+            log.warning(
+                "cannot open the pool file %s for lock pins; cached items are pinned through "
+                "the daemon, a step later: %s",
+                info.path,
+                error,
+            )
+            return None
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -476,8 +523,9 @@ class SchedulerSide:
         return self.client
 
     def _current_generation(self, client: Client) -> tuple[str, str]:
-        """Our pins and PENDING entries live as long as our session and the pool file: a new
-        session (daemon restarted, or our lease ran out) or a new pool UUID voids them."""
+        """Our lease pins and PENDING entries live as long as our session and the pool file,
+        our lock pins as long as the pool file: a new session (daemon restarted, or our lease
+        ran out) voids the former, a new pool UUID (the pool recreated) voids all."""
         return client.session_id, client.pool_info(self.config.pool).pool_uuid
 
     def _check_generation(self) -> None:
@@ -486,26 +534,24 @@ class SchedulerSide:
         generation = self._current_generation(self.client)
         if generation == self._generation:
             return
+        new_file = generation[1] != self._generation[1]
         self._generation = generation
-        failed = self.loads.void()
+        failed = self.loads.void(locks_too=new_file)
         self.saves.void()
+        if new_file:  # the workers remap the new file: the old one's locks pin nothing of use
+            self._hits.clear()
+            if self._slot_pins is not None:
+                self._slot_pins.close()
+            self._slot_pins = self._open_slot_pins(self.client)
         self._unavailable |= failed
         log.warning(
-            "ecd session or pool %s is new (daemon restart, lease lost, pool recreated): pins "
-            "and unfinished saves are void; %d request(s) with loads in flight fail",
+            "ecd %s %s is new (%s): %s and unfinished saves are void; %d request(s) with loads "
+            "in flight under them fail",
+            "pool" if new_file else "session with pool",
             self.config.pool,
+            "pool recreated" if new_file else "daemon restart, or lease lost",
+            "every pin" if new_file else "lease pins (lock pins hold)",
             len(failed),
-        )
-
-    def _admit(self, request_id: str, needed: list[str], wait_s: float) -> bool:
-        return self.loads.admit(
-            request_id,
-            needed,
-            self._ready,
-            time.monotonic(),
-            wait_s,
-            pending=self._pending,
-            pending_wait_s=self.config.pending_wait_s,
         )
 
     def _ready(self, key: str) -> bool:

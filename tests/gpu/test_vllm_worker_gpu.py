@@ -136,6 +136,7 @@ def test_a_load_is_in_the_encoder_cache_bit_identical_and_usable_at_once_on_the_
     torch.cuda.synchronize()
     with torch.cuda.stream(mover.load_stream):
         torch.cuda._sleep(SLEEP)  # the load's copy queues behind this
+    engine.slot_known("img-a")  # its COMMITTED event came: a lock pin, taken at once
     loaded_keys = worker.step(engine, [request("r2", "img-a")], {})  # pinned at once: loads now
     assert loaded_keys == {"img-a"}
     loaded = worker.encoder_cache["img-a"]

@@ -1,10 +1,12 @@
-"""LoadBook alone (the vLLM scheduler side's pins and loads): requests wait one step for a pin,
-loads are dispatched under fresh transfer IDs, a pin goes only after every rank reported."""
+"""LoadBook alone (the vLLM scheduler side's pins and loads): a lock pin admits its request in
+the same call, a request whose item needs an Acquire waits one step for its pin, loads are
+dispatched under fresh transfer IDs, a pin goes (a lease released, a lock unlocked) only after
+every rank reported; a new session voids lease pins alone, a new pool file every pin."""
 
 from __future__ import annotations
 
 from ec_client.types import AcquireResult, Extent, Status, TensorSpec
-from ec_client.vllm.loads import LoadBook
+from ec_client.vllm.loads import LOCK_MISSED, LoadBook, Lock, LockMissed, LockPin
 
 SPEC = TensorSpec((4, 8), "float16", 64)
 
@@ -19,6 +21,27 @@ def miss(key: str) -> AcquireResult:
 
 def ready(*keys: str):  # type: ignore[no-untyped-def]
     return lambda key: key in keys
+
+
+def locks(**slots: int) -> Lock:
+    """A fake lock pin: the keys named hold their slot, any other key is not lockable here."""
+
+    def lock(key: str) -> LockPin | None:
+        slot = slots.get(key)
+        return None if slot is None else LockPin(slot, (Extent(slot, 1),), SPEC)
+
+    return lock
+
+
+def missed(key: str) -> LockMissed:
+    return LOCK_MISSED
+
+
+def locked_book(key: str = "k", slot: int = 3, ranks: int = 1) -> LoadBook:
+    """A book holding a lock pin on `key` for r1, admitted in the same call."""
+    book = LoadBook(ranks)
+    assert book.admit("r1", [key], ready(key), now=0.0, wait_s=0.0, lock=locks(**{key: slot}))
+    return book
 
 
 def pinned_book(key: str = "k", lease_id: int = 7, ranks: int = 1) -> LoadBook:
@@ -193,3 +216,101 @@ def test_the_wanted_keys_of_one_request() -> None:
     book.admit("r1", ["a", "b"], ready("a", "b"), now=0.0, wait_s=0.0)
     book.admit("r2", ["b", "c"], ready("b", "c"), now=0.0, wait_s=0.0)
     assert book.wanted("r1") == ["a", "b"] and sorted(book.wanted()) == ["a", "b", "c"]
+
+
+# ---- lock pins ---------------------------------------------------------------------------------
+
+
+def test_a_lock_pin_admits_its_request_in_the_same_call() -> None:
+    book = locked_book()
+    assert book.pinned("k") and book.wanted() == [] and book.take_wanted() == []
+    assert book.dispatch("r1", "k")
+    [order] = book.take_step().values()
+    assert order.extents == (Extent(3, 1),) and order.spec == SPEC
+
+
+def test_a_key_that_cannot_be_lock_pinned_takes_the_acquire_path() -> None:
+    book = LoadBook(1)
+    assert not book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0, lock=locks())
+    assert book.wanted() == ["k"]
+
+
+def test_a_lock_pin_that_missed_has_its_request_encode_and_not_wait_again() -> None:
+    book = LoadBook(1)
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0, lock=missed)
+    assert not book.pinned("k") and book.wanted() == []
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)  # not held back later either
+
+
+def test_a_lock_pin_is_unlocked_only_after_every_rank_reported_never_released() -> None:
+    book = locked_book(ranks=2)
+    book.dispatch("r1", "k")
+    transfer = book.take_step()["k"].transfer_id
+    book.report(transfer, rank=0)
+    book.report(transfer, rank=0)  # a rank counts once
+    assert book.take_unlocks() == [] and book.pinned("k")
+    book.report(transfer, rank=1)
+    assert book.take_unlocks() == [3] and book.take_unlocks() == []
+    assert book.take_releases() == [] and not book.pinned("k") and not book.busy()
+
+
+def test_a_lock_pin_waits_for_requests_still_counting_on_it() -> None:
+    book = locked_book()
+    assert book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0, lock=missed)
+    book.dispatch("r1", "k")
+    book.report(book.take_step()["k"].transfer_id, rank=0)
+    assert book.take_unlocks() == []  # r2 holds it too (and was not asked to lock again)
+    book.forget("r2")
+    assert book.take_unlocks() == [3]
+
+
+def test_a_lock_pin_whose_request_went_before_its_load_is_unlocked() -> None:
+    book = locked_book()
+    book.forget("r1")
+    assert book.take_unlocks() == [3] and not book.pinned("k")
+
+
+def test_a_lock_pin_gives_the_requests_waiting_for_an_acquire_the_pin() -> None:
+    book = LoadBook(1)
+    assert not book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)  # slot not known yet
+    assert book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0, lock=locks(k=3))
+    assert book.wanted() == []  # no Acquire for it any more
+    assert book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    book.forget("r1")
+    assert book.take_unlocks() == []
+    book.forget("r2")
+    assert book.take_unlocks() == [3]
+
+
+def test_a_key_whose_acquire_is_on_its_way_is_not_lock_pinned_as_well() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)
+    book.take_wanted()
+    assert not book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0, lock=locks(k=3))
+    book.acquired(["k"], [hit("k", 4)], lambda spec: True)
+    book.forget("r1")
+    book.forget("r2")
+    assert book.take_releases() == [4] and book.take_unlocks() == []
+
+
+def test_a_new_session_voids_lease_pins_alone_and_fails_only_their_loads() -> None:
+    book = pinned_book("leased", lease_id=7)
+    assert book.admit("r2", ["locked"], ready("locked"), 0.0, 0.0, lock=locks(locked=3))
+    book.dispatch("r1", "leased")
+    book.dispatch("r2", "locked")
+    orders = book.take_step()
+    assert book.void(locks_too=False) == {"r1"}
+    assert not book.pinned("leased") and book.pinned("locked")
+    book.report(orders["leased"].transfer_id, rank=0)  # from before: changes nothing
+    book.report(orders["locked"].transfer_id, rank=0)
+    assert book.take_unlocks() == [3] and book.take_releases() == []
+
+
+def test_a_new_pool_file_voids_every_pin_and_the_unlocks_owed() -> None:
+    book = locked_book("a", slot=1)
+    book.admit("r2", ["b"], ready("b"), now=0.0, wait_s=0.0, lock=locks(b=2))
+    book.dispatch("r1", "a")
+    book.take_step()
+    book.forget("r2")  # b's unlock is owed: the old file's locks go with its descriptor
+    assert book.void() == {"r1"}
+    assert not book.pinned("a") and book.take_unlocks() == [] and not book.busy()

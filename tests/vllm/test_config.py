@@ -3,7 +3,8 @@
 Proves: extra-config values given as strings (vLLM does not coerce them) are parsed; a missing
 capacity or a bad pool name is refused naming the key; the pool geometry and compatibility key
 come from the model; vLLM's factory loads the class by name and module path; importing
-ec_client alone does not import vLLM.
+ec_client alone does not import vLLM; settings of earlier versions that mean nothing now are
+ignored with a warning, not refused.
 """
 
 from __future__ import annotations
@@ -128,3 +129,12 @@ def test_the_v1_model_runner_is_refused_with_the_setting_to_change() -> None:
     object.__setattr__(vllm_config, "use_v2_model_runner", False)
     with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
         ECDaemonConnector(vllm_config, ECConnectorRole.SCHEDULER)
+
+
+def test_the_pin_settings_of_earlier_versions_are_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="ec_client.vllm"):
+        c = config(extra={"ecd_pins": "ahead", "ecd_pin_share": "0.5"})
+    assert c.capacity_bytes > 0  # an upgraded engine with its old config still starts
+    assert "ecd_pins='ahead' is ignored" in caplog.text and "ecd_pin_share" in caplog.text

@@ -1,26 +1,34 @@
 """Evictions, a daemon restart, a daemon outage and a killed worker, each during an engine's steps.
 
 Each ends in a re-encode or a failed request (only the request concerned), never a hang, an
-engine-wide error or wrong bytes.
+engine-wide error or wrong bytes. A load under a lock pin outlives a daemon restart.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
 from ecd_testing import Daemon, wait_until
-from vllm_testing import ROWS, WIDTH, EngineFactory, digest, encoder_output, request
+from vllm_testing import ROWS, WIDTH, Engine, EngineFactory, digest, encoder_output, request
 
 from ec_client import AllocateItem, EntryState, Status
 
 ITEM_BYTES = ROWS * WIDTH * 2
 
 
-def test_an_item_evicted_before_its_pin_was_taken_is_encoded_instead(
-    engine: EngineFactory, daemon: Daemon
+def without_slots(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the view had not heard any entry's slot yet: cached items take the background
+    Acquire (lease pins), as items only a peer holds do."""
+    monkeypatch.setattr(e.scheduler.view, "slot", lambda key: None)
+
+
+def test_an_item_evicted_before_its_acquire_is_encoded_instead(
+    engine: EngineFactory, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    e = engine(extra={"ecd_pins": "ahead"})
+    e = engine()
     e.save("r0", "img-a")
+    without_slots(e, monkeypatch)
     r1 = request("r1", "img-a")
     assert not e.connector.ensure_cache_available(r1, 0)  # the pool has it: wait for a pin
     with daemon.client(name="operator") as c:
@@ -28,6 +36,25 @@ def test_an_item_evicted_before_its_pin_was_taken_is_encoded_instead(
     held, result = e.admit(r1)
     assert result.step.encode == {"img-a": ROWS} and not result.failed
     assert held == 1
+
+
+def test_an_item_evicted_before_its_lock_pin_is_encoded_instead_and_saved_again(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine()
+    e.save("r0", "img-a")
+    view = e.scheduler.view
+    slot = view.slot(b"img-a")
+    with daemon.client(name="operator") as c:
+        assert c.evict(e.pool, ["img-a"])[0].status is Status.OK
+    wait_until(lambda: not view.has(b"img-a"))
+    view._ready[b"img-a"] = slot  # a stale view: the EVICTED event not heard yet
+    held, result = e.admit(request("r1", "img-a"))  # the lock finds the record erased
+    assert held == 0 and result.step.encode == {"img-a": ROWS} and not result.failed
+    assert e.locked() == (0, 0)
+    e.settle()
+    with daemon.client() as c:
+        assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.READY  # saved again
 
 
 def test_this_steps_allocations_never_evict_an_item_pinned_for_loading(
@@ -44,12 +71,62 @@ def test_this_steps_allocations_never_evict_an_item_pinned_for_loading(
         assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.READY
 
 
-def test_a_daemon_restart_fails_only_the_requests_whose_loads_were_in_flight(
+def test_a_load_under_a_lock_pin_outlives_a_daemon_restart_and_its_entry_is_not_evicted(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(pool="durable", capacity=2 * ITEM_BYTES)  # room for two items
+    e.save("r0", "img-a")
+    step = e.schedule([request("r1", "img-a")])  # lock-pinned, and the load is ordered
+    assert step.load == {"img-a"}
+    replies = e.run(step)
+    epoch = e.scheduler.client.boot_epoch
+    daemon.restart()  # SIGKILL, then a new daemon re-adopts the pool's READY entries
+    wait_until(lambda: e.scheduler.client.boot_epoch != epoch)
+    wait_until(lambda: e.scheduler.view.synced)
+    assert e.connector.take_unavailable_requests() == set()  # not failed: its lock holds
+    config = e.scheduler.config
+    with daemon.client(name="operator") as c:
+        assert c.stats("durable").pools[0].entries_locked == 1
+        [evicted] = c.evict("durable", ["img-a"])  # refused: a reader holds it
+        assert evicted.status is Status.FAILED_PRECONDITION
+        c.open_pool("durable", config.block_size_bytes, config.capacity_bytes, config.compat_key)
+        items = [AllocateItem(f"fill-{i}", (ROWS, WIDTH), "float16") for i in range(2)]
+        answers = c.allocate("durable", items)  # the second needs img-a's blocks: not given
+        assert [a.status for a in answers] == [Status.ALLOCATED, Status.NO_SPACE]
+        assert c.lookup("durable", ["img-a"])[0].state is EntryState.READY
+    assert e.finish(replies) == set()  # the report: not failed, and unlocked
+    assert e.locked() == (0, 0)
+    assert replies[0].loaded == {"img-a": digest(encoder_output("img-a"))}
+
+
+def test_a_recreated_pool_fails_the_loads_under_lock_pins_and_lock_pins_work_on_the_new_file(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     e = engine(pool="durable")
     e.save("r0", "img-a")
+    step = e.schedule([request("r1", "img-a")])  # lock-pinned, and the load is ordered
+    assert step.load == {"img-a"}
+    replies = e.run(step)
+    uuid = e.scheduler.client.pool_info("durable").pool_uuid
+    with daemon.client(name="operator") as c:
+        c.drop_pool("durable", force=True)  # the engine's view recreates it: a new file
+    wait_until(lambda: e.scheduler.client.pool_info("durable").pool_uuid != uuid, 10)
+    wait_until(lambda: e.scheduler.view.synced, 10)
+    assert e.finish(replies) == {"r1"}  # its extents were the old file's
+    e.save("r2", "img-b")
+    _, after = e.admit(request("r3", "img-b"))
+    assert after.loaded == {"img-b": digest(encoder_output("img-b"))}
+    assert e.locked() == (0, 0)
+
+
+def test_a_daemon_restart_fails_only_the_requests_whose_loads_under_a_lease_were_in_flight(
+    engine: EngineFactory, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = engine(pool="durable")
+    e.save("r0", "img-a")
+    without_slots(e, monkeypatch)
     r1 = request("r1", "img-a")
+    assert e.step(r1).step.held == {"r1"}  # its lease pin is taken in the background
     step = e.schedule([r1, request("r2", "img-b")])  # r1 loads, r2 encodes
     assert step.load == {"img-a"}
     replies = e.run(step)
@@ -142,9 +219,9 @@ def test_a_worker_killed_mid_load_leaves_no_pin_once_its_engine_stops(
     e = engine(pool="shared")
     e.save("r0", "img-a")
     step = e.schedule([request("r1", "img-a")])  # pinned, and the load is ordered...
-    assert step.load == {"img-a"}
+    assert step.load == {"img-a"} and e.locked() == (0, 1)
     e.workers[0].kill()  # ...and its worker dies before reporting it
     e.close()
     with daemon.client() as c:
         [pool] = c.stats("shared").pools
-        assert pool.pins == 0 and pool.entries_ready == 1
+        assert (pool.pins, pool.entries_locked, pool.entries_ready) == (0, 0, 1)

@@ -2,15 +2,17 @@
 
 Proves: an encoded output is kept by the worker until its entry is allocated, copied the next
 step, and committed only after the worker reported its copy; a later request loads it
-bit-identical instead of encoding it, without waiting a step (its pin is taken at once, before
-the scheduler is told "load"), or one step later with `ecd_pins: ahead`; the pin goes once the
-load is reported; a step costs at most one RPC of each purpose and a miss costs none.
+bit-identical instead of encoding it, admitted in the same call (a lock pin on its slot, taken
+before the scheduler is told "load", with no round trip), or one step later while its slot is
+not known yet (a background Acquire); the pin goes once the load is reported; a step costs at
+most one RPC of each purpose, all from the background thread, and a miss costs none.
 """
 
 from __future__ import annotations
 
+import pytest
 from ecd_testing import Daemon
-from vllm_testing import EngineFactory, digest, encoder_output, request
+from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
 
 from ec_client import EntryState
 
@@ -45,7 +47,7 @@ def test_an_item_saved_in_one_step_is_loaded_bit_identical_in_a_later_step(
     held, result = e.admit(request("r2", "img-a"))
     assert result.step.load == {"img-a"} and not result.step.encode
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
-    assert held == 0  # pinned at once: not held back
+    assert held == 0  # lock-pinned at once: not held back
 
 
 def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_after_the_load(
@@ -53,39 +55,55 @@ def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_afte
 ) -> None:
     e = engine()
     e.save("r1", "img-a")
+    step = e.schedule([request("r2", "img-a")])
+    assert step.load == {"img-a"} and not step.held
+    assert e.locked() == (0, 1)  # lock-pinned before it was promised (no lease)
+    replies = e.run(step)
+    e.answered()
+    assert e.locked() == (0, 1)  # held while the load is unreported
+    e.finish(replies)
+    assert e.locked() == (0, 0)  # unlocked at the report, with no round trip
+    e.answered()
     with daemon.client() as c:
-        step = e.schedule([request("r2", "img-a")])
-        assert step.load == {"img-a"} and not step.held
-        assert c.stats(e.pool).pools[0].pins == 1  # pinned before it was promised
-        replies = e.run(step)
-        assert c.stats(e.pool).pools[0].pins == 1  # held while the load is unreported
-        e.finish(replies)
-        e.answered()
-        assert c.stats(e.pool).pools[0].pins == 0
+        assert c.stats(e.pool).pools[0].hits == 1  # the lock pin's hit reached the daemon
 
 
-def test_with_pins_ahead_a_request_waits_one_step_for_its_pin(
-    engine: EngineFactory, daemon: Daemon
+def without_slots(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the view had not heard any entry's slot yet (their COMMITTED events on their
+    way): every cached item takes the background Acquire."""
+    monkeypatch.setattr(e.scheduler.view, "slot", lambda key: None)
+
+
+def test_a_cached_item_whose_slot_is_not_known_yet_waits_one_step_for_its_pin(
+    engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    e = engine(extra={"ecd_pins": "ahead"})
+    e = engine()
     e.save("r1", "img-a")
+    without_slots(e, monkeypatch)
     rpcs = e.scheduler.rpcs.copy()
     held, result = e.admit(request("r2", "img-a"))
     assert held == 1 and result.step.load == {"img-a"}
-    assert "pin" not in e.scheduler.rpcs - rpcs  # never a round trip on the scheduler thread
+    assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
+    assert set(e.scheduler.rpcs - rpcs) <= {"flush", "report"}  # background Steps only
+    e.answered()
+    assert e.locked() == (0, 0)  # the lease went with the next Step
 
 
-def test_with_no_share_of_the_step_only_its_first_request_is_pinned_at_once(
+def test_a_burst_of_cached_requests_is_admitted_in_the_same_call_with_no_round_trip(
     engine: EngineFactory,
 ) -> None:
-    e = engine(extra={"ecd_pin_share": 0})
-    e.step(*[request(f"seed-{i}", f"img-{i}") for i in range(3)])
-    e.settle()
-    step = e.schedule([request(f"r{i}", f"img-{i}") for i in range(3)])
-    assert step.held == {"r1", "r2"} and step.load == {"img-0"}
+    e = engine()
+    for i in range(8):
+        e.save(f"seed-{i}", f"img-{i}")
+    requests = [request(f"r{i}", f"img-{i}") for i in range(8)]
+    before = e.scheduler.rpcs.copy()
+    assert all(e.connector.ensure_cache_available(r, 0) for r in requests)
+    assert all(e.connector.has_cache_item(f"img-{i}") for i in range(8))
+    assert e.scheduler.rpcs == before  # not one Step for the pins, not even a background one
+    step = e.schedule(requests)
+    assert not step.held and step.load == {f"img-{i}" for i in range(8)} and not step.encode
     e.finish(e.run(step))
-    e.answered()
-    assert e.schedule([request(f"r{i}", f"img-{i}") for i in (1, 2)]).load == {"img-1", "img-2"}
+    assert e.locked() == (0, 0)
 
 
 def test_a_miss_costs_no_round_trip(engine: EngineFactory) -> None:
@@ -121,21 +139,33 @@ def test_a_step_makes_at_most_one_rpc_of_each_purpose_however_many_images(
         waiting = [r for r in waiting if r.request_id in result.step.held]
         per_step.append(e.scheduler.rpcs - before)
     assert all(count == 1 for step in per_step for count in step.values()), per_step
-    # a pin at once, the step's flush (pins, allocations, releases), the report's commits
-    assert {"pin", "flush", "report"} <= per_step[2].keys(), per_step
+    # the step's flush (allocations, hits), the report's commits; no pin needs one
+    assert {"flush", "report"} == per_step[2].keys(), per_step
 
 
-def test_a_request_finished_before_its_load_gives_its_pin_back(
-    engine: EngineFactory, daemon: Daemon
+def test_a_request_finished_before_its_load_gives_its_lock_pin_back(
+    engine: EngineFactory,
 ) -> None:
-    e = engine(extra={"ecd_pins": "ahead"})
+    e = engine()
     e.save("r1", "img-a")
     r2 = request("r2", "img-a")
-    e.step(r2)  # held back: the pin is taken for it
+    assert e.connector.ensure_cache_available(r2, 0)  # lock-pinned for it
+    assert e.locked() == (0, 1)
+    e.connector.request_finished(r2)  # aborted by the user before it was scheduled
+    assert e.locked() == (0, 0)
+
+
+def test_a_request_finished_before_its_load_gives_its_lease_pin_back(
+    engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = engine()
+    e.save("r1", "img-a")
+    without_slots(e, monkeypatch)
+    r2 = request("r2", "img-a")
+    e.step(r2)  # held back: the pin is taken for it in the background
     e.connector.request_finished(r2)  # aborted by the user before it ran
     e.settle()
-    with daemon.client() as c:
-        assert c.stats(e.pool).pools[0].pins == 0
+    assert e.locked() == (0, 0)
 
 
 def test_a_request_mid_prefill_is_not_held_back_for_an_image_it_already_has(
@@ -167,5 +197,6 @@ def test_an_item_is_a_hit_at_the_step_after_its_save_was_reported(engine: Engine
     assert set(saving.metadata.saves) == {"img-a"}
     e.finish(e.run(saving))  # the workers report the copy: its Commit goes at once
     e.answered()
+    e.slot_known("img-a")  # its COMMITTED event, in the time of a forward pass
     following = e.schedule([request("r2", "img-a")])
     assert following.load == {"img-a"} and not following.encode and not following.held

@@ -12,8 +12,10 @@ from vllm_testing import Engine, EngineFactory, WorkerReply, digest, encoder_out
 
 
 def pins(daemon: Daemon, e: Engine) -> int:
+    """The pins the daemon sees on the pool: leases and lock-pinned entries."""
     with daemon.client() as c:
-        return c.stats(e.pool).pools[0].pins
+        [pool] = c.stats(e.pool).pools
+        return pool.pins + pool.entries_locked
 
 
 def cached_engine(engine: EngineFactory) -> Engine:
@@ -35,7 +37,7 @@ def test_only_rank_0_saves_and_every_rank_loads(engine: EngineFactory) -> None:
 
 
 def loading(e: Engine, request_id: str = "r1") -> list[WorkerReply]:
-    """A step that loads img-a (pinned at once), run on both ranks, not yet reported."""
+    """A step that loads img-a (lock-pinned at once), run on both ranks, not yet reported."""
     step = e.schedule([request(request_id, "img-a")])
     assert step.load == {"img-a"}
     return e.run(step)
