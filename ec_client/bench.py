@@ -676,6 +676,9 @@ def bench_restart(spawn: Spawner, counts: Sequence[int], runs: int, report: Repo
     tensor = torch.randint(0, 256, (RESTART_ENTRY,), dtype=torch.uint8)
     for entries in counts:
         with spawn(restart_flags(entries)) as daemon:
+            daemon.start()  # not measured: a first start may compile the daemon's bytecode
+            daemon.wait_serving(120.0)
+            daemon.kill()
             empty = []
             for _ in progress(range(runs), f"start, empty ({entries})"):
                 empty.append(_serving_again(daemon, None)[0])

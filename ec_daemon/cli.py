@@ -323,7 +323,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bench.run_remote(here, there, args, bare, report)
     if "restart" in suites:  # daemons of its own, killed and started again; not part of "all"
         bench.bench_restart(
-            lambda flags: restartable_daemon(*flags, prefix="ecd-bench-"),
+            lambda flags: restartable_daemon(*flags, prefix="ecd-bench-", cache_bytecode=True),
             args.restart_entries,
             args.runs,
             report,
