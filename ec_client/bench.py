@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from ec_client import AllocateItem, Client, EcdError, Role, StepResult
+from ec_client import AllocateItem, Client, EcdError, Role, StepResult, _connection
 from ec_client.types import Extent, Key
 from ec_client.units import format_size
 
@@ -616,6 +616,9 @@ def _serving_again(
     serving = time.perf_counter() - started
     if key is None:
         return serving, 0.0
+    # A new channel, as a client that connects now has: the process's shared one may still be
+    # backing off from the daemon that was killed, which is the client's delay, not the daemon's.
+    _connection.forget_shared_channel(daemon.address)
     with Client(daemon.address, name="ecd-bench-restart", keepalive=False) as client:
         client.open_pool(POOL)
         [result] = client.acquire(POOL, [key])
