@@ -264,6 +264,16 @@ def shared_channel(options: Options) -> grpc.Channel:
         return channel
 
 
+def forget_shared_channel(target: str) -> None:
+    """Close this process's channels to `target`: the next Client there connects anew, rather
+    than through a channel still backing off (up to MAX_BACKOFF_S) from a daemon that went away.
+    For `ecd bench --suite restart`, which kills its daemon and times a new client's first call;
+    every Client of the target must be closed."""
+    with _channels_lock:
+        for key in [key for key in _channels if key[:2] == (os.getpid(), target)]:
+            _channels.pop(key).close()
+
+
 def aio_channel(options: Options) -> grpc.aio.Channel:
     """A new grpc.aio channel: these belong to the event loop that made them, so each
     AsyncClient owns one."""

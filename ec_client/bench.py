@@ -10,7 +10,11 @@ reported as ratios to a baseline measured side by side in the same run:
 - load: puts and gets per second with 1 and several client processes;
 - handoff: from a producer's commit to a waiting consumer's wake-up, across processes;
 - remote: a get of an entry only a peer daemon holds (a pull) against a get of an entry held
-  here and against a bare transfer-engine read of the same bytes (two daemons; docs/design.md §13).
+  here and against a bare transfer-engine read of the same bytes (two daemons; docs/design.md §13);
+- restart: a warm restart (docs/design.md §8): a pool filled with 10,000 or 100,000 one-block
+  entries, the daemon SIGKILLed and started again on the same shm directory, timed until it is
+  SERVING and an old key is a hit, against a start with nothing to adopt; and a put's cost per
+  item at the start and the end of the fill. It kills its daemon, so it needs --spawn.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from ec_client import AllocateItem, Client, EcdError, Role, StepResult
+from ec_client import AllocateItem, Client, EcdError, Role, StepResult, _connection
 from ec_client.types import Extent, Key
 from ec_client.units import format_size
 
@@ -548,6 +553,164 @@ def run_remote(here: str, there: str, args: Any, bare: BareRead, report: Report)
         bench_remote(near, far, args.remote_sizes, args.runs, args.remote_samples, bare, report)
 
 
+# ---- a warm restart ----------------------------------------------------------------------------
+
+RESTART_BLOCK = 8 << 10
+RESTART_ENTRY = 7 << 10  # one block
+RESTART_BATCH = 256  # items per put_many while filling
+RESTART_WINDOW = 10  # batches whose per-item cost is the fill's start, and its end
+
+
+class Restartable(Protocol):
+    """A daemon process that can be SIGKILLed and started again on the same socket and shm
+    directory (ec_daemon.spawn.SpawnedDaemon)."""
+
+    @property
+    def address(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def wait_serving(self, timeout_s: float) -> None: ...
+
+    def exited(self) -> str | None: ...
+
+    def kill(self) -> None: ...
+
+
+Spawner = Callable[[Sequence[str]], AbstractContextManager[Restartable]]
+
+
+def restart_flags(entries: int) -> list[str]:
+    """`ecd serve` flags for a daemon whose pool holds `entries` one-block entries: a budget of
+    that pool and a slot for each entry (the default slot table holds one per 32 KiB)."""
+    return [
+        "--max-bytes", str(entries * RESTART_BLOCK),
+        "--entries-per-pool", str(entries),
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def _serving_again(
+    daemon: Restartable, key: str | None, timeout_s: float = 300.0
+) -> tuple[float, float]:
+    """Start the daemon: seconds from its process's start to health SERVING (polled every
+    5 ms), and to an Acquire of `key`, an entry of a previous process, answering HIT through a
+    new client (0.0 without a key)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    options = [("grpc.initial_reconnect_backoff_ms", 5), ("grpc.max_reconnect_backoff_ms", 20)]
+    started = time.perf_counter()
+    daemon.start()
+    with grpc.insecure_channel(daemon.address, options=options) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if (problem := daemon.exited()) is not None:
+                raise RuntimeError(problem)
+            if time.perf_counter() - started > timeout_s:
+                raise RuntimeError(f"the daemon is not SERVING after {timeout_s} s")
+            with contextlib.suppress(grpc.RpcError):
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            time.sleep(0.005)
+    serving = time.perf_counter() - started
+    if key is None:
+        return serving, 0.0
+    # A new channel, as a client that connects now has: the process's shared one may still be
+    # backing off from the daemon that was killed, which is the client's delay, not the daemon's.
+    _connection.forget_shared_channel(daemon.address)
+    with Client(daemon.address, name="ecd-bench-restart", keepalive=False) as client:
+        client.open_pool(POOL)
+        [result] = client.acquire(POOL, [key])
+        if result.status.value != "hit":
+            raise RuntimeError(f"after the restart, {key!r} is {result.status.value}, not a hit")
+        served = time.perf_counter() - started
+        client.release([result.lease_id])
+    return serving, served
+
+
+def _fill(address: str, entries: int, tensor: torch.Tensor) -> list[float]:
+    """Put `entries` one-block entries in batches; the microseconds per item of each whole
+    batch, in order."""
+    from ec_client import Producer, PutStatus
+
+    costs = []
+    with Client(address, name="ecd-bench-fill") as client:
+        client.open_pool(POOL, RESTART_BLOCK, entries * RESTART_BLOCK)
+        producer = Producer(client, POOL)
+        for first in progress(range(0, entries, RESTART_BATCH), f"fill {entries}"):
+            batch: dict[Key, torch.Tensor] = {
+                f"r{i}": tensor for i in range(first, min(entries, first + RESTART_BATCH))
+            }
+            started = time.perf_counter()
+            statuses = producer.put_many(batch)
+            if len(batch) == RESTART_BATCH:
+                costs.append((time.perf_counter() - started) / RESTART_BATCH * 1e6)
+            if set(statuses.values()) != {PutStatus.COMMITTING}:
+                raise RuntimeError(f"filling the pool: {set(statuses.values())}")
+        producer.flush()
+        [pool] = client.stats(POOL).pools
+        if pool.entries_ready != entries:
+            raise RuntimeError(f"filled {pool.entries_ready} entries, not {entries}")
+    return costs
+
+
+def _check_restored(address: str, entries: int, key: str, tensor: torch.Tensor) -> None:
+    from ec_client import Consumer
+
+    with Client(address, name="ecd-bench-check") as client:
+        client.open_pool(POOL)
+        [pool] = client.stats(POOL).pools
+        if pool.entries_ready != entries:
+            raise RuntimeError(f"{pool.entries_ready} entries after the restart, not {entries}")
+        got = Consumer(client, POOL).get(key)
+        if got is None or not bool((got == tensor).all()):
+            raise RuntimeError(f"after the restart, {key!r} holds other bytes")
+
+
+def bench_restart(spawn: Spawner, counts: Sequence[int], runs: int, report: Report) -> None:
+    """For each count: a daemon started `runs` times with nothing to adopt, then its pool
+    filled with that many one-block 7 KiB entries (256 per put_many, the per-item cost of the
+    first and last batches kept), then `runs` times SIGKILLed and started again on the same
+    shm directory and socket, timed until it is SERVING and until a new client's Acquire of an
+    old key is a hit; medians. Every entry is checked READY after each restart, one read back."""
+    import torch
+
+    tensor = torch.randint(0, 256, (RESTART_ENTRY,), dtype=torch.uint8)
+    for entries in counts:
+        with spawn(restart_flags(entries)) as daemon:
+            daemon.start()  # not measured: a first start may compile the daemon's bytecode
+            daemon.wait_serving(120.0)
+            daemon.kill()
+            empty = []
+            for _ in progress(range(runs), f"start, empty ({entries})"):
+                empty.append(_serving_again(daemon, None)[0])
+                daemon.kill()
+            daemon.start()
+            daemon.wait_serving(15.0)
+            costs = _fill(daemon.address, entries, tensor)
+            serving, served = [], []
+            for run in progress(range(runs), f"restart, {entries} entries"):
+                daemon.kill()
+                key = f"r{run * entries // runs}"
+                seconds = _serving_again(daemon, key)
+                serving.append(seconds[0])
+                served.append(seconds[1])
+                _check_restored(daemon.address, entries, key, tensor)
+        report.add(
+            "restart",
+            {
+                "entries": entries,
+                "put_us_item_first": statistics.median(costs[:RESTART_WINDOW]),
+                "put_us_item_last": statistics.median(costs[-RESTART_WINDOW:]),
+                "empty_start_s": statistics.median(empty),
+                "serving_s": statistics.median(serving),
+                "serving_max_s": max(serving),
+                "hit_s": statistics.median(served),
+            },
+        )
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 
@@ -598,6 +761,20 @@ SECTIONS = {
             "remote_vs_local",
             "bare_vs_remote",
             "reads_per_hit",
+        ],
+    ),
+    "restart": (
+        "Warm restart: SIGKILL, start again on the same shm directory; seconds from the process's "
+        "start to SERVING and to an old key's hit (medians), against a start with nothing to "
+        "adopt; a put's microseconds per item in the first and last 256-item batches of the fill",
+        [
+            "entries",
+            "put_us_item_first",
+            "put_us_item_last",
+            "empty_start_s",
+            "serving_s",
+            "serving_max_s",
+            "hit_s",
         ],
     ),
 }

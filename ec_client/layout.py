@@ -21,9 +21,12 @@ is refused at adoption and kept for inspection.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 import struct
+import sys
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -89,12 +92,16 @@ _HEADER_CRC_OFFSET = _HEADER.size
 # checksum, key_len, dtype_code, ndim, n_extents; then shape (ndim int64), extents (n_extents
 # pairs of uint32 start, count), key. Its length depends on the entry; the slot's bytes after it
 # are ignored (they may hold an older, longer record).
+_SLOT_MARK = struct.Struct("<I")
 _SLOT_MARK_CRC = struct.Struct("<II")
 _SLOT_FIXED = struct.Struct("<QQQHBBH")
 _SLOT_HEAD = _SLOT_MARK_CRC.size + _SLOT_FIXED.size
 SLOT_READY_MARK = 0x59444552  # "REDY"
 SLOT_FREE_MARK = 0
+# The READY mark as a native unsigned int reads it from the table's bytes (ready_slots).
+_READY_MARK_NATIVE = int.from_bytes(_SLOT_MARK.pack(SLOT_READY_MARK), sys.byteorder)
 assert _HEADER.size + _HEADER_CRC.size <= HEADER_SIZE and HEADER_SIZE % SLOT_SIZE == 0
+assert struct.calcsize("I") == _SLOT_MARK.size
 
 
 class LayoutError(ValueError):
@@ -274,31 +281,69 @@ class SlotRecord:
         return _SLOT_MARK_CRC.pack(SLOT_READY_MARK, zlib.crc32(body)) + body
 
     @classmethod
-    def unpack(cls, slot: bytes) -> SlotRecord | None:
-        """The record in a slot if its mark says READY and its CRC verifies, else None (free,
-        erased, or not a whole record)."""
-        mark, crc = _SLOT_MARK_CRC.unpack_from(slot)
-        if mark != SLOT_READY_MARK:
+    def unpack(cls, slot: bytes, offset: int = 0) -> SlotRecord | None:
+        """The record in a slot (the slot at `offset` of a slot table) if its mark says READY
+        and its CRC verifies, else None (free, erased, or not a whole record)."""
+        fields = read_record(slot, offset)
+        if fields is None:
             return None
-        commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = (
-            _SLOT_FIXED.unpack_from(slot, _SLOT_MARK_CRC.size)
-        )
-        length = _SLOT_HEAD + 8 * ndim + 8 * n_extents + key_len
-        if ndim > MAX_NDIM or length > min(len(slot), SLOT_SIZE):
-            return None
-        if crc != zlib.crc32(slot[_SLOT_MARK_CRC.size : length]) or dtype_code not in DTYPE_BY_CODE:
-            return None
-        values = struct.unpack_from(f"<{ndim}q{2 * n_extents}I", slot, _SLOT_HEAD)
-        flat = values[ndim:]
-        return cls(
-            key=slot[length - key_len : length],
-            dtype=DTYPE_BY_CODE[dtype_code],
-            shape=tuple(values[:ndim]),
-            nbytes=nbytes,
-            checksum=checksum,
-            commit_seq=commit_seq,
-            extents=tuple(zip(flat[0::2], flat[1::2], strict=True)),
-        )
+        key, dtype, shape, nbytes, checksum, commit_seq, flat = fields
+        extents = tuple(zip(flat[0::2], flat[1::2], strict=True))
+        return cls(key, dtype, shape, nbytes, checksum, commit_seq, extents)
+
+
+# A slot record as read, before it is a SlotRecord: (key, dtype, shape, nbytes, checksum,
+# commit_seq, extents), the extents flat (start, count, start, count, ...). A restart reads one
+# per entry, 100,000 in a large pool: such a tuple costs a fraction of a SlotRecord (a frozen
+# dataclass sets each field through object.__setattr__; docs/performance.md, *A warm restart*).
+RecordFields = tuple[bytes, str, tuple[int, ...], int, int, int, tuple[int, ...]]
+
+
+def read_record(slot: bytes, offset: int = 0) -> RecordFields | None:
+    """The fields of the record in a slot (the slot at `offset` of a slot table) if its mark
+    says READY and its CRC verifies, else None: what SlotRecord.unpack makes a SlotRecord of."""
+    mark, crc = _SLOT_MARK_CRC.unpack_from(slot, offset)
+    if mark != SLOT_READY_MARK:
+        return None
+    commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = _SLOT_FIXED.unpack_from(
+        slot, offset + _SLOT_MARK_CRC.size
+    )
+    end = offset + _SLOT_HEAD + 8 * ndim + 8 * n_extents + key_len
+    if ndim > MAX_NDIM or end > len(slot) or end - offset > SLOT_SIZE:
+        return None
+    dtype = DTYPE_BY_CODE.get(dtype_code)
+    if dtype is None or crc != zlib.crc32(slot[offset + _SLOT_MARK_CRC.size : end]):
+        return None
+    values = _slot_tail(ndim, n_extents).unpack_from(slot, offset + _SLOT_HEAD)
+    key = bytes(slot[end - key_len : end])
+    return key, dtype, values[:ndim], nbytes, checksum, commit_seq, values[ndim:]
+
+
+@functools.cache
+def _slot_tail(ndim: int, n_extents: int) -> struct.Struct:
+    """What follows a slot record's fixed fields: its shape and extents. One per shape of
+    record (at most MAX_NDIM + 1 times what a slot has room for): a pool's records share few."""
+    return struct.Struct(f"<{ndim}q{2 * n_extents}I")
+
+
+def ready_slots(table: bytes) -> list[int]:
+    """The slots of a slot table whose mark says READY, found by their 4-byte marks alone (in
+    C, however many slots are free): the only slots that can hold a record."""
+    if len(table) % SLOT_SIZE:
+        raise LayoutError(f"a slot table of {len(table)} bytes is not whole slots")
+    marks = memoryview(table).cast("I")[:: SLOT_SIZE // _SLOT_MARK.size]  # in native order
+    return list(itertools.compress(range(len(marks)), map(_READY_MARK_NATIVE.__eq__, marks)))
+
+
+def read_slot_table(table: bytes) -> list[tuple[int, RecordFields]]:
+    """The whole records of a slot table with their slots: what read_record finds in each
+    slot, read only where a READY mark is."""
+    records = []
+    for slot in ready_slots(table):
+        fields = read_record(table, slot * SLOT_SIZE)
+        if fields is not None:
+            records.append((slot, fields))
+    return records
 
 
 def slot_offset(index: int) -> int:

@@ -11,10 +11,14 @@ merged) and both indexes hold the same set.
 from __future__ import annotations
 
 import itertools
+import operator
 
 from sortedcontainers import SortedDict, SortedList
 
 from ec_client.types import Extent
+
+# Extents compared as tuples, in C: their dataclass ordering costs a Python call per comparison.
+_start_and_count = operator.attrgetter("start", "count")
 
 
 class ExtentAllocator:
@@ -31,11 +35,23 @@ class ExtentAllocator:
     def with_used(cls, num_blocks: int, used: list[Extent]) -> ExtentAllocator:
         """An allocator whose free space is everything but `used` (recovery after a restart).
 
-        Raises ValueError if used extents overlap or fall outside the pool.
+        Raises ValueError if used extents overlap or fall outside the pool. The free runs are
+        the gaps between the used extents in order, indexed in one go: a pool of 100,000
+        entries is rebuilt in milliseconds, not in 100,000 updates of the indexes.
         """
+        runs, end = [], 0  # the free runs, and where the used extents so far end
+        for extent in sorted(used, key=_start_and_count):
+            if extent.count <= 0 or extent.start < end or extent.end > num_blocks:
+                raise ValueError(f"{extent} is not free")
+            if extent.start > end:
+                runs.append((end, extent.start - end))
+            end = extent.end
+        if end < num_blocks:
+            runs.append((end, num_blocks - end))
         allocator = cls(num_blocks)
-        for extent in sorted(used):
-            allocator.take(extent)
+        allocator._by_start = SortedDict(runs)
+        allocator._by_size = SortedList((count, start) for start, count in runs)
+        allocator.free_blocks = sum(count for _, count in runs)
         return allocator
 
     @property

@@ -257,7 +257,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 
-SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "remote")
+SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "remote", "restart")
 
 
 def suite_set(text: str) -> set[str]:
@@ -297,10 +297,16 @@ def count_list(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ec_client import bench
     from ec_daemon import costs
-    from ec_daemon.spawn import bare_reads, spawned_daemon, spawned_peers
+    from ec_daemon.spawn import bare_reads, restartable_daemon, spawned_daemon, spawned_peers
 
     report = bench.Report({})
     suites = args.suite
+    if "restart" in suites and not args.spawn:
+        print(
+            "ecd: --suite restart SIGKILLs its daemon and starts it again: it needs --spawn",
+            file=sys.stderr,
+        )
+        return 2
     if {"costs", "all"} & suites:  # in process: no daemon needed
         daemon = costs.measure(args.batch * 4, args.iterations * 2)
         bench.bench_costs(daemon, args.batch * 4, args.iterations * 2, report)
@@ -317,7 +323,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
             bare = stack.enter_context(bare_reads(max(args.remote_sizes)))
             bench.run_remote(here, there, args, bare, report)
-    if suites - {"costs", "remote"}:
+    if "restart" in suites:  # daemons of its own, killed and started again; not part of "all"
+        bench.bench_restart(
+            lambda flags: restartable_daemon(*flags, prefix="ecd-bench-", cache_bytecode=True),
+            args.restart_entries,
+            args.runs,
+            report,
+        )
+    if suites - {"costs", "remote", "restart"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
                 bench.run(address, args, report)
@@ -417,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=suite_set,
         default="all",
         help="costs,latency,control,data,load,handoff or all; remote (two peered daemons: "
-        "with --spawn, or --address and its peer's --remote-address) only when named",
+        "with --spawn, or --address and its peer's --remote-address) and restart (a warm "
+        "restart after a SIGKILL; with --spawn) only when named",
     )
     bench.add_argument("--runs", type=count, default=5, help="repetitions; medians are reported")
     bench.add_argument(
@@ -444,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--remote-samples", type=count, default=10, help="gets per run (remote)")
     bench.add_argument("--remote-address", help="a peer daemon of --address (remote)")
+    bench.add_argument(
+        "--restart-entries",
+        type=count_list,
+        default="10000,100000",
+        help="entries in the pool when the daemon is killed, one daemon each (restart)",
+    )
     bench.add_argument("--output", help="also write the figures as JSON to this file")
     bench.set_defaults(run=cmd_bench)
     return parser

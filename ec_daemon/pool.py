@@ -22,8 +22,10 @@ from ec_client.layout import (
     Geometry,
     Header,
     LayoutError,
+    RecordFields,
     SlotRecord,
     pool_file_name,
+    read_slot_table,
     slot_offset,
 )
 from ec_client.slot_locks import lock_exclusive, locked_slots, unlock
@@ -85,9 +87,9 @@ class PoolFile:
         return cls(path, header, fd)
 
     @classmethod
-    def adopt(cls, path: Path) -> tuple[PoolFile, list[tuple[int, SlotRecord]]]:
-        """Open an existing pool file and read its READY records; LayoutError if it does not
-        verify."""
+    def adopt(cls, path: Path) -> tuple[PoolFile, list[tuple[int, RecordFields]]]:
+        """Open an existing pool file and read its READY records, by slot; LayoutError if it
+        does not verify."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             header = Header.unpack(os.pread(fd, HEADER_SIZE, 0))
@@ -98,12 +100,11 @@ class PoolFile:
                 )
             if path.name != pool_file_name(header.engine_id):
                 raise LayoutError(f"header names engine {header.engine_id!r}, not this file")
-            table = os.pread(fd, header.geometry.num_slots * SLOT_SIZE, HEADER_SIZE)
-            records = []
-            for slot in range(header.geometry.num_slots):
-                record = SlotRecord.unpack(table[slot * SLOT_SIZE : (slot + 1) * SLOT_SIZE])
-                if record is not None:
-                    records.append((slot, record))
+            table_size = header.geometry.num_slots * SLOT_SIZE
+            table = os.pread(fd, table_size, HEADER_SIZE)
+            if len(table) != table_size:
+                raise LayoutError(f"slot table is {len(table)} bytes, expected {table_size}")
+            records = read_slot_table(table)
         except BaseException:
             os.close(fd)
             raise

@@ -1,7 +1,8 @@
 """A daemon as a child process on a private socket and shm directory, for `ecd bench --spawn`
-(a benchmark that brings its own daemon), or several peered on loopback TCP, and a transfer
-engine in the bench's own process for the bare reads the remote suite compares pulls with. The
-test suite's harness (tests/ecd_testing.py) builds on the same command line and readiness wait."""
+(a benchmark that brings its own daemon): one that can be killed and started again on the same
+directories (the restart suite), or several peered on loopback TCP, and a transfer engine in the
+bench's own process for the bare reads the remote suite compares pulls with. The test suite's
+harness (tests/ecd_testing.py) builds on the same command line and readiness wait."""
 
 from __future__ import annotations
 
@@ -61,25 +62,84 @@ def _read(log: Path) -> str:
     return log.read_text(errors="replace") if log.exists() else ""
 
 
+class SpawnedDaemon:
+    """A daemon child process on a private socket and shm directory that can be killed and
+    started again on both (`ecd bench --suite restart`: a warm restart)."""
+
+    def __init__(
+        self, workdir: Path, shm_dir: Path, args: Sequence[str], env: dict[str, str] | None = None
+    ) -> None:
+        self.socket, self.log = workdir / "ecd.sock", workdir / "daemon.log"
+        self.shm_dir = shm_dir
+        self.args = tuple(args)
+        self.env = env  # None: this process's
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> None:
+        """Start the process; return at once (`wait_serving` waits for it)."""
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                serve_command(self.socket, self.shm_dir, self.args),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
+
+    def wait_serving(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None:
+            raise RuntimeError("daemon was never started")
+        wait_serving(self.address, self.proc, timeout_s, self.log)
+
+    def exited(self) -> str | None:
+        """None while the process runs; else how it ended, with its log."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"daemon exited with {self.proc.returncode}:\n{_read(self.log)}"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it; its pool files stay in the shm directory."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@contextmanager
+def restartable_daemon(
+    *args: str, prefix: str = "ecd-", cache_bytecode: bool = False
+) -> Iterator[SpawnedDaemon]:
+    """A daemon in fresh directories, not started yet; killed and cleaned up on exit.
+
+    cache_bytecode: the bytecode of the modules it imports is cached in its work directory even
+    where PYTHONDONTWRITEBYTECODE is set (as on the development VM), so that every start after
+    the first imports them as an installed daemon does (pip compiles bytecode at install),
+    instead of compiling them again (~0.2 s there): what a restart's timing should include."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    shm_dir = new_shm_dir(prefix)
+    env = None
+    if cache_bytecode:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = str(workdir / "bytecode")
+    daemon = SpawnedDaemon(workdir, shm_dir, args, env)
+    try:
+        yield daemon
+    finally:
+        daemon.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
 @contextmanager
 def spawned_daemon(*args: str, prefix: str = "ecd-") -> Iterator[str]:
     """A daemon in fresh directories; yields its address; killed and cleaned up on exit."""
-    workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    shm_dir = new_shm_dir(prefix)
-    socket, log = workdir / "ecd.sock", workdir / "daemon.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            serve_command(socket, shm_dir, args), stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        address = f"unix://{socket}"
-        wait_serving(address, proc, 15.0, log)
-        yield address
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+    with restartable_daemon(*args, prefix=prefix) as daemon:
+        daemon.start()
+        daemon.wait_serving(15.0)
+        yield daemon.address
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -142,7 +142,7 @@ def assert_blocks_accounted(client: Client, engine_id: str) -> None:
 
 
 def run_ecd(
-    *args: str, env: dict[str, str] | None = None, check: bool = False
+    *args: str, env: dict[str, str] | None = None, check: bool = False, timeout_s: float = 30.0
 ) -> subprocess.CompletedProcess[str]:
     """Run the `ecd` command (`python -m ec_daemon ARGS`) as an operator would, output captured."""
     return subprocess.run(
@@ -150,7 +150,7 @@ def run_ecd(
         env=env,
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=timeout_s,
         cwd=REPO,
         check=check,
     )

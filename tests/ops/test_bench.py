@@ -1,5 +1,6 @@
-"""`ecd bench --suite remote` as an operator runs it: it spawns two peered daemons, and reports
-a remote get against a local get and a bare transfer-engine read, one read per remote hit."""
+"""`ecd bench` as an operator runs it: `--suite remote` spawns two peered daemons and reports a
+remote get against a local get and a bare transfer-engine read, one read per remote hit;
+`--suite restart` kills its own daemon and times it serving again."""
 
 from __future__ import annotations
 
@@ -45,6 +46,38 @@ def test_the_remote_suite_compares_a_pull_with_a_local_get_and_a_bare_read(
 
 def test_the_remote_suite_needs_two_daemons_and_says_so() -> None:
     done = run_ecd("bench", "--suite", "remote")
+    assert done.returncode == 2
+    assert "--spawn" in done.stderr
+
+
+def test_the_restart_suite_kills_its_own_daemon_and_times_it_serving_again(
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "figures.json"
+    done = run_ecd(
+        "bench",
+        "--spawn",
+        "--suite",
+        "restart",
+        "--runs",
+        "1",
+        "--restart-entries",
+        "300",
+        "--output",
+        str(output),
+        timeout_s=180,  # four daemon starts, the first compiling its bytecode, and torch's import
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Warm restart" in done.stdout and "serving_s" in done.stdout
+    [row] = json.loads(output.read_text())["restart"]
+    assert row["entries"] == 300
+    assert row["empty_start_s"] > 0 and 0 < row["serving_s"] <= row["serving_max_s"]
+    assert row["serving_s"] <= row["hit_s"]
+    assert row["put_us_item_first"] > 0 and row["put_us_item_last"] > 0
+
+
+def test_the_restart_suite_needs_a_daemon_of_its_own_and_says_so() -> None:
+    done = run_ecd("bench", "--suite", "restart")
     assert done.returncode == 2
     assert "--spawn" in done.stderr
 

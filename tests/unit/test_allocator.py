@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -76,6 +77,37 @@ def test_double_free_is_refused() -> None:
 def test_rebuilding_from_overlapping_used_extents_is_refused() -> None:
     with pytest.raises(ValueError, match="not free"):
         ExtentAllocator.with_used(10, [Extent(0, 5), Extent(4, 2)])
+
+
+@pytest.mark.parametrize(
+    "used", [[Extent(8, 3)], [Extent(-1, 2)], [Extent(3, 0)], [Extent(2, 2)] * 2]
+)
+def test_rebuilding_from_used_extents_outside_the_pool_empty_or_twice_is_refused(
+    used: list[Extent],
+) -> None:
+    with pytest.raises(ValueError, match="not free"):
+        ExtentAllocator.with_used(10, used)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), max_size=30), st.randoms())
+def test_rebuilding_from_used_extents_frees_exactly_the_gaps_between_them(
+    gaps_and_counts: list[tuple[int, int]], rng: random.Random
+) -> None:
+    used, start = [], 0
+    for gap, count in gaps_and_counts:
+        used.append(Extent(start + gap, count))
+        start += gap + count
+    num_blocks = start + 3
+    rng.shuffle(used)
+    allocator = ExtentAllocator.with_used(num_blocks, used)
+    allocator.check()
+    taken = ExtentAllocator(num_blocks)  # the same, one extent at a time
+    for extent in used:
+        taken.take(extent)
+    assert allocator.free_runs() == taken.free_runs()
+    assert allocator.free_blocks == taken.free_blocks == num_blocks - sum(e.count for e in used)
+    assert allocator.largest_free_extent == taken.largest_free_extent
 
 
 @settings(max_examples=200, deadline=None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from core_testing import FakeClock, spec
 
-from ec_client.layout import Geometry, SlotRecord
+from ec_client.layout import Geometry, RecordFields, SlotRecord, read_record
 from ec_client.types import EntryState, EventType, Extent, Status
 from ec_daemon.eviction import FIFOPolicy, LRUPolicy
 from ec_daemon.index import PoolIndex
@@ -68,6 +68,13 @@ def make_index(
     policy = LRUPolicy() if lru else FIFOPolicy()
     index = PoolIndex("p", Geometry(BLOCK, blocks, slots), journal, policy, FakeClock(), sink)
     return index, journal, sink
+
+
+def as_read(records: list[tuple[int, SlotRecord]]) -> list[tuple[int, RecordFields]]:
+    """The records as a restart reads them from the pool file's slot table."""
+    read = [(slot, read_record(record.pack())) for slot, record in records]
+    assert all(fields is not None for _, fields in read)
+    return [(slot, fields) for slot, fields in read if fields is not None]
 
 
 def put(index: PoolIndex, key: bytes, blocks: int, session: str = "s") -> None:
@@ -238,7 +245,7 @@ def test_restore_adopts_records_oldest_commit_first() -> None:
     put(index, b"old", 1)
     put(index, b"new", 1)
     restored, _, _ = make_index(lru=False)
-    restored.restore(sorted(journal.records.items(), reverse=True))
+    restored.restore(as_read(sorted(journal.records.items(), reverse=True)))
     assert [restored.state(k) for k in (b"old", b"new")] == [EntryState.READY] * 2
     restored.allocate(b"fill", spec(7 * BLOCK), "s", "p")  # evicts the oldest commit: old
     assert restored.state(b"old") is EntryState.ABSENT
@@ -251,7 +258,55 @@ def test_restore_refuses_records_that_overlap() -> None:
     record = SlotRecord(b"a", "uint8", (BLOCK,), BLOCK, 0, 1, ((0, 1),))
     twin = SlotRecord(b"b", "uint8", (BLOCK,), BLOCK, 0, 2, ((0, 1),))
     with pytest.raises(ValueError):
-        index.restore([(0, record), (1, twin)])
+        index.restore(as_read([(0, record), (1, twin)]))
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [
+            (0, SlotRecord(b"a", "uint8", (BLOCK,), BLOCK, 0, 1, ((0, 1),))),
+            (0, SlotRecord(b"b", "uint8", (BLOCK,), BLOCK, 0, 2, ((1, 1),))),
+        ],
+        [(0, SlotRecord(b"a", "uint8", (BLOCK,), BLOCK, 0, 1, ((0, 2),)))],
+        [(0, SlotRecord(b"a", "uint8", (BLOCK,), BLOCK, 0, 1, ((7, 2),)))],
+    ],
+    ids=["a slot twice", "extents larger than the size", "past the pool's end"],
+)
+def test_restore_refuses_a_slot_table_that_does_not_verify(
+    records: list[tuple[int, SlotRecord]],
+) -> None:
+    index, _, _ = make_index()
+    with pytest.raises(ValueError):
+        index.restore(as_read(records))
+
+
+def test_a_restored_index_holds_what_was_committed_and_goes_on_from_there() -> None:
+    index, journal, _ = make_index(blocks=16, slots=6)
+    for key, blocks in ((b"a", 1), (b"b", 3), (b"c", 2), (b"d", 1)):
+        put(index, key, blocks)
+    index.evict(b"b")
+    restored, journal_after, _ = make_index(blocks=16, slots=6)
+    restored.restore(as_read(list(journal.records.items())))
+    restored.check()
+    for key in (b"a", b"c", b"d"):
+        before, after = index.get(key), restored.get(key)
+        assert before is not None and after is not None
+        assert (after.extents, after.spec, after.slot, after.commit_seq, after.state) == (
+            before.extents,
+            before.spec,
+            before.slot,
+            before.commit_seq,
+            EntryState.READY,
+        )
+    assert restored.get(b"b") is None
+    stats = restored.stats("")
+    assert (stats.free_blocks, stats.entries_ready) == (12, 3)
+    put(restored, b"e", 3)  # in the blocks and slot b left, with the next commit_seq
+    e = restored.get(b"e")
+    assert e is not None and e.commit_seq == 5
+    assert journal_after.records[e.slot].commit_seq == 5
+    restored.check()
 
 
 def deleted_under_a_lock_and_put_again() -> tuple[list[tuple[int, SlotRecord]], int]:
@@ -275,7 +330,7 @@ def test_restore_of_a_key_deleted_under_a_lock_and_put_again_adopts_the_newer_re
     journal.records = dict(records)
     if still_locked:  # locks outlive the daemon: the reader may still hold it
         journal.locked.add(old_slot)
-    restored.restore(records)  # not refused
+    restored.restore(as_read(records))  # not refused
     entry = restored.get(b"k")
     assert entry is not None and entry.slot != old_slot and entry.blocks == 3
     assert entry.commit_seq == max(r.commit_seq for _, r in records)

@@ -13,6 +13,9 @@ from ec_client.layout import (
     LayoutError,
     SlotRecord,
     max_extents,
+    read_record,
+    read_slot_table,
+    ready_slots,
 )
 
 MiB = 1 << 20
@@ -70,6 +73,58 @@ def test_an_erased_or_empty_slot_holds_no_record() -> None:
     packed[:4] = b"\0\0\0\0"  # what erase_slot writes
     assert SlotRecord.unpack(in_slot(bytes(packed))) is None
     assert SlotRecord.unpack(bytes(SLOT_SIZE)) is None
+
+
+def a_slot_table() -> tuple[bytes, set[int], list[tuple[int, SlotRecord]]]:
+    """A slot table whose slots are free, READY, erased over a record, torn, written over a
+    longer record, marked READY over nothing, or whole records of many shapes; the slots marked
+    READY; and the records it holds, by slot."""
+    whole = [record(f"k{i}".encode(), ndim=1 + i % MAX_NDIM, extents=1 + i % 5) for i in range(8)]
+    erased = bytearray(record(b"erased").pack())
+    erased[:4] = b"\0\0\0\0"  # what erase_slot writes
+    torn = bytearray(record(b"torn", extents=3).pack())
+    torn[-1] ^= 0x01
+    over, longest = record(b"n"), record(b"last", extents=max_extents(4, 2))
+    ready_mark = over.pack()[:4]
+    slots = [
+        b"",
+        whole[0].pack(),
+        bytes(erased),
+        bytes(torn),
+        in_slot(over.pack(), under=record(b"o" * 200, extents=20).pack()),
+        ready_mark,
+        *(r.pack() for r in whole[1:]),
+        b"",
+        longest.pack(),
+    ]
+    marked = {i for i, slot in enumerate(slots) if slot[:4] == ready_mark}
+    held = [
+        (1, whole[0]),
+        (4, over),
+        *((5 + i, r) for i, r in enumerate(whole) if i),
+        (14, longest),
+    ]
+    return b"".join(in_slot(slot) for slot in slots), marked, held
+
+
+def test_the_mark_scan_finds_every_slot_marked_ready_and_no_other() -> None:
+    table, marked, _ = a_slot_table()
+    assert ready_slots(table) == sorted(marked)
+
+
+def test_reading_only_the_marked_slots_gives_exactly_what_reading_every_slot_gives() -> None:
+    table, _, held = a_slot_table()
+    slots = [table[i : i + SLOT_SIZE] for i in range(0, len(table), SLOT_SIZE)]
+    assert [(i, r) for i, slot in enumerate(slots) if (r := SlotRecord.unpack(slot))] == held
+    every_slot = [(i, f) for i, slot in enumerate(slots) if (f := read_record(slot)) is not None]
+    assert read_slot_table(table) == every_slot
+    assert [(i, SlotRecord.unpack(table, i * SLOT_SIZE)) for i, _ in every_slot] == held
+
+
+def test_a_slot_table_of_part_of_a_slot_does_not_verify() -> None:
+    table, _, _ = a_slot_table()
+    with pytest.raises(LayoutError, match="not whole slots"):
+        read_slot_table(table[:-1])
 
 
 @pytest.mark.parametrize("block", [512, 4096, 7168, 14336])
