@@ -190,17 +190,16 @@ class Consumer:
             log.debug("ecd: cannot lock-pin pool %s now: %s", self.endpoint.engine_id, error)
             return
         for key, slot in local:
-            record = pins.pin(slot, key_bytes(key))
-            if record is None:
+            pinned = pins.pin(slot, key_bytes(key))
+            if pinned is None:
                 continue
-            extents = tuple(Extent(start, count) for start, count in record.extents)
-            spec = TensorSpec(record.shape, record.dtype, record.nbytes)
+            extents, spec = pinned.extents, pinned.spec
             try:
                 tensor, transfer = mover.load(extents, spec, out.get(key) if out else None)
             except BaseException:
                 pins.unpin(slot)
                 raise
-            reads.append(_Read(key, extents, spec, record.checksum, mover, tensor, transfer))
+            reads.append(_Read(key, extents, spec, pinned.checksum, mover, tensor, transfer))
             reads[-1].pins, reads[-1].slot = pins, slot
 
     def _read_from_daemon(

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import math
 import os
 import struct
 import threading
 import uuid
 from dataclasses import dataclass
 
-from ec_client.layout import HEADER_SIZE, SLOT_SIZE, Header, LayoutError, SlotRecord, slot_offset
+from ec_client.layout import HEADER_SIZE, SLOT_SIZE, Header, LayoutError, read_record, slot_offset
+from ec_client.types import Extent, TensorSpec
 
 # Linux's open-file-description lock commands (fcntl.h); Python's fcntl module lacks the names.
 F_OFD_GETLK = 36
@@ -89,9 +89,19 @@ def locked_slots(fd: int, num_slots: int) -> set[int]:
     return found
 
 
-@dataclass
+@dataclass(slots=True)
+class PinnedEntry:
+    """What a lock pin found in its slot: the entry a reader may copy out until it unpins."""
+
+    key: bytes
+    extents: tuple[Extent, ...]
+    spec: TensorSpec
+    checksum: int  # CRC-32 its producer stored, 0 for none
+
+
+@dataclass(slots=True)
 class _Held:
-    record: SlotRecord
+    entry: PinnedEntry
     count: int
 
 
@@ -118,9 +128,9 @@ class SlotPins:
         self._held: dict[int, _Held] = {}
         self._retired = False
 
-    def pin(self, slot: int, key: bytes) -> SlotRecord | None:
-        """Pin the entry `key` in `slot`; its record (extents, spec, checksum), or None when
-        the slot does not hold it now (a miss)."""
+    def pin(self, slot: int, key: bytes) -> PinnedEntry | None:
+        """Pin the entry `key` in `slot`; what its record says (extents, spec, checksum), or
+        None when the slot does not hold it now (a miss)."""
         if not 0 <= slot < self.header.geometry.num_slots:
             return None
         with self._lock:
@@ -128,18 +138,18 @@ class SlotPins:
                 return None
             held = self._held.get(slot)
             if held is not None:  # already locked by us: the record cannot have changed
-                if held.record.key != key:
+                if held.entry.key != key:
                     return None
                 held.count += 1
-                return held.record
+                return held.entry
             if not lock_shared(self._fd, slot):
                 return None
-            record = self._read(slot)
-            if record is None or record.key != key:
+            entry = self._read(slot, key)
+            if entry is None:
                 unlock(self._fd, slot)
                 return None
-            self._held[slot] = _Held(record, 1)
-            return record
+            self._held[slot] = _Held(entry, 1)
+            return entry
 
     def unpin(self, slot: int) -> None:
         """Give one pin back; the lock goes with the slot's last. Only once every copy made under
@@ -178,15 +188,20 @@ class SlotPins:
             os.close(self._fd)
             self._fd = -1
 
-    def _read(self, slot: int) -> SlotRecord | None:
-        """The slot's record if it is whole and fits the pool; anything else is a miss."""
-        record = SlotRecord.unpack(os.pread(self._fd, SLOT_SIZE, slot_offset(slot)))
-        if record is None:
+    def _read(self, slot: int, key: bytes) -> PinnedEntry | None:
+        """The entry `key` if the slot holds a whole record of it that fits the pool; anything
+        else is a miss. Read with pread, not through a mapping: a pool file truncated by
+        someone else is then a miss here, not a SIGBUS (vLLM's scheduler process maps no pool)."""
+        fields = read_record(os.pread(self._fd, SLOT_SIZE, slot_offset(slot)))
+        if fields is None or fields[0] != key:
             return None
+        _, dtype, shape, nbytes, checksum, _, flat = fields
         g = self.header.geometry
-        blocks = sum(count for _, count in record.extents)
-        if blocks != math.ceil(record.nbytes / g.block_size_bytes) or any(
-            start + count > g.num_blocks for start, count in record.extents
+        starts, counts = flat[0::2], flat[1::2]
+        if sum(counts) != -(-nbytes // g.block_size_bytes) or any(
+            start + count > g.num_blocks for start, count in zip(starts, counts, strict=True)
         ):
             return None
-        return record
+        return PinnedEntry(
+            key, tuple(map(Extent, starts, counts)), TensorSpec(shape, dtype, nbytes), checksum
+        )

@@ -72,7 +72,6 @@ from ec_client.slot_locks import SlotPins
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
-    Extent,
     ItemResult,
     LeaseResult,
     Role,
@@ -476,12 +475,11 @@ class SchedulerSide:
         slot = self.view.slot(raw)
         if pins is None or slot is None:
             return None
-        record = pins.pin(slot, raw)
-        if record is not None:
-            spec = TensorSpec(record.shape, record.dtype, record.nbytes)
-            if self._loadable(spec):
+        pinned = pins.pin(slot, raw)
+        if pinned is not None:
+            if self._loadable(pinned.spec):
                 self._hits.append(raw)
-                return LockPin(slot, tuple(Extent(s, c) for s, c in record.extents), spec)
+                return LockPin(slot, pinned.extents, pinned.spec)
             pins.unpin(slot)
         self.view.discard(raw)  # gone (or not ours): it is encoded, and saved again
         return LOCK_MISSED

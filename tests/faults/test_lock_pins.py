@@ -129,8 +129,8 @@ for line in sys.stdin:
     if line.strip() == "read":
         bad = []
         for key, (slot, record) in held.items():
-            extents = [Extent(start, count) for start, count in record.extents]
-            spec = TensorSpec(record.shape, record.dtype, record.nbytes)
+            extents = list(record.extents)
+            spec = record.spec
             tensor, transfer = mover.load(extents, spec)
             transfer.wait()
             if check_entry_bytes(key, tensor_bytes(tensor)) is not None:
@@ -354,8 +354,8 @@ def pin_and_read(key, slot):
     if record is None:
         return False
     try:
-        extents = [Extent(start, count) for start, count in record.extents]
-        spec = TensorSpec(record.shape, record.dtype, record.nbytes)
+        extents = list(record.extents)
+        spec = record.spec
         for _ in range(3):
             tensor, transfer = mover.load(extents, spec)
             transfer.wait()

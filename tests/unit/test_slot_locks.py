@@ -17,11 +17,26 @@ from pathlib import Path
 import pytest
 
 from ec_client.layout import SLOT_SIZE, Geometry, SlotRecord, slot_offset
-from ec_client.slot_locks import SlotPins, lock_exclusive, lock_shared, locked_slots, unlock
+from ec_client.slot_locks import (
+    PinnedEntry,
+    SlotPins,
+    lock_exclusive,
+    lock_shared,
+    locked_slots,
+    unlock,
+)
+from ec_client.types import Extent, TensorSpec
 from ec_daemon.pool import PoolFile
 
 BLOCK = 4096
 GEOMETRY = Geometry(BLOCK, num_blocks=64, num_slots=8)
+
+
+def pinned(record: SlotRecord) -> PinnedEntry:
+    """What a lock pin of the slot holding `record` answers."""
+    extents = tuple(Extent(start, count) for start, count in record.extents)
+    spec = TensorSpec(record.shape, record.dtype, record.nbytes)
+    return PinnedEntry(record.key, extents, spec, record.checksum)
 
 
 def record(key: bytes, start: int = 0, nbytes: int = 3 * BLOCK) -> SlotRecord:
@@ -74,8 +89,8 @@ def test_a_shared_lock_refuses_the_exclusive_one_and_a_free_byte_grants_it(pool:
 def test_pinning_a_slot_twice_and_unpinning_once_keeps_its_lock(
     pool: PoolFile, pins: SlotPins
 ) -> None:
-    assert pins.pin(5, key(5)) == record(key(5), start=15)
-    assert pins.pin(5, key(5)) == record(key(5), start=15)
+    assert pins.pin(5, key(5)) == pinned(record(key(5), start=15))
+    assert pins.pin(5, key(5)) == pinned(record(key(5), start=15))
     assert pins.held() == 1
     pins.unpin(5)
     assert pool.slot_locked(5)

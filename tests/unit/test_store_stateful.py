@@ -30,8 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_client.layout import SlotRecord
-from ec_client.slot_locks import SlotPins
+from ec_client.slot_locks import PinnedEntry, SlotPins
 from ec_client.types import EntryState, EventType, Extent, Role, Status
 
 BLOCK = 512
@@ -54,7 +53,7 @@ class StoreMachine(RuleBasedStateMachine):
         )
         info = open_pool(self.store, "p", BLOCK, BLOCKS * BLOCK)
         self.reader = SlotPins(info.path, info.pool_uuid)  # another process's, as it were
-        self.locks: list[tuple[int, SlotRecord]] = []  # lock pins held: (slot, record)
+        self.locks: list[tuple[int, PinnedEntry]] = []  # lock pins held: (slot, what they hold)
         self.pending: dict[bytes, tuple[str, tuple[Extent, ...]]] = {}  # key -> (session, extents)
         self.pins: dict[int, tuple[str, bytes]] = {}  # lease -> (session, key)
         self.deleted: set[int] = set()  # leases whose entry was deleted while pinned
@@ -208,9 +207,9 @@ class StoreMachine(RuleBasedStateMachine):
         for slot, record in self.locks:
             assert self.reader.pin(slot, record.key) == record
             self.reader.unpin(slot)
-            mine = {b for start, count in record.extents for b in range(start, start + count)}
+            mine = {b for e in record.extents for b in range(e.start, e.end)}
             for entry in listed:
-                if tuple((e.start, e.count) for e in entry.extents) != record.extents:
+                if entry.extents != record.extents:
                     assert not mine & {b for e in entry.extents for b in range(e.start, e.end)}
 
     @invariant()
