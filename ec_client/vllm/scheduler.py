@@ -156,6 +156,7 @@ class SchedulerSide:
         self._unavailable: set[str] = set()
         self._no_width: set[str] = set()  # modalities already warned about
         self._hits: list[bytes] = []  # lock pins taken this step: hits owed to the daemon
+        self._misses = 0  # misses the view answered this step: owed too, with the hits
         # Set once, when the daemon is first reached: the view last, so that a synced view
         # always means a client and a generation to go with it.
         self.client: Client | None = None
@@ -264,8 +265,8 @@ class SchedulerSide:
         self.loads.scheduled(request.request_id, key)
         if self.config.is_consumer and self.view.synced and not self._ready(key):
             # A miss the view answered (nothing was asked of the daemon): its count rides on
-            # the next Step, for the daemon's miss counters.
-            self._reached().owed.misses(self.config.pool, 1)
+            # the next Step, for the daemon's miss counters (owed once per step, see _owe_hits).
+            self._misses += 1
         if self.config.is_producer and not self._ready(key):
             spec = self._save_spec(feature)
             if spec is not None:
@@ -485,10 +486,15 @@ class SchedulerSide:
         return LOCK_MISSED
 
     def _owe_hits(self) -> None:
-        """The lock pins' hits, for the daemon's hit counters and its LRU order (next Step)."""
+        """The step's lock-pin hits (the daemon's hit counters and LRU order) and the misses its
+        view answered, owed once per step: each call into the owed book takes its lock and may
+        wake its thread, a cost per item on the scheduler thread otherwise."""
         if self._hits:
             hits, self._hits = self._hits, []
             self._reached().owed.hits(self.config.pool, hits)
+        if self._misses:
+            misses, self._misses = self._misses, 0
+            self._reached().owed.misses(self.config.pool, misses)
 
     def _unlock_done(self) -> None:
         """Unlock the lock pins the book is done with (every copy under them landed)."""
