@@ -186,18 +186,20 @@ def counting_calls(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[str]
     return calls
 
 
-def committed_elsewhere(daemon: Daemon, tensors: dict[str, torch.Tensor]) -> None:
+def committed_elsewhere(client: Client, daemon: Daemon, key: str, tensor: torch.Tensor) -> Consumer:
+    """Another client commits `key`; returns a Consumer of `client` whose view knows its slot."""
+    consumer = Consumer(client, POOL)
     with daemon.client(name="producer") as other:
         other.open_pool(POOL, BLOCK, 256 * BLOCK)
-        Producer(other, POOL).put_many_async(tensors).wait(10)
+        Producer(other, POOL).put_many_async({key: tensor}).wait(10)
+    wait_until(lambda: client.view(POOL).slot(key.encode()) is not None)
+    return consumer
 
 
 def test_a_local_hit_makes_no_round_trip_and_unlocks_once_copied(
     client: Client, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    consumer = Consumer(client, POOL)
-    committed_elsewhere(daemon, {"theirs": torch.arange(BLOCK, dtype=torch.int32)})
-    wait_until(lambda: client.view(POOL).slot(b"theirs") is not None)
+    consumer = committed_elsewhere(client, daemon, "theirs", torch.arange(BLOCK, dtype=torch.int32))
     calls = counting_calls(client, monkeypatch)
     loaded = consumer.get("theirs")
     assert calls == []  # not even one in the background yet: the hit is owed, with a linger
@@ -211,9 +213,7 @@ def test_a_local_hit_makes_no_round_trip_and_unlocks_once_copied(
 def test_a_lock_pin_is_held_until_the_copy_landed(
     client: Client, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    consumer = Consumer(client, POOL)
-    committed_elsewhere(daemon, {"theirs": torch.ones(BLOCK, dtype=torch.uint8)})
-    wait_until(lambda: client.view(POOL).slot(b"theirs") is not None)
+    consumer = committed_elsewhere(client, daemon, "theirs", torch.ones(BLOCK, dtype=torch.uint8))
     gate = GatedTransfer()
     load = mover_module.TensorMover.load
 
