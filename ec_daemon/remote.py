@@ -117,7 +117,7 @@ class ServedPools:
 
 
 @dataclass(frozen=True)
-class Landed:
+class PulledEntry:
     """What the peer said the pulled entry holds, once its bytes landed here."""
 
     spec: TensorSpec
@@ -266,16 +266,16 @@ class Remote:
     # ---- one pull --------------------------------------------------------------------------
 
     async def _pull(self, pull: Pull) -> None:
-        landed: Landed | None = None
+        pulled: PulledEntry | None = None
         try:
             for holding in pull.holdings:
-                landed = await self._pull_from(pull, holding)
-                if landed is not None or pull.reading is not None or self._left(pull) <= 0:
+                pulled = await self._pull_from(pull, holding)
+                if pulled is not None or pull.reading is not None or self._left(pull) <= 0:
                     break
         finally:
-            self._finish(pull, landed)
+            self._finish(pull, pulled)
 
-    async def _pull_from(self, pull: Pull, holding: Holding) -> Landed | None:
+    async def _pull_from(self, pull: Pull, holding: Holding) -> PulledEntry | None:
         """The entry from one peer; None if that peer could not give it (pull.reading stays
         set when a read was given up on while still writing)."""
         slot = pull.slot
@@ -306,7 +306,7 @@ class Remote:
                 error = read.exception()
                 if error is None:
                     self._read_epochs[endpoint] = peer.boot_epoch
-                    return Landed(hit.spec, hit.checksum)
+                    return PulledEntry(hit.spec, hit.checksum)
                 if retried or not self._restarted(endpoint, peer.boot_epoch):
                     raise error
                 retried = True  # a stale descriptor of a restarted peer fails one read
@@ -346,11 +346,11 @@ class Remote:
         done, _ = await asyncio.wait({read}, timeout=max(self._left(pull), 0))
         return bool(done)
 
-    def _finish(self, pull: Pull, landed: Landed | None) -> None:
+    def _finish(self, pull: Pull, pulled: PulledEntry | None) -> None:
         slot, reading = pull.slot, pull.reading
         seconds = self._clock() - pull.started
-        if landed is None or not self._store.pull_commit(
-            slot, landed.spec, landed.checksum, seconds
+        if pulled is None or not self._store.pull_commit(
+            slot, pulled.spec, pulled.checksum, seconds
         ):
             self._store.pull_abort(slot)
         if reading is not None:  # given up on mid-read: its blocks are free once it is over
