@@ -153,15 +153,7 @@ def stats_pb(s: api.Stats) -> pb.StatsReply:
 
 
 def watch_event_pb(e: api.WatchEvent) -> pb.WatchEvent:
-    return pb.WatchEvent(
-        boot_epoch=e.boot_epoch,
-        type=EVENT_PB[e.type],
-        engine_id=e.engine_id,
-        key=e.key,
-        nbytes=e.nbytes,
-        remote=e.remote,
-        slot=e.slot,
-    )
+    return pb.WatchEvent(**mirrored(e, "type"), type=EVENT_PB[e.type])  # a slot None stays unset
 
 
 def invalid_item(key: bytes, message: str) -> api.ItemResult:

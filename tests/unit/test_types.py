@@ -19,6 +19,7 @@ from ec_client.types import (
     Status,
     WatchEvent,
 )
+from ec_daemon import wire
 
 
 def fields(value: type) -> set[str]:
@@ -35,6 +36,12 @@ def test_peer_stats_has_exactly_the_fields_of_its_message() -> None:
 
 def test_watch_event_has_exactly_the_fields_of_its_message() -> None:
     assert fields(WatchEvent) == set(pb.WatchEvent.DESCRIPTOR.fields_by_name)
+
+
+def test_a_watch_event_crosses_the_wire_unchanged_with_or_without_its_slot() -> None:
+    for slot in (None, 0, 7):
+        event = WatchEvent(EventType.COMMITTED, "pool", b"key", 64, "epoch", remote=True, slot=slot)
+        assert _wire.watch_event(wire.watch_event_pb(event)) == event
 
 
 def test_entry_info_has_the_fields_of_its_message_with_spec_for_tensor() -> None:
