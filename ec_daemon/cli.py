@@ -351,12 +351,19 @@ def client_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_command(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kwargs: Any
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    client: bool = False,
+    **kwargs: Any,
 ) -> argparse.ArgumentParser:
-    """A subcommand that takes no abbreviated flags (`--max-byte` is not `--max-bytes`) and that
-    main() can name in a usage error."""
+    """A subcommand that main() runs with `run`, that takes no abbreviated flags (`--max-byte` is
+    not `--max-bytes`) and that main() can name in a usage error; a client of the daemon takes
+    `client_arguments`."""
     command = commands.add_parser(name, allow_abbrev=False, **kwargs)
-    command.set_defaults(parser=command)
+    command.set_defaults(parser=command, run=run)
+    if client:
+        client_arguments(command)
     return command
 
 
@@ -369,43 +376,41 @@ def build_parser() -> argparse.ArgumentParser:
     serve = add_command(
         commands,
         "serve",
+        cmd_serve,
         help="run the daemon",
         description="Run the daemon. Settings: flags over ECD_* environment variables over the "
         "--config TOML file (same names, with underscores) over defaults.",
     )
     config_module.add_arguments(serve)
-    serve.set_defaults(run=cmd_serve)
 
-    health = add_command(commands, "health", help="check the daemon (exit 0 if SERVING)")
-    client_arguments(health)
-    health.set_defaults(run=cmd_health)
+    add_command(
+        commands, "health", cmd_health, client=True, help="check the daemon (exit 0 if SERVING)"
+    )
 
-    stats = add_command(commands, "stats", help="daemon and pool statistics")
+    stats = add_command(
+        commands, "stats", cmd_stats, client=True, help="daemon and pool statistics"
+    )
     stats.add_argument("engine", nargs="?", help="only this pool")
-    client_arguments(stats)
-    stats.set_defaults(run=cmd_stats)
 
-    ls = add_command(commands, "ls", help="list the entries of a pool")
+    ls = add_command(commands, "ls", cmd_ls, client=True, help="list the entries of a pool")
     ls.add_argument("engine")
-    client_arguments(ls)
-    ls.set_defaults(run=cmd_ls)
 
     for name, run, what in (
         ("evict", cmd_evict, "evict READY unpinned entries of a pool, as eviction would"),
         ("delete", cmd_delete, "delete entries of a pool in any state (a pinned one goes at its "
          "last release)"),
     ):  # fmt: skip
-        drop = add_command(commands, name, help=what)
+        drop = add_command(commands, name, run, client=True, help=what)
         drop.add_argument("engine")
         drop.add_argument(
             "keys", nargs="+", type=parse_key, metavar="KEY", help="key as text, or 0x-prefixed hex"
         )
-        client_arguments(drop)
-        drop.set_defaults(run=run)
 
     drop_pool = add_command(
         commands,
         "drop",
+        cmd_drop,
+        client=True,
         help="delete a pool and its file, giving its capacity back to the budget",
         description="Refused while entries of the pool are PENDING or pinned, unless --force.",
     )
@@ -413,12 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     drop_pool.add_argument(
         "--force", action="store_true", help="drop it even with entries PENDING or pinned"
     )
-    client_arguments(drop_pool)
-    drop_pool.set_defaults(run=cmd_drop)
 
     bench = add_command(
         commands,
         "bench",
+        cmd_bench,
         help="load generator: RPC latency, bandwidth vs raw copy, ops/s, handoff latency",
         description="Every figure is a median over --runs runs; speeds are ratios to a baseline "
         "measured in the same run (a health check; a raw copy_ into the same mapping).",
@@ -465,7 +469,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="entries in the pool when the daemon is killed, one daemon each (restart)",
     )
     bench.add_argument("--output", help="also write the figures as JSON to this file")
-    bench.set_defaults(run=cmd_bench)
     return parser
 
 
