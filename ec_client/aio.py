@@ -17,26 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
+from ec_client._base import BaseClient
 from ec_client._connection import (
     UNREACHED,
-    Options,
     aio_channel,
     await_daemon,
     connection_problem,
 )
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
+from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, advance
 from ec_client.errors import EcdError
-from ec_client.owed import Owed, Parcel, send_parcel
-from ec_client.ready_view import ReadyView, Views
-from ec_client.tls import TLSFiles
+from ec_client.owed import Parcel
+from ec_client.ready_view import ReadyView
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -47,7 +46,6 @@ from ec_client.types import (
     LeaseResult,
     LookupResult,
     PoolInfo,
-    Role,
     Stats,
     StepResult,
     WatchEvent,
@@ -82,38 +80,18 @@ class AsyncWatchStream:
         self._call.cancel()
 
 
-class AsyncClient:
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        name: str | None = None,
-        role: Role | str = Role.BOTH,
-        connect_timeout_s: float = 5.0,
-        call_timeout_s: float = 30.0,
-        token: str | None = None,
-        tls: TLSFiles | None = None,
-        keepalive: bool = True,
-        linger_s: float = 0.001,
-        from_env: bool = True,
-        wait_for_daemon_s: float = 0.0,
-    ) -> None:
-        """As Client's; nothing is sent before `start()`. from_env=False: no token or TLS files
-        from ECD_TOKEN, ECD_TOKEN_FILE and ECD_TLS_* (a daemon calling its peers).
-        wait_for_daemon_s: as Client's."""
-        self.options = Options.make(
-            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
-        )
+class AsyncClient(BaseClient):
+    # Its constructor and what never waits on the daemon are BaseClient's (`_base`): nothing is
+    # sent before `start()`.
+
+    def _begin(self, keepalive: bool, wait_for_daemon_s: float) -> None:
         self._keepalive_enabled = keepalive
-        self._state = SessionState(self.options)
+        self._wait_for_daemon_s = wait_for_daemon_s
         self._lock = asyncio.Lock()
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._keepalive: asyncio.Task[None] | None = None
         self._threads: _FromThreads | None = None
-        self._views = Views(self._follow)
-        self.owed = Owed(send_parcel(self._deliver_from_thread), linger_s)
-        self._wait_for_daemon_s = wait_for_daemon_s
 
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
@@ -139,25 +117,6 @@ class AsyncClient:
         await self.close()
 
     # ---- session -------------------------------------------------------------------------------
-
-    @property
-    def session_id(self) -> str:
-        return self._state.session_id
-
-    @property
-    def boot_epoch(self) -> str:
-        return self._state.boot_epoch
-
-    @property
-    def lease_ttl_s(self) -> float:
-        return self._state.lease_ttl_s
-
-    @property
-    def target(self) -> str:
-        return self.options.target
-
-    def on_restart(self, callback: Callable[[str], None]) -> None:
-        self._state.on_restart.append(callback)
 
     async def keep_alive(self) -> float:
         return await self._run(_wire.keep_alive())
@@ -207,9 +166,6 @@ class AsyncClient:
     ) -> PoolInfo:
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return await self._drive(self._state.open_pool(call))
-
-    def pool_info(self, engine_id: str) -> PoolInfo:
-        return self._state.pool_info(engine_id)
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:
         return await self._drive(self._state.drop_pool(engine_id, force))

@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ec_client import _wire
+from ec_client._base import BaseClient
 from ec_client._connection import (
     UNREACHED,
     Options,
@@ -44,10 +45,10 @@ from ec_client._connection import (
     shared_channel,
 )
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
+from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, advance
 from ec_client.errors import EcdError
-from ec_client.owed import Owed, Parcel, send_parcel
-from ec_client.ready_view import ReadyView, Views
+from ec_client.owed import Parcel
+from ec_client.ready_view import ReadyView
 from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
@@ -128,44 +129,20 @@ class WatchStream:
         self._call.cancel()
 
 
-class Client:
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        name: str | None = None,
-        role: Role | str = Role.BOTH,
-        connect_timeout_s: float = 5.0,
-        call_timeout_s: float = 30.0,
-        token: str | None = None,
-        tls: TLSFiles | None = None,
-        keepalive: bool = True,
-        linger_s: float = 0.001,
-        from_env: bool = True,
-        wait_for_daemon_s: float = 0.0,
-    ) -> None:
-        """Connect within connect_timeout_s and open a session; where no daemon is (no socket,
-        nothing listening, TLS refused), UNAVAILABLE at once, or after waiting up to
-        wait_for_daemon_s for one to start. `role` limits what the session may do (see Role);
-        `token` defaults to ECD_TOKEN or ECD_TOKEN_FILE, `tls` to ECD_TLS_CA / ECD_TLS_CERT /
-        ECD_TLS_KEY (unless from_env is False). `linger_s`: how long what is owed (commits of
-        puts, releases of gets) waits for a call to ride on before it goes alone (see `owed`)."""
-        self.options = Options.make(
-            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
-        )
+class Client(BaseClient):
+    # Its constructor and what never waits on the daemon are BaseClient's (`_base`).
+
+    def _begin(self, keepalive: bool, wait_for_daemon_s: float) -> None:
         self._channel = shared_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
-        self._state = SessionState(self.options)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._jobs_lock = threading.Lock()  # not _lock: a reopen holds that across RPCs
         self._background: ThreadPoolExecutor | None = None
         self._last_job: Future[Any] | None = None
-        self._views = Views(self._follow)
-        self.owed = Owed(send_parcel(self._deliver), linger_s)
         await_daemon(self.options, wait_for_daemon_s)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            grpc.channel_ready_future(self._channel).result(timeout=self.options.connect_timeout_s)
         except grpc.FutureTimeoutError:
             raise self.options.unreachable(connection_problem(self.options)) from None
         self._drive(self._state.open())
@@ -177,27 +154,6 @@ class Client:
             self._keepalive.start()
 
     # ---- session -------------------------------------------------------------------------------
-
-    @property
-    def session_id(self) -> str:
-        return self._state.session_id
-
-    @property
-    def boot_epoch(self) -> str:
-        return self._state.boot_epoch
-
-    @property
-    def lease_ttl_s(self) -> float:
-        return self._state.lease_ttl_s
-
-    @property
-    def target(self) -> str:
-        return self.options.target
-
-    def on_restart(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(new_boot_epoch)` after the client re-established itself on a restarted
-        daemon (new session, pools reopened)."""
-        self._state.on_restart.append(callback)
 
     def keep_alive(self) -> float:
         """Renew the lease now; returns the lease TTL in seconds."""
@@ -284,10 +240,6 @@ class Client:
         directory is full)."""
         call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
         return self._drive(self._state.open_pool(call))
-
-    def pool_info(self, engine_id: str) -> PoolInfo:
-        """What the daemon said about a pool this client opened (refreshed after a restart)."""
-        return self._state.pool_info(engine_id)
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
         """Delete the pool and its file; returns the entries dropped. FAILED_PRECONDITION while
@@ -427,6 +379,8 @@ class Client:
 
     def _deliver(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
         return self._drive(self._state.step(parcel, call))
+
+    _deliver_from_thread = _deliver  # any thread drives a plan with blocking calls
 
     def _follow(self, engine_id: str) -> ReadyView:
         return ReadyView(self, engine_id, lambda: self.reopen_pool(engine_id))

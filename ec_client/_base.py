@@ -1,0 +1,93 @@
+"""What Client and AsyncClient share (tests/unit/test_client_twins.py): the constructor and its
+settings, the session's state, what is owed and the views of pools, and the answers that never
+wait on the daemon. Each twin performs the I/O of the session's plans its own way: Client with
+blocking calls and threads, AsyncClient with grpc.aio on its event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ec_client import _wire
+from ec_client._connection import Options
+from ec_client._session import SessionState
+from ec_client.owed import Owed, Parcel, send_parcel
+from ec_client.ready_view import ReadyView, Views
+from ec_client.tls import TLSFiles
+from ec_client.types import PoolInfo, Role, StepResult
+
+
+class BaseClient:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        name: str | None = None,
+        role: Role | str = Role.BOTH,
+        connect_timeout_s: float = 5.0,
+        call_timeout_s: float = 30.0,
+        token: str | None = None,
+        tls: TLSFiles | None = None,
+        keepalive: bool = True,
+        linger_s: float = 0.001,
+        from_env: bool = True,
+        wait_for_daemon_s: float = 0.0,
+    ) -> None:
+        """Connect within connect_timeout_s and open a session (AsyncClient: at `start()`,
+        sending nothing before); where no daemon is (no socket, nothing listening, TLS refused),
+        UNAVAILABLE at once, or after waiting up to wait_for_daemon_s for one to start. `role`
+        limits what the session may do (see Role); `token` defaults to ECD_TOKEN or
+        ECD_TOKEN_FILE, `tls` to ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY (unless from_env is
+        False, as for a daemon calling its peers). `linger_s`: how long what is owed (commits of
+        puts, releases of gets) waits for a call to ride on before it goes alone (see `owed`)."""
+        self.options = Options.make(
+            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
+        )
+        self._state = SessionState(self.options)
+        self._views = Views(self._follow)
+        self.owed = Owed(send_parcel(self._deliver_from_thread), linger_s)
+        self._begin(keepalive, wait_for_daemon_s)
+
+    # ---- what each twin does its own way -------------------------------------------------------
+
+    def _begin(self, keepalive: bool, wait_for_daemon_s: float) -> None:
+        """The rest of the constructor: Client connects and opens the session, AsyncClient
+        keeps what `start()` does that with."""
+        raise NotImplementedError
+
+    def _follow(self, engine_id: str) -> ReadyView:
+        """A new ReadyView of a pool (the views make one per pool, on first ask)."""
+        raise NotImplementedError
+
+    def _deliver_from_thread(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
+        """A Step of what is owed, from owed's thread: answered when it returns."""
+        raise NotImplementedError
+
+    # ---- session -------------------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        return self._state.session_id
+
+    @property
+    def boot_epoch(self) -> str:
+        return self._state.boot_epoch
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self._state.lease_ttl_s
+
+    @property
+    def target(self) -> str:
+        return self.options.target
+
+    def on_restart(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(new_boot_epoch)` after the client re-established itself on a restarted
+        daemon (new session, pools reopened)."""
+        self._state.on_restart.append(callback)
+
+    # ---- pools ---------------------------------------------------------------------------------
+
+    def pool_info(self, engine_id: str) -> PoolInfo:
+        """What the daemon said about a pool this client opened (refreshed after a restart)."""
+        return self._state.pool_info(engine_id)
