@@ -293,7 +293,14 @@ class Owed:
         nothing else), or the EcdError. With nothing owed and nothing asked, nothing is sent and
         the answer is empty."""
         ask = _Ask(engine_id, list(acquires), list(allocates))
-        self._owe(lambda: self._asks.append(ask))
+
+        def add() -> None:
+            if self._closed:  # nobody would send it
+                ask.future.set_exception(_closed())
+            else:
+                self._asks.append(ask)
+
+        self._owe(add)
         return ask.future
 
     def owing(self, engine_id: str) -> bool:
@@ -393,9 +400,7 @@ class Owed:
             asks, self._asks = self._asks, deque()
             self._lock.notify_all()
         for ask in asks:
-            ask.future.set_exception(
-                EcdError(grpc.StatusCode.CANCELLED, "the client closed before this Step went")
-            )
+            ask.future.set_exception(_closed())
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -467,6 +472,10 @@ class Owed:
         if pool is None:  # quiet from now on, not since the clock's start
             pool = self._pools[engine_id] = _Pool(last_step=self._clock())
         return pool
+
+
+def _closed() -> EcdError:
+    return EcdError(grpc.StatusCode.CANCELLED, "the client closed before this Step went")
 
 
 def _ignore(answer: object) -> None:

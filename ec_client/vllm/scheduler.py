@@ -140,6 +140,8 @@ class PoolView(Protocol):
 
 
 class ReadyPoolView(PoolView, Protocol):
+    """The view as the client hands it: one that is being synced with the daemon."""
+
     def wait_synced(self, timeout_s: float) -> bool: ...
 
 

@@ -334,6 +334,8 @@ def test_closing_fails_the_steps_asked_and_not_sent() -> None:
     assert first.result(5).acquires[0].key == b"x"
     with pytest.raises(EcdError, match="closed"):
         second.result(5)
+    with pytest.raises(EcdError, match="closed"):  # asked after the close: nobody sends it
+        o.step_soon(POOL, acquires=[b"z"]).result(5)
 
 
 def test_misses_answered_from_the_view_ride_on_the_pools_next_step() -> None:
