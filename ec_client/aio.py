@@ -9,8 +9,7 @@ answers. Both run the same plans (`_session`: retries, reopening, a Step that ca
 owed) over the same requests and replies (`_wire`); this one performs their I/O with grpc.aio.
 What Client does on threads runs on threads here too, their calls handed to the client's event
 loop: the Steps of what is owed (`owed`) and the ReadyViews (`view`). The keep-alive is a task.
-Client's `later` (a thread idiom) has no twin; `start()` (or `async with`) connects and opens
-the session, as Client's constructor does.
+`start()` (or `async with`) connects and opens the session, as Client's constructor does.
 """
 
 from __future__ import annotations

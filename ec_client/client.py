@@ -7,10 +7,12 @@ A background thread keeps the session alive (every lease TTL / 3). Every call fo
 recovery rules of `_session` (backoff while the daemon is unreachable, a new session and the
 pools reopened after a restart or a lost lease); this module only performs their I/O.
 
-Two things serve the hot path of Producer and Consumer (docs/design.md §12):
-- `later(job)`: calls nobody needs to wait for (a Commit once its bytes landed, a Release once its
-  load landed) run on one background thread, in the order they were handed over; `settle()`
-  waits for all of them so far.
+Two things serve the hot path of Producer, Consumer and the vLLM scheduler side (docs/design.md
+§12):
+- `owed` (ec_client/owed.py), the client's one background mechanism: what is owed with nobody
+  waiting for it (a Commit once its bytes landed, a Release once its load landed, an Abort) rides
+  on the next Step to its pool or goes from its thread, and `owed.step_soon` sends a Step from
+  that thread for a caller that must not wait on it; `settle()` waits for all of it so far.
 - `view(engine_id)`: the pool's READY keys, followed through Watch (ReadyView), so that a miss
   costs no round trip.
 
@@ -28,8 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -137,9 +138,6 @@ class Client(BaseClient):
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._jobs_lock = threading.Lock()  # not _lock: a reopen holds that across RPCs
-        self._background: ThreadPoolExecutor | None = None
-        self._last_job: Future[Any] | None = None
         await_daemon(self.options, wait_for_daemon_s)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self.options.connect_timeout_s)
@@ -169,35 +167,15 @@ class Client(BaseClient):
         self._closed.set()
         self.owed.close()
         self._views.close()
-        if self._background is not None:
-            self._background.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(EcdError):
             self._drive(self._state.close())
 
-    # ---- the background lane and the views of pools --------------------------------------------
-
-    def later(self, job: Callable[[], T]) -> Future[T]:
-        """Run `job` on the client's background thread, after every job handed over before it.
-
-        For calls the caller need not wait for. Their failures are the job's to report (its
-        future holds them too)."""
-        with self._jobs_lock:
-            if self._background is None:
-                self._background = ThreadPoolExecutor(1, thread_name_prefix="ecd-later")
-            future = self._last_job = self._background.submit(job)
-        return future
+    # ---- what is owed and the views of pools ---------------------------------------------------
 
     def settle(self, timeout_s: float | None = None) -> None:
-        """Send everything owed now, and wait until it and every job handed to `later` so far
-        have been answered (TimeoutError if not within timeout_s)."""
+        """Send everything owed now, and wait until it and every Step asked of `owed.step_soon`
+        so far have been answered (TimeoutError if not within timeout_s)."""
         self.owed.flush(timeout_s)
-        last = self._last_job
-        if last is not None and not last.done():
-            # Jobs run in order: the last one done means every earlier one is.
-            with contextlib.suppress(Exception):
-                last.result(timeout_s)
-            if not last.done():
-                raise TimeoutError(f"background calls still running after {timeout_s} s")
 
     def view(self, engine_id: str) -> ReadyView:
         """The READY keys of a pool this client opened, followed from now on (one Watch stream

@@ -1,12 +1,19 @@
 """What a client owes the daemon with nobody waiting for it: the Commit of a put once its copy
-landed, the Release of a get once its copy landed, the Abort of a copy that failed.
+landed, the Release of a get once its copy landed, the Abort of a copy that failed; and the Steps
+asked of it with nobody waiting on the caller's thread (`step_soon`). Owed is a client's one
+background mechanism (docs/design.md §12): its one thread sends all of these.
 
-docs/design.md §12: a put or a get waits on one round trip, so these never get one of their own
-on the caller's time. They ride on the client's next Step to the same pool (the next put's
-Allocate, the next get's Acquire: one round trip carries everything owed then), or, once the pool
-has been quiet for `linger_s`, a background thread sends them in a Step of their own. Nothing is
-sent before the copy it depends on has landed: a Commit never exposes bytes still in flight, a
-Release never lets an entry go while it is still being read.
+A put or a get waits on one round trip, so debts never get one of their own on the caller's
+time. They ride on the client's next Step to the same pool (the next put's Allocate, the next
+get's Acquire, the next `step_soon`: one round trip carries everything owed then), or, once the
+pool has been quiet for `linger_s`, the background thread sends them in a Step of their own.
+Nothing is sent before the copy it depends on has landed: a Commit never exposes bytes still in
+flight, a Release never lets an entry go while it is still being read.
+
+`step_soon` is for a caller that must not wait on a round trip but needs its answer later (the
+vLLM scheduler side's pins and allocations): the background thread sends its Steps as soon as it
+can, in the order asked, each carrying what is owed to its pool then, and resolves each one's
+future with the caller's part of the answer.
 
 Each debt carries `settle`, called once with its answer (an ItemResult / LeaseResult) or with the
 EcdError that kept it from the daemon.
@@ -26,7 +33,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +48,11 @@ from ec_client.types import AllocateItem, Key, StepResult
 log = logging.getLogger("ec_client")
 
 Settle = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
+
+# A Step carrying the parcel ahead of the asks (acquires, allocates), delivered through the
+# client's call rules; returns the caller's part of the answer, raises the EcdError (each debt
+# heard of it).
+Send = Callable[[str, "Parcel", Sequence[Key], Sequence[AllocateItem]], StepResult]
 
 # How long the hits and misses owed to a quiet pool wait for a Step to ride on before they go
 # alone: recency a second late changes little, and one Step then carries many.
@@ -173,41 +187,54 @@ class Parcel:
 
 
 @dataclass
+class _Ask:
+    """A Step asked for by step_soon, not sent yet."""
+
+    engine_id: str
+    acquires: Sequence[Key]
+    allocates: Sequence[AllocateItem]
+    future: Future[StepResult] = field(default_factory=Future)
+
+
+@dataclass
 class _Pool:
     """What is owed to one pool (the releases of pins taken from it too: any Step of the session
     could carry those, but this way each pool's debts wait for that pool's traffic alone)."""
 
     releases: list[Debt] = field(default_factory=list)
     commits: list[Debt] = field(default_factory=list)
+    aborts: list[Debt] = field(default_factory=list)
     unlocks: list[Debt] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
     answered: Answered = field(default_factory=Answered)  # not sent yet
 
+    def debts(self) -> bool:
+        return bool(self.releases or self.commits or self.aborts or self.unlocks)
+
     def owing(self) -> bool:
-        return bool(self.releases or self.commits or self.unlocks or self.answered)
+        return self.debts() or bool(self.answered)
 
     def due_at(self, linger_s: float) -> float:
         """When the background thread sends what is owed, if no Step goes before."""
-        if self.releases or self.commits or self.unlocks:
+        if self.debts():
             return self.last_step + linger_s
         return self.last_step + max(linger_s, ANSWERED_LINGER_S)
 
 
 class Owed:
     def __init__(
-        self,
-        send: Callable[[str, Parcel], None],
-        linger_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        self, send: Send, linger_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        """send(engine_id, parcel): a Step carrying the parcel alone (the background's way)."""
+        """send(engine_id, parcel, acquires, allocates): a Step (see `Send`), from the
+        background thread or a flush."""
         self._send = send
         self._linger_s = linger_s
         self._clock = clock
         self._lock = threading.Condition()
         self._pools: dict[str, _Pool] = {}
-        self._sending = 0  # parcels taken by the background thread and not yet answered
+        self._asks: deque[_Ask] = deque()  # step_soon's, in order, not taken yet
+        self._sending: list[str] = []  # the pools the background thread is sending to now
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -220,6 +247,10 @@ class Owed:
     def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
         if debts:
             self._owe(lambda: self._pool(engine_id).releases.extend(debts))
+
+    def aborts(self, engine_id: str, debts: Sequence[Debt]) -> None:
+        if debts:
+            self._owe(lambda: self._pool(engine_id).aborts.extend(debts))
 
     def unlocks(self, engine_id: str, debts: Sequence[Debt]) -> None:
         """Lock pins to drop (each debt's settle) once their copies landed. Nothing is sent for
@@ -250,6 +281,40 @@ class Owed:
             pool.answered.add(answered)
             self._lock.notify_all()
 
+    def step_soon(
+        self,
+        engine_id: str,
+        acquires: Sequence[Key] = (),
+        allocates: Sequence[AllocateItem] = (),
+    ) -> Future[StepResult]:
+        """A Step from the background thread as soon as it can, after every one asked before:
+        Release, Commit, Abort of what is owed to the pool then, and the acquires (without
+        waiting) and allocates. Its future holds the answers to the acquires and allocates (and
+        nothing else), or the EcdError. With nothing owed and nothing asked, nothing is sent and
+        the answer is empty."""
+        ask = _Ask(engine_id, list(acquires), list(allocates))
+
+        def add() -> None:
+            if self._closed:  # nobody would send it
+                ask.future.set_exception(_closed())
+            else:
+                self._asks.append(ask)
+
+        self._owe(add)
+        return ask.future
+
+    def owing(self, engine_id: str) -> bool:
+        """Whether anything is owed to the pool, or a Step to it is asked for or on its way from
+        the background thread (the hits and misses the client answered do not count: they wait
+        for a Step to ride on, and need none of their own)."""
+        with self._lock:
+            pool = self._pools.get(engine_id)
+            return (
+                engine_id in self._sending
+                or any(ask.engine_id == engine_id for ask in self._asks)
+                or (pool is not None and bool(pool.debts() or pool.in_transit))
+            )
+
     def commits_owed(self, engine_id: str) -> dict[bytes, bool]:
         """The keys whose Commit is still owed to the pool (PENDING until it goes), each with
         whether its copy has landed (so that it can ride on the next Step)."""
@@ -273,7 +338,7 @@ class Owed:
             parcel = Parcel(
                 _split(pool.releases, wait),
                 _split(pool.commits, wait),
-                [],  # aborts: those of commits whose copy failed, added as they are found
+                _split(pool.aborts, wait),  # and those of commits whose copy failed, as found
                 lambda delivered: self._delivered(pool, delivered),
                 _split(pool.unlocks, wait),
                 pool.answered,
@@ -289,7 +354,7 @@ class Owed:
         whose copy failed becomes an abort: its bytes must never be exposed. A pin goes back
         whatever its copy did (the reader learns of a failed copy from its own handle); lock
         pins are dropped here."""
-        for debt in parcel.releases + parcel.unlocks:
+        for debt in parcel.releases + parcel.aborts + parcel.unlocks:
             if debt.copy is not None:
                 with contextlib.suppress(Exception):
                     debt.copy.wait()
@@ -313,16 +378,14 @@ class Owed:
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything owed now, from the caller's thread, and wait for what the background
-        thread is sending (TimeoutError past timeout_s)."""
+        thread is sending and the Steps asked of it so far (TimeoutError past timeout_s)."""
         with self._lock:
             engine_ids = [e for e, p in self._pools.items() if p.owing()]
         for engine_id in engine_ids:
-            parcel = self.take(engine_id, wait=True)
-            if parcel:
-                self._send(engine_id, parcel)
+            self._send_alone(engine_id, self.take(engine_id, wait=True))
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._lock:
-            while self._sending or any(p.in_transit for p in self._pools.values()):
+            while self._sending or self._asks or any(p.in_transit for p in self._pools.values()):
                 left = None if deadline is None else deadline - self._clock()
                 if left is not None and left <= 0:
                     raise TimeoutError(
@@ -331,9 +394,13 @@ class Owed:
                 self._lock.wait(left)
 
     def close(self) -> None:
+        """Stop the background thread; the Steps asked and not sent fail (CANCELLED)."""
         with self._lock:
             self._closed = True
+            asks, self._asks = self._asks, deque()
             self._lock.notify_all()
+        for ask in asks:
+            ask.future.set_exception(_closed())
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -348,32 +415,54 @@ class Owed:
             self._lock.notify_all()
 
     def _run(self) -> None:
-        """Send what is owed to pools quiet for linger_s, until closed."""
+        """Send the Steps asked for, in order, and what is owed to pools quiet for linger_s,
+        until closed."""
         while True:
             with self._lock:
-                while not self._closed and not self._owing():
+                while not self._closed and not self._asks and not self._owing():
                     self._lock.wait()
                 if self._closed:
                     return
+                ask = self._asks.popleft() if self._asks else None
                 now = self._clock()
                 owing = {e: p.due_at(self._linger_s) for e, p in self._pools.items() if p.owing()}
-                due = [e for e, at in owing.items() if at <= now]
-                if due:
-                    self._sending += 1
+                due = [ask.engine_id] if ask else [e for e, at in owing.items() if at <= now]
+                self._sending = due
             if not due:
                 with self._lock:  # woken early by close (or new debts: due is worked out anew)
                     if not self._closed:
                         self._lock.wait(max(min(owing.values(), default=now) - now, 0.0))
                 continue
             try:
-                for engine_id in due:
-                    parcel = self.take(engine_id, wait=True)
-                    if parcel:
-                        self._send(engine_id, parcel)
+                if ask is not None:
+                    self._send_asked(ask)
+                else:
+                    for engine_id in due:
+                        self._send_alone(engine_id, self.take(engine_id, wait=True))
             finally:
                 with self._lock:
-                    self._sending -= 1
+                    self._sending = []
                     self._lock.notify_all()
+
+    def _send_asked(self, ask: _Ask) -> None:
+        """A step_soon's Step: what is owed to the pool now (debts whose copy landed: the asks
+        wait for no copy), then the asks."""
+        try:
+            parcel = self.take(ask.engine_id)
+            if parcel or ask.acquires or ask.allocates:
+                result = self._send(ask.engine_id, parcel, ask.acquires, ask.allocates)
+            else:
+                result = StepResult([], [], [], [], [])
+        except Exception as error:  # the EcdError, or a settle's bug: the asker hears of it
+            ask.future.set_exception(error)
+        else:
+            ask.future.set_result(result)
+
+    def _send_alone(self, engine_id: str, parcel: Parcel) -> None:
+        """A Step of the parcel alone, if it carries anything."""
+        if parcel:
+            with contextlib.suppress(EcdError):  # each debt heard of it
+                self._send(engine_id, parcel, (), ())
 
     def _owing(self) -> bool:
         return any(p.owing() for p in self._pools.values())
@@ -383,6 +472,10 @@ class Owed:
         if pool is None:  # quiet from now on, not since the clock's start
             pool = self._pools[engine_id] = _Pool(last_step=self._clock())
         return pool
+
+
+def _closed() -> EcdError:
+    return EcdError(grpc.StatusCode.CANCELLED, "the client closed before this Step went")
 
 
 def _ignore(answer: object) -> None:
@@ -400,14 +493,16 @@ def _split(debts: list[Debt], all_of_them: bool) -> list[Debt]:
     return ready
 
 
-def send_parcel(
-    deliver: Callable[[Parcel, _wire.Call[StepResult]], StepResult],
-) -> Callable[[str, Parcel], None]:
-    """The background's send: a Step of the parcel alone, delivered through the client's call
-    rules (`_session.SessionState.step`)."""
+def send_parcel(deliver: Callable[[Parcel, _wire.Call[StepResult]], StepResult]) -> Send:
+    """Owed's send: a Step of the parcel and the asks, delivered through the client's call rules
+    (`_session.SessionState.step`)."""
 
-    def send(engine_id: str, parcel: Parcel) -> None:
-        with contextlib.suppress(EcdError):  # each debt heard of it
-            deliver(parcel, parcel.step(engine_id))
+    def send(
+        engine_id: str,
+        parcel: Parcel,
+        acquires: Sequence[Key],
+        allocates: Sequence[AllocateItem],
+    ) -> StepResult:
+        return deliver(parcel, parcel.step(engine_id, acquires=acquires, allocates=allocates))
 
     return send

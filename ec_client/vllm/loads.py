@@ -14,7 +14,9 @@ for entries it already holds a pin on. A pin is of one of two kinds:
   and it outlives a daemon restart: the lock belongs to the file.
 - a *lease pin*: a lease ID from an Acquire, for what a lock pin cannot take: an entry only a
   peer daemon holds (the Acquire pulls it), or one committed a moment ago whose slot the view
-  has not heard yet. Released by a Step (`take_releases`); a new session voids it.
+  has not heard yet. Released by a Step: the caller takes what is owed (`take_releases`) and
+  hands it to its client's Owed, and gives back what did not reach the daemon
+  (`requeue_releases`); a new session voids it.
 
 The steps:
 
@@ -268,10 +270,13 @@ class LoadBook:
             self._absent_since.pop((request_id, key), None)
 
     def take_releases(self) -> list[int]:
+        """The lease pins owed back, for the caller to send: no longer owed here."""
         releases, self._releases = self._releases, []
         return releases
 
     def requeue_releases(self, lease_ids: Iterable[int]) -> None:
+        """Owed back again: their Step did not reach the daemon, or an answer from before a new
+        session pinned them for nobody."""
         self._releases.extend(lease_ids)
 
     def take_unlocks(self) -> list[int]:

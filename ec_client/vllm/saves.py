@@ -1,4 +1,5 @@
-"""SaveBook: the scheduler side's saves of freshly encoded outputs, from plan to commit (no RPCs).
+"""SaveBook: the scheduler side's saves of freshly encoded outputs, from plan to commit (no I/O:
+the caller sends what it owes and asks).
 
     planned     an input was scheduled for encoding this step (update_state_after_alloc)
     allocating  its Allocate is on its way (in the step's background Step): the step's metadata
@@ -105,15 +106,18 @@ class SaveBook:
             outcome.append(key)
 
     def take_landed(self) -> list[str]:
+        """The commits owed, for the caller to send: no longer owed here."""
         landed, self._landed = self._landed, []
         return landed
 
     def take_failed(self) -> list[str]:
+        """The aborts owed, for the caller to send: no longer owed here."""
         failed, self._failed = self._failed, []
         return failed
 
     def requeue(self, landed: Iterable[str] = (), failed: Iterable[str] = ()) -> None:
-        """A Commit or Abort did not reach the daemon: send it again with the next Step."""
+        """Owed again: a Commit or Abort did not reach the daemon (or, `failed`, an entry an
+        answer from before a new session allocated for nobody): sent with the next Step."""
         self._landed.extend(landed)
         self._failed.extend(failed)
 

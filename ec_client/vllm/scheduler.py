@@ -3,8 +3,14 @@
 The scheduler thread waits on no round trip in steady state (docs/design.md §12), pins
 included: everything owed to the daemon and asked of it goes in a Step (one RPC: Release,
 Commit, Abort, Acquire, Allocate, in that order, with the hits and misses answered here since the
-last one) sent from the client's background thread, and its answer is taken on the scheduler
-thread at its next call into the connector, before anything depends on it. Per step:
+last one) sent from the client's one background thread (`Owed`, ec_client/owed.py). What is owed
+(releases of lease pins, commits of landed saves, aborts of failed ones) is handed to the
+client's Owed as debts, and what is asked (pins, allocations) goes by `Owed.step_soon`, which
+carries those debts ahead of the asks. The answers to the asks are taken on the scheduler thread
+at its next call into the connector, before anything depends on them; a debt hears its own
+answer on Owed's thread, and what that changes in the books (a debt owed again, its Step not
+having reached the daemon) is handed to the scheduler thread the same way. The books (loads.py,
+saves.py) are touched on the scheduler thread alone. Per step:
 
     ensure_cache_available   from local state, no round trip: a needed item READY in this
         daemon's pool whose slot the ready view knows is pinned right there, by a lock on its
@@ -15,14 +21,14 @@ thread at its next call into the connector, before anything depends on it. Per s
         ready view counts them: docs/design.md §13; their Acquire pulls them from the peer),
         and those committed a moment ago whose slot the view has not heard yet.
     has_cache_item, update_state_after_alloc   bookkeeping.
-    build_connector_meta     one background Step: releases owed, aborts of failed copies, pins
-        for the wanted items, entries for this step's new outputs. The metadata orders the
-        workers' copies: loads out of pins held, saves into entries allocated by an earlier
-        step's Step (this step's outputs are save *intents*: the worker keeps them until their
-        order comes, see saves.py).
+    build_connector_meta     one background Step (step_soon): releases owed, aborts of failed
+        copies, pins for the wanted items, entries for this step's new outputs. The metadata
+        orders the workers' copies: loads out of pins held, saves into entries allocated by an
+        earlier step's Step (this step's outputs are save *intents*: the worker keeps them until
+        their order comes, see saves.py).
     update_connector_output  the workers' report: landed saves are committed at once, in a
-        background Step, so a just-saved item can be a hit at the next step; a lock pin whose
-        copies every loading rank reported is unlocked at once.
+        background Step (step_soon), so a just-saved item can be a hit at the next step; a lock
+        pin whose copies every loading rank reported is unlocked at once.
 
 Releases and aborts come before the Allocate so their space is free for it; Acquire comes before
 Allocate so a step's allocations can never evict an entry about to be loaded (the eviction
@@ -32,7 +38,12 @@ The daemon is an optimisation, never a dependency of a request: while it is unre
 Watch stream is down) the connector sends nothing, answers has_cache_item with False for every
 item it holds no pin on and saves nothing, so requests are encoded as if there were no cache.
 That holds from the start too: a daemon not reachable when the engine starts is tried again in
-the background (`NothingReady` stands for the pool's view until then).
+the background (`NothingReady` stands for the pool's view until then). The books keep what is
+owed meanwhile; it is handed to Owed once the view is synced again.
+
+SchedulerSide is handed its client (`connect`, a `SchedulerClient`: ec_client.Client by default),
+so that it can be driven in-process against a stand-in (tests/unit/test_scheduler_side.py), the
+way vLLM tests its own connectors with stand-in requests.
 
 A consumer holds a request back while an item it needs is being written into the pool (the
 view's `pending`: another engine encoded it, its save is not committed yet), up to
@@ -50,14 +61,15 @@ pins too (the workers map the new file): the old file's locks are dropped and it
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
@@ -67,13 +79,13 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import LayoutError, tensor_nbytes
-from ec_client.ready_view import ReadyView
+from ec_client.owed import NOT_DELIVERED, Debt, Owed
 from ec_client.slot_locks import SlotPins
 from ec_client.types import (
-    AcquireResult,
     AllocateItem,
     ItemResult,
     LeaseResult,
+    PoolInfo,
     Role,
     Status,
     StepResult,
@@ -93,6 +105,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("ec_client.vllm")
 
 CALL_TIMEOUT_S = 10.0
+# How long what the client owes a quiet pool waits before Owed's thread sends it alone. What this
+# side owes goes at once with a step_soon of its own, so this only spaces the Steps that carry the
+# hits and misses answered here (they wait ANSWERED_LINGER_S anyway) and keeps Owed's thread from
+# sending a debt alone just before the step_soon that would have carried it.
+LINGER_S = 1.0
 # While the daemon was never reached, how often the connector tries again.
 CONNECT_RETRY_FIRST_S = 0.5
 CONNECT_RETRY_MAX_S = 5.0
@@ -103,20 +120,82 @@ class PoolRefused(RuntimeError):
     vLLM version or capacity already owns that name."""
 
 
+class PoolView(Protocol):
+    """What SchedulerSide reads of the pool's view (ec_client.ready_view.ReadyView)."""
+
+    @property
+    def synced(self) -> bool: ...
+
+    def has(self, key: bytes) -> bool: ...
+
+    def pending(self, key: bytes) -> bool: ...
+
+    def slot(self, key: bytes) -> int | None: ...
+
+    def add(self, key: bytes) -> None: ...
+
+    def discard(self, key: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ReadyPoolView(PoolView, Protocol):
+    """The view as the client hands it: one that is being synced with the daemon."""
+
+    def wait_synced(self, timeout_s: float) -> bool: ...
+
+
+class SchedulerClient(Protocol):
+    """What SchedulerSide uses of its client (ec_client.Client): its pool, the view of it, and
+    its Owed, through which everything is sent."""
+
+    owed: Owed
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def target(self) -> str: ...
+
+    def open_pool(
+        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+    ) -> PoolInfo: ...
+
+    def pool_info(self, engine_id: str) -> PoolInfo: ...
+
+    def view(self, engine_id: str) -> ReadyPoolView: ...
+
+    def settle(self, timeout_s: float | None = None) -> None: ...
+
+    def drop_pool(self, engine_id: str, force: bool = False) -> int: ...
+
+    def close(self, settle_timeout_s: float = 10.0) -> None: ...
+
+
+def connect_client(config: ConnectorConfig) -> Client:
+    """The default client of a SchedulerSide: a session of the engine's role on its daemon."""
+    role = {(True, True): Role.BOTH, (True, False): Role.PRODUCER}.get(
+        (config.is_producer, config.is_consumer), Role.CONSUMER
+    )
+    return Client(
+        config.address,
+        name=config.client_name,
+        role=role,
+        connect_timeout_s=config.connect_timeout_s,
+        call_timeout_s=CALL_TIMEOUT_S,
+        wait_for_daemon_s=config.connect_timeout_s,  # it may be starting alongside
+        linger_s=LINGER_S,
+    )
+
+
 @dataclass
-class Sent:
-    """What one background Step carried, to read its answer against; `generation` is the one
-    it was sent in (an answer from another is void, see `_absorb`)."""
+class Asked:
+    """What one step_soon asked, to read its answer against; `generation` is the one it was
+    asked in (an answer from another is void, see `_absorb`)."""
 
     generation: tuple[str, str]
-    releases: list[int] = field(default_factory=list)
-    commits: list[str] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
     acquires: list[str] = field(default_factory=list)
     allocates: dict[str, TensorSpec] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.releases or self.commits or self.aborts or self.acquires or self.allocates)
 
 
 class NothingReady:
@@ -143,26 +222,40 @@ class NothingReady:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: ConnectorConfig,
+        connect: Callable[[], SchedulerClient] | None = None,
+    ) -> None:
+        """connect: opens a session on the daemon (default: `connect_client(config)`); an
+        EcdError UNAVAILABLE from it is tried again in the background."""
         self._vllm_config = vllm_config
         self.config = config
+        self._new_client: Callable[[], SchedulerClient] = connect or functools.partial(
+            connect_client, config
+        )
         self.loads = LoadBook(config.load_reports)
         self.saves = SaveBook()
-        # Steps sent, by why (for `python -m ...bench`); all from the background thread.
+        # Steps asked, by why (for `python -m ...bench`); all sent from Owed's thread.
         self.rpcs: Counter[str] = Counter()
         self._closed = threading.Event()
         self._connecting = threading.Lock()  # a late connect against shutdown
-        self._sent: deque[tuple[Future[StepResult], Sent]] = deque()
+        # The answers to what was asked (step_soon), read on the scheduler thread in order.
+        self._asked: deque[tuple[Future[StepResult], Asked]] = deque()
+        # Debts whose Step did not reach the daemon, from Owed's thread: each one's generation
+        # and how to owe it again, done on the scheduler thread (the books are its alone).
+        self._undelivered: deque[tuple[tuple[str, str], Callable[[], None]]] = deque()
         self._unavailable: set[str] = set()
         self._no_width: set[str] = set()  # modalities already warned about
         self._hits: list[bytes] = []  # lock pins taken this step: hits owed to the daemon
         self._misses = 0  # misses the view answered this step: owed too, with the hits
         # Set once, when the daemon is first reached: the view last, so that a synced view
         # always means a client and a generation to go with it.
-        self.client: Client | None = None
+        self.client: SchedulerClient | None = None
         self._generation = ("", "")
         self._slot_pins: SlotPins | None = None  # the lock pins on the current pool file
-        self.view: ReadyView | NothingReady = NothingReady()
+        self.view: PoolView = NothingReady()
         try:
             self._connect()
         except EcdError as error:
@@ -179,17 +272,7 @@ class SchedulerSide:
         """Open a session and the pool (create or attach), then follow the pool. PoolRefused if
         the pool is another engine's: a configuration error, said at once."""
         c = self.config
-        role = {(True, True): Role.BOTH, (True, False): Role.PRODUCER}.get(
-            (c.is_producer, c.is_consumer), Role.CONSUMER
-        )
-        client = Client(
-            c.address,
-            name=c.client_name,
-            role=role,
-            connect_timeout_s=c.connect_timeout_s,
-            call_timeout_s=CALL_TIMEOUT_S,
-            wait_for_daemon_s=c.connect_timeout_s,  # it may be starting alongside
-        )
+        client = self._new_client()
         try:
             client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
         except EcdError as error:
@@ -277,9 +360,10 @@ class SchedulerSide:
         self._unlock_done()
         self._owe_hits()  # they ride on this Step
         if self.view.synced:
-            self._send_owed(
-                "flush", acquires=self.loads.take_wanted(), allocates=self.saves.take_planned()
-            )
+            owed = self._owe()
+            acquires, allocates = self.loads.take_wanted(), self.saves.take_planned()
+            if owed or acquires or allocates:
+                self._step_soon("flush", acquires, allocates)
         else:  # the daemon is away: waiting requests encode, and this step saves nothing
             self.loads.give_up()
             self.saves.drop_planned()
@@ -306,8 +390,8 @@ class SchedulerSide:
         for transfer_id, rank in meta.loaded:
             self.loads.report(transfer_id, rank)
         self._unlock_done()  # every loading rank reported them: the copies have landed
-        if self.view.synced:  # commit what landed at once: a hit for the very next step
-            self._send_owed("report")
+        if self.view.synced and self._owe():  # commit what landed at once: a hit next step
+            self._step_soon("report")
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         self.loads.drop_holder(request.request_id, request.mm_features[index].identifier)
@@ -323,8 +407,12 @@ class SchedulerSide:
         yet reported by the workers. Not while the daemon is away: nothing could be sent, and
         an idle engine would spin; whatever is owed goes with the first step after it is
         back."""
+        # Asked before the answers are taken: a debt's answer arrives before its Step stops
+        # counting as on its way, so none can slip between the two.
+        on_its_way = self.client is not None and self.client.owed.owing(self.config.pool)
         self._absorb()
-        return self.view.synced and bool(self.loads.busy() or self.saves.busy() or self._sent)
+        busy = self.loads.busy() or self.saves.busy() or self._asked
+        return self.view.synced and bool(on_its_way or busy)
 
     def shutdown(self) -> None:
         """Commit the saves whose copies landed and release what the workers are done with,
@@ -341,8 +429,8 @@ class SchedulerSide:
             return  # the daemon was never reached
         self._absorb()
         self._owe_hits()
-        if self.view.synced:
-            self._send_owed("shutdown")
+        if self.view.synced and self._owe():
+            self._step_soon("shutdown")
         self.view.close()
         if self._slot_pins is not None:
             self._slot_pins.close()
@@ -351,119 +439,140 @@ class SchedulerSide:
                 client.settle(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
-        client.close()  # after the background Steps are answered (within its settle time)
+        client.close()  # after the Steps owed and asked are answered (within its settle time)
 
     # ---- Steps -----------------------------------------------------------------------------------
 
-    def _send_owed(
-        self,
-        why: str,
-        acquires: Sequence[str] = (),
-        allocates: dict[str, TensorSpec] | None = None,
-    ) -> None:
-        """One Step with everything owed (releases, commits of landed saves, aborts of failed
-        ones) and what is asked."""
-        self._send(
-            why,
-            releases=self.loads.take_releases(),
-            commits=self.saves.take_landed(),
-            aborts=self.saves.take_failed(),
-            acquires=acquires,
-            allocates=allocates,
-        )
+    def _owe(self) -> bool:
+        """Hand what the books owe (releases, commits of landed saves, aborts of failed ones) to
+        the client's Owed, each with what its answer does; whether there was any. The caller
+        asks the Step that carries them (step_soon): they go at once."""
+        owed = self._reached().owed
+        pool, generation = self.config.pool, self._generation
+        releases = [
+            Debt(functools.partial(self._released, generation, lease_id), lease_id=lease_id)
+            for lease_id in self.loads.take_releases()
+        ]
+        commits = [
+            Debt(functools.partial(self._committed, generation, key), key=key.encode())
+            for key in self.saves.take_landed()
+        ]
+        aborts = [
+            Debt(functools.partial(self._aborted, generation, key), key=key.encode())
+            for key in self.saves.take_failed()
+        ]
+        owed.releases(pool, releases)
+        owed.commits(pool, commits)
+        owed.aborts(pool, aborts)
+        return bool(releases or commits or aborts)
 
-    def _send(
+    def _step_soon(
         self,
         why: str,
-        releases: Sequence[int] = (),
-        commits: Sequence[str] = (),
-        aborts: Sequence[str] = (),
         acquires: Sequence[str] = (),
         allocates: dict[str, TensorSpec] | None = None,
     ) -> None:
-        """One Step from the background thread, if there is anything to send."""
-        sent = Sent(
-            self._generation,
-            list(releases),
-            list(commits),
-            list(aborts),
-            list(acquires),
-            allocates or {},
-        )
-        if not sent:
-            return
-        items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in sent.allocates.items()]
-        pool = self.config.pool
+        """One Step from Owed's thread: what is owed, then what is asked, its answer taken by
+        `_absorb`."""
+        asked = Asked(self._generation, list(acquires), allocates or {})
+        items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in asked.allocates.items()]
         self.rpcs[why] += 1
-        client = self._reached()
-        future = client.later(
-            lambda: client.step(
-                pool,
-                releases=sent.releases,
-                commits=sent.commits,
-                aborts=sent.aborts,
-                acquires=sent.acquires,
-                allocates=items,
-            )
-        )
-        self._sent.append((future, sent))
+        future = self._reached().owed.step_soon(self.config.pool, asked.acquires, items)
+        self._asked.append((future, asked))
 
     def _absorb(self) -> None:
-        """Take the answers of the background Steps that have come, in the order they were
-        sent (each one's answer is applied before anything reads what it changes)."""
+        """Take what came back since the last call, in the order it came: debts owed again,
+        then the answers to what was asked, in the order asked (each one's answer is applied
+        before anything reads what it changes)."""
         self._check_generation()
-        while self._sent and self._sent[0][0].done():
-            future, sent = self._sent.popleft()
+        while self._undelivered:
+            generation, owe_again = self._undelivered.popleft()
+            if generation == self._generation:  # otherwise void with its session or file
+                owe_again()
+        while self._asked and self._asked[0][0].done():
+            future, asked = self._asked.popleft()
             try:
                 result = future.result()
             except EcdError as error:
-                self._lost(sent, error)
+                # Asked things go without: the requests encode, the outputs are not saved.
+                log.warning("ecd Step failed, the cache is skipped this step: %s", error)
+                self.loads.give_up(asked.acquires)
+                self.saves.give_up(asked.allocates)
                 continue
-            if sent.generation != self._generation:
+            if asked.generation != self._generation:
                 self._void_answer(result)
-            else:
-                self._apply(sent, result)
-
-    def _apply(self, sent: Sent, result: StepResult) -> None:
-        for key, answer in zip(sent.commits, result.commits, strict=True):
-            if answer.status.is_error:
-                log.warning("ecd refused to commit %s: %s", key, answer.message)
-            else:
-                self.view.add(key.encode())
-        self._log_refused("abort", zip(sent.aborts, result.aborts, strict=True))
-        self._log_refused("release", zip(sent.releases, result.releases, strict=True))
-        self._pinned(sent.acquires, result.acquires)
-        self.saves.allocated(list(sent.allocates), result.allocates)
-
-    def _pinned(self, keys: Sequence[str], answers: Sequence[AcquireResult]) -> None:
-        """The daemon answered pins of `keys`: the book takes the hits; a key found gone is
-        gone from the view too."""
-        for key in self.loads.acquired(keys, answers, self._loadable):
-            self.view.discard(key.encode())
-
-    def _lost(self, sent: Sent, error: EcdError) -> None:
-        """The Step did not reach the daemon: owed things are owed again, asked things go
-        without (the requests encode, the outputs are not saved)."""
-        log.warning("ecd Step failed, the cache is skipped this step: %s", error)
-        if sent.generation == self._generation:
-            self.loads.requeue_releases(sent.releases)
-            self.saves.requeue(landed=sent.commits, failed=sent.aborts)
-        self.loads.give_up(sent.acquires)
-        self.saves.give_up(sent.allocates)
+                continue
+            for key in self.loads.acquired(asked.acquires, result.acquires, self._loadable):
+                self.view.discard(key.encode())  # found gone: gone from the view too
+            self.saves.allocated(list(asked.allocates), result.allocates)
 
     def _void_answer(self, result: StepResult) -> None:
         """An answer from a daemon that restarted meanwhile, or to a recreated pool: what the
-        Step took in the new session (pins, PENDING entries) nobody here will use: give it back."""
-        leases = [r.lease_id for r in result.acquires if r.status is Status.HIT]
-        allocated = [r.key.decode() for r in result.allocates if r.status is Status.ALLOCATED]
-        self._send("void", releases=leases, aborts=allocated)
+        Step took in the new session (pins, PENDING entries) nobody here will use: it is owed
+        back, with the next Step."""
+        self.loads.requeue_releases(r.lease_id for r in result.acquires if r.status is Status.HIT)
+        self.saves.requeue(
+            failed=[r.key.decode() for r in result.allocates if r.status is Status.ALLOCATED]
+        )
 
-    def _log_refused(
-        self, what: str, answers: Iterable[tuple[object, ItemResult | LeaseResult]]
+    # The answers to debts, on Owed's thread (or the caller of settle): the books are not
+    # touched here; a debt owed again is handed to the scheduler thread.
+
+    def _released(
+        self, generation: tuple[str, str], lease_id: int, answer: LeaseResult | EcdError
     ) -> None:
-        for item, answer in answers:
-            if answer.status.is_error and answer.status is not Status.NOT_FOUND:
-                log.warning("ecd refused to %s %s: %s", what, item, answer.message)
+        if isinstance(answer, EcdError):
+            self._not_delivered(
+                generation,
+                "release",
+                lease_id,
+                answer,
+                lambda: self.loads.requeue_releases([lease_id]),
+            )
+        else:
+            self._log_refused("release", lease_id, answer)
+
+    def _committed(
+        self, generation: tuple[str, str], key: str, answer: ItemResult | EcdError
+    ) -> None:
+        if isinstance(answer, EcdError):
+            self._not_delivered(
+                generation, "commit", key, answer, lambda: self.saves.requeue(landed=[key])
+            )
+        elif answer.status.is_error:
+            log.warning("ecd refused to commit %s: %s", key, answer.message)
+        else:
+            self.view.add(key.encode())  # thread-safe: READY for the very next step
+
+    def _aborted(
+        self, generation: tuple[str, str], key: str, answer: ItemResult | EcdError
+    ) -> None:
+        if isinstance(answer, EcdError):
+            self._not_delivered(
+                generation, "abort", key, answer, lambda: self.saves.requeue(failed=[key])
+            )
+        else:
+            self._log_refused("abort", key, answer)
+
+    def _not_delivered(
+        self,
+        generation: tuple[str, str],
+        what: str,
+        item: object,
+        error: EcdError,
+        owe_again: Callable[[], None],
+    ) -> None:
+        """A debt's Step failed: one that did not reach the daemon is owed again (in the same
+        generation: `_absorb`); one the daemon refused as a whole is dropped, said."""
+        if error.code in NOT_DELIVERED:
+            self._undelivered.append((generation, owe_again))
+        else:
+            log.warning("ecd could not %s %s: %s", what, item, error)
+
+    @staticmethod
+    def _log_refused(what: str, item: object, answer: ItemResult | LeaseResult) -> None:
+        if answer.status.is_error and answer.status is not Status.NOT_FOUND:
+            log.warning("ecd refused to %s %s: %s", what, item, answer.message)
 
     # ---- lock pins -----------------------------------------------------------------------------
 
@@ -503,7 +612,7 @@ class SchedulerSide:
             for slot in unlocks:
                 self._slot_pins.unpin(slot)
 
-    def _open_slot_pins(self, client: Client) -> SlotPins | None:
+    def _open_slot_pins(self, client: SchedulerClient) -> SlotPins | None:
         """The lock pins of the pool's current file; None if it cannot be opened (then every
         cached item is pinned by a background Acquire, its request waiting one step)."""
         info = client.pool_info(self.config.pool)
@@ -520,13 +629,13 @@ class SchedulerSide:
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    def _reached(self) -> Client:
+    def _reached(self) -> SchedulerClient:
         """The client, where the view is synced (so the daemon was reached)."""
         if self.client is None:
             raise RuntimeError("ecd was never reached: nothing may be sent")
         return self.client
 
-    def _current_generation(self, client: Client) -> tuple[str, str]:
+    def _current_generation(self, client: SchedulerClient) -> tuple[str, str]:
         """Our lease pins and PENDING entries live as long as our session and the pool file,
         our lock pins as long as the pool file: a new session (daemon restarted, or our lease
         ran out) voids the former, a new pool UUID (the pool recreated) voids all."""

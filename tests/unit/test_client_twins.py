@@ -1,7 +1,6 @@
 """Client and AsyncClient are twins: the same public calls with the same parameters, the async
 one's a coroutine (or an async iterator) wherever it waits on the daemon. Each side's idioms
-aside: Client's `later` (a background thread for the caller's jobs), AsyncClient's `start` (its
-constructor cannot connect, Client's does)."""
+aside: AsyncClient's `start` (its constructor cannot connect, Client's does)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Any
 
 from ec_client import AsyncClient, Client
 
-IDIOMS = {"later", "start"}
+IDIOMS = {"start"}
 # Calls that never wait on the daemon, plain methods on both sides (watch and open_watch open a
 # stream and return it; its iteration waits).
 LOCAL = {"on_restart", "pool_info", "view", "known_ready", "watch", "open_watch"}

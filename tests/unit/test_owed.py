@@ -5,12 +5,15 @@ Proves: a debt goes only once its copy landed (or, when flushing, after waiting 
 whose copy failed leaves as an abort and its owner hears why; each debt gets its own answer and
 the rest of a Step's answers go back to the caller; the background thread sends what a quiet pool
 is owed, and leaves a busy pool's debts to its next Step; a commit is reported owed until its
-answer came; flush sends everything and waits, or says it ran out of time.
+answer came; flush sends everything and waits, or says it ran out of time; a Step asked soon goes
+from the background in the order asked, with what is owed ahead of its asks, its future holding
+the asker's answers or the error.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -20,7 +23,9 @@ from ec_client.errors import EcdError
 from ec_client.owed import Debt, Owed, Parcel
 from ec_client.types import (
     AcquireResult,
+    AllocateItem,
     ItemResult,
+    Key,
     LeaseResult,
     Status,
     StepResult,
@@ -63,27 +68,43 @@ class Answers:
 
 
 class Sender:
-    """The background's send: records parcels, and answers them (or holds them) as told."""
+    """Owed's send: records parcels (and asks), and answers them as a daemon would, or holds
+    them, or fails them with `error`."""
 
     def __init__(self) -> None:
         self.parcels: list[tuple[str, Parcel]] = []
+        self.asks: list[tuple[Sequence[Key], Sequence[AllocateItem]]] = []
         self.sent = threading.Event()
         self.hold = False
+        self.release = threading.Event()  # lets a held Step be answered
+        self.error: EcdError | None = None
 
-    def __call__(self, engine_id: str, parcel: Parcel) -> None:
+    def __call__(
+        self,
+        engine_id: str,
+        parcel: Parcel,
+        acquires: Sequence[Key],
+        allocates: Sequence[AllocateItem],
+    ) -> StepResult:
         self.parcels.append((engine_id, parcel))
+        self.asks.append((acquires, allocates))
         self.sent.set()
-        if not self.hold:
-            parcel.settle(answer(parcel))
+        if self.hold:
+            assert self.release.wait(5), "the test never let the held Step be answered"
+        if self.error is not None:
+            parcel.fail(self.error)
+            raise self.error
+        return parcel.settle(answer(parcel, acquires))
 
 
-def answer(parcel: Parcel) -> StepResult:
-    """What a daemon would answer a Step carrying exactly this parcel: all OK."""
+def answer(parcel: Parcel, acquires: Sequence[Key] = ()) -> StepResult:
+    """What a daemon would answer a Step carrying this parcel and these acquires: all OK, every
+    acquire a miss."""
     return StepResult(
         tuple(LeaseResult(d.lease_id, Status.OK, "") for d in parcel.releases),
         tuple(ItemResult(d.key, Status.OK, "") for d in parcel.commits),
         tuple(ItemResult(d.key, Status.OK, "") for d in parcel.aborts),
-        (),
+        tuple(AcquireResult(bytes(k), Status.MISS, "", 0, (), None, 0) for k in acquires),
         (),
     )
 
@@ -208,12 +229,113 @@ def test_flush_sends_everything_owed_and_returns_once_answered() -> None:
 
 
 def test_flush_says_so_when_an_answer_does_not_come_in_time() -> None:
-    o, sender = owed()
-    sender.hold = True  # the daemon never answers
+    o, sender = owed(linger_s=0.01)
+    sender.hold = True  # the daemon does not answer in time
     o.commits(POOL, [Answers().debt("a", key=b"a")])
+    assert sender.sent.wait(5)  # the background thread sent it
     with pytest.raises(TimeoutError, match="still running"):
         o.flush(0.1)
+    sender.release.set()
     o.close()
+
+
+def test_an_abort_owed_rides_on_the_pools_next_step_and_hears_its_answer() -> None:
+    o, _ = owed()
+    answers = Answers()
+    o.aborts(POOL, [answers.debt("a", key=b"a")])
+    parcel = o.take(POOL)
+    assert parcel.abort_keys() == [b"a"] and parcel.step(POOL).build("sid").aborts == [b"a"]
+    parcel.settle(answer(parcel))
+    assert answers.got["a"].status is Status.OK
+    o.close()
+
+
+def test_a_step_asked_soon_goes_from_the_background_with_what_is_owed_ahead_of_its_asks() -> None:
+    o, sender = owed()  # the pool is busy: only the asked Step carries the release
+    answers = Answers()
+    o.releases(POOL, [answers.debt("pin", lease_id=4)])
+    result = o.step_soon(POOL, acquires=[b"x"]).result(5)
+    [(engine_id, parcel)] = sender.parcels
+    assert engine_id == POOL and parcel.release_ids() == [4] and sender.asks == [([b"x"], [])]
+    assert answers.got["pin"].status is Status.OK
+    assert result.releases == () and [r.key for r in result.acquires] == [b"x"]  # the asker's
+    o.close()
+
+
+def test_steps_asked_soon_go_in_the_order_asked() -> None:
+    o, sender = owed()
+    futures = [o.step_soon(POOL, acquires=[f"k{i}".encode()]) for i in range(5)]
+    assert [f.result(5).acquires[0].key for f in futures] == [f"k{i}".encode() for i in range(5)]
+    assert [acquires for acquires, _ in sender.asks] == [[f"k{i}".encode()] for i in range(5)]
+    o.close()
+
+
+def test_a_step_asked_soon_with_nothing_owed_or_asked_sends_nothing() -> None:
+    o, sender = owed()
+    assert o.step_soon(POOL).result(5) == StepResult([], [], [], [], [])
+    assert sender.parcels == []
+    o.close()
+
+
+def test_a_step_asked_soon_that_failed_hands_its_error_to_the_asker_and_its_debts() -> None:
+    o, sender = owed()
+    sender.error = EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd")
+    answers = Answers()
+    o.commits(POOL, [answers.debt("a", key=b"a")])
+    future = o.step_soon(POOL, acquires=[b"x"])
+    with pytest.raises(EcdError, match="cannot reach ecd"):
+        future.result(5)
+    assert answers.got["a"] is sender.error
+    o.close()
+
+
+def test_a_pool_is_owing_while_a_step_asked_for_it_is_on_its_way() -> None:
+    o, sender = owed()
+    sender.hold = True
+    future = o.step_soon(POOL, acquires=[b"x"])
+    assert sender.sent.wait(5)
+    assert o.owing(POOL) and not o.owing("other")
+    sender.release.set()
+    future.result(5)
+    assert not o.owing(POOL)
+    o.close()
+
+
+def test_a_pool_is_owing_while_a_debt_waits_but_not_for_the_hits_it_answered() -> None:
+    o, _ = owed()
+    o.hits(POOL, [b"a"])
+    assert not o.owing(POOL)
+    o.releases(POOL, [Answers().debt("pin", lease_id=1)])
+    assert o.owing(POOL)
+    o.close()
+
+
+def test_flush_waits_for_the_steps_asked_soon() -> None:
+    o, sender = owed()
+    sender.hold = True
+    future = o.step_soon(POOL, acquires=[b"x"])
+    assert sender.sent.wait(5)
+    with pytest.raises(TimeoutError, match="still running"):
+        o.flush(0.1)
+    threading.Timer(0.05, sender.release.set).start()
+    o.flush(5)
+    assert future.done()
+    o.close()
+
+
+def test_closing_fails_the_steps_asked_and_not_sent() -> None:
+    o, sender = owed()
+    sender.hold = True
+    first = o.step_soon(POOL, acquires=[b"x"])
+    assert sender.sent.wait(5)
+    second = o.step_soon(POOL, acquires=[b"y"])
+    threading.Timer(0.1, sender.release.set).start()
+    o.close()
+    assert first.result(5).acquires[0].key == b"x"
+    with pytest.raises(EcdError, match="closed"):
+        second.result(5)
+    with pytest.raises(EcdError, match="closed"):  # asked after the close: nobody sends it
+        o.step_soon(POOL, acquires=[b"z"]).result(5)
 
 
 def test_misses_answered_from_the_view_ride_on_the_pools_next_step() -> None:

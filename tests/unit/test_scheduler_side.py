@@ -1,0 +1,417 @@
+"""SchedulerSide in-process (the vLLM scheduler side of ECDaemonConnector), handed a fake client:
+the real Owed whose Steps a fake daemon answers, and a ready view the test fills. Requests are
+vLLM's own (ec_client.vllm.offline), as vLLM tests ECCPUScheduler with stand-in requests; the
+end-to-end tests (tests/vllm) drive the same calls against a real daemon and real workers.
+
+Proves: a miss the view answered is owed, not sent; an item READY whose slot is not known is
+pinned by one background Step and its request admitted at the next call; a lease pin is released
+once every loading rank reported; a landed save is committed at once and READY in the view; what a
+Step that did not reach the daemon carried is owed again, what the daemon refused is not; while
+the daemon was never reached nothing is sent and every request is admitted, and once it is
+reached the cache is used; a new session voids lease pins and fails the loads under them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from ecd_testing import wait_until
+from vllm.config import VllmConfig
+from vllm.config.ec_transfer import ECRole
+from vllm.v1.outputs import ECConnectorOutput
+
+from ec_client.errors import EcdError
+from ec_client.owed import Owed, Parcel
+from ec_client.types import (
+    AcquireResult,
+    AllocateItem,
+    AllocateResult,
+    Extent,
+    ItemResult,
+    Key,
+    LeaseResult,
+    PoolInfo,
+    Status,
+    StepResult,
+    TensorSpec,
+)
+from ec_client.vllm.config import ConnectorConfig
+from ec_client.vllm.metadata import ECDaemonWorkerMetadata, WorkerRank
+from ec_client.vllm.offline import image_request, offline_config
+from ec_client.vllm.scheduler import SchedulerSide
+
+WIDTH = 64
+ROWS = 4
+UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd")
+
+
+class FakeView:
+    """The pool's READY keys as the test sets them (`ready`: key -> slot, None if not heard)."""
+
+    def __init__(self) -> None:
+        self.ready: dict[bytes, int | None] = {}
+        self.synced = True
+
+    def has(self, key: bytes) -> bool:
+        return self.synced and key in self.ready
+
+    def pending(self, key: bytes) -> bool:
+        return False
+
+    def slot(self, key: bytes) -> int | None:
+        return self.ready.get(key) if self.synced else None
+
+    def add(self, key: bytes) -> None:
+        self.ready.setdefault(key, None)
+
+    def discard(self, key: bytes) -> None:
+        self.ready.pop(key, None)
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        return self.synced
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Sent:
+    """One Step as the fake daemon received it."""
+
+    releases: list[int]
+    commits: list[bytes]
+    aborts: list[bytes]
+    acquires: list[str]
+    allocates: list[str]
+    misses: int
+
+
+class FakeClient:
+    """A client of a fake daemon: the real Owed (its thread sends every Step), each Step recorded
+    and answered here: releases, commits, aborts OK; an acquire a HIT with the next lease ID if
+    the test put its key in `cached`, else a MISS; an allocate ALLOCATED. With `error` set, every
+    Step fails with it."""
+
+    def __init__(self) -> None:
+        self.session_id = "session-1"
+        self.target = "unix:///fake/ecd.sock"
+        self.info = PoolInfo(
+            "pool", "/nonexistent/pool", WIDTH * 2, 8192, 0, 0, "uuid-1", "", 0, True
+        )
+        self.fake_view = FakeView()
+        self.cached: dict[str, TensorSpec] = {}
+        self.error: EcdError | None = None
+        self.sent: list[Sent] = []
+        self.closed = False
+        self._next_lease = 100
+        self.owed = Owed(self._send, linger_s=60.0)  # nothing goes alone during a test
+
+    def _send(
+        self,
+        engine_id: str,
+        parcel: Parcel,
+        acquires: Sequence[Key],
+        allocates: Sequence[AllocateItem],
+    ) -> StepResult:
+        self.sent.append(
+            Sent(
+                parcel.release_ids(),
+                [key for key, _ in parcel.commit_pairs()],
+                parcel.abort_keys(),
+                [str(k) for k in acquires],
+                [str(item.key) for item in allocates],
+                parcel.answered.misses,
+            )
+        )
+        if self.error is not None:
+            parcel.fail(self.error)
+            raise self.error
+        return parcel.settle(
+            StepResult(
+                [LeaseResult(d.lease_id, Status.OK, "") for d in parcel.releases],
+                [ItemResult(d.key, Status.OK, "") for d in parcel.commits],
+                [ItemResult(d.key, Status.OK, "") for d in parcel.aborts],
+                [self._acquire(str(k)) for k in acquires],
+                [
+                    AllocateResult(str(i.key).encode(), Status.ALLOCATED, "", (Extent(0, 1),))
+                    for i in allocates
+                ],
+            )
+        )
+
+    def _acquire(self, key: str) -> AcquireResult:
+        spec = self.cached.get(key)
+        if spec is None:
+            return AcquireResult(key.encode(), Status.MISS, "", 0, (), None, 0)
+        self._next_lease += 1
+        return AcquireResult(
+            key.encode(), Status.HIT, "", self._next_lease, (Extent(0, 1),), spec, 0
+        )
+
+    # ---- what SchedulerSide calls ----
+
+    def open_pool(
+        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+    ) -> PoolInfo:
+        return self.info
+
+    def pool_info(self, engine_id: str) -> PoolInfo:
+        return self.info
+
+    def view(self, engine_id: str) -> FakeView:
+        return self.fake_view
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        self.owed.flush(timeout_s)
+
+    def drop_pool(self, engine_id: str, force: bool = False) -> int:
+        return 0
+
+    def close(self, settle_timeout_s: float = 10.0) -> None:
+        self.closed = True
+        self.owed.close()
+
+
+def connector_config(role: ECRole, tp: int = 1) -> tuple[VllmConfig, ConnectorConfig]:
+    vllm_config = offline_config(
+        {"ecd_address": "unix:///fake/ecd.sock", "ec_cpu_bytes": 1 << 20},
+        instance_id=f"test-{uuid.uuid4().hex[:8]}",
+        role=role,
+        width=WIDTH,
+        tp=tp,
+    )
+    return vllm_config, ConnectorConfig.from_vllm(vllm_config)
+
+
+@pytest.fixture
+def client() -> Iterator[FakeClient]:
+    fake = FakeClient()
+    yield fake
+    fake.owed.close()
+
+
+def scheduler(client: FakeClient, role: ECRole = "ec_both", tp: int = 1) -> SchedulerSide:
+    vllm_config, config = connector_config(role, tp)
+    return SchedulerSide(vllm_config, config, connect=lambda: client)
+
+
+def spec(side: SchedulerSide) -> TensorSpec:
+    return TensorSpec((ROWS, WIDTH), side.config.dtype, ROWS * WIDTH * 2)
+
+
+def report(
+    side: SchedulerSide,
+    saved: Sequence[str] = (),
+    failed: Sequence[str] = (),
+    loaded: Sequence[tuple[int, WorkerRank]] = (),
+) -> None:
+    meta = ECDaemonWorkerMetadata(list(saved), list(failed), list(loaded))
+    side.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=meta))
+
+
+def load_under_lease(side: SchedulerSide, client: FakeClient, key: str) -> int:
+    """A cached `key` pinned by an Acquire and its copy ordered to the workers (request "r1"):
+    the transfer ID."""
+    client.fake_view.ready[key.encode()] = None
+    client.cached[key] = spec(side)
+    request = image_request("r1", [key], ROWS)
+    assert not side.ensure_cache_available(request, 0)
+    side.build_connector_meta()
+    client.settle(5)
+    assert side.ensure_cache_available(request, 0) and side.has_cache_item(key)
+    side.update_state_after_alloc(request, 0)
+    [order] = side.build_connector_meta().loads.values()
+    return order.transfer_id
+
+
+def save_ordered(side: SchedulerSide, client: FakeClient, key: str, request_id: str = "p1") -> None:
+    """A new `key` encoded and saved: its Allocate answered, its copy ordered to the workers."""
+    request = image_request(request_id, [key], ROWS)
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item(key)
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()
+    client.settle(5)
+    assert key in side.build_connector_meta().saves
+
+
+def test_a_miss_the_view_answers_is_owed_to_the_daemon_with_the_next_step_and_nothing_is_sent(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer")
+    request = image_request("r1", ["img-new"], ROWS)
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-new")
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()
+    assert not side.rpcs and client.sent == [] and not side.has_pending_push_work()
+    assert client.owed.take(side.config.pool).answered.misses == 1  # for the next Step
+
+
+def test_an_item_ready_with_no_known_slot_is_acquired_in_one_background_step_and_its_request_admitted_at_the_next_call(  # noqa: E501
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer")
+    client.fake_view.ready[b"img-a"] = None  # committed a moment ago: its slot not heard yet
+    client.cached["img-a"] = spec(side)
+    request = image_request("r1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)  # held: its pin is on its way
+    assert client.sent == []  # nothing asked of the daemon on the scheduler's call
+    side.build_connector_meta()
+    client.settle(5)
+    assert [s.acquires for s in client.sent] == [["img-a"]]
+    assert side.ensure_cache_available(request, 0) and side.has_cache_item("img-a")
+
+
+def test_the_release_of_a_lease_pin_is_owed_once_every_loading_rank_reported(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer", tp=2)
+    transfer_id = load_under_lease(side, client, "img-a")
+    assert [s.acquires for s in client.sent] == [["img-a"]]
+    report(side, loaded=[(transfer_id, WorkerRank(0, 0))])
+    side.request_finished(image_request("r1", ["img-a"], ROWS))
+    client.settle(5)
+    assert [s.releases for s in client.sent[1:]] == []  # rank 1 is still copying
+    assert side.has_pending_push_work()
+    report(side, loaded=[(transfer_id, WorkerRank(0, 1))])
+    client.settle(5)
+    assert [s.releases for s in client.sent[1:]] == [[client._next_lease]]
+    assert not side.has_pending_push_work()
+
+
+def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_view(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_producer")
+    save_ordered(side, client, "img-a")
+    assert [s.allocates for s in client.sent] == [["img-a"]]
+    report(side, saved=["img-a"])
+    client.settle(5)  # no build_connector_meta between: the report's own Step
+    assert [s.commits for s in client.sent[1:]] == [[b"img-a"]]
+    assert client.fake_view.has(b"img-a")
+
+
+def test_nothing_is_committed_before_the_workers_reported_the_copy_landed(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_producer")
+    save_ordered(side, client, "img-a")
+    side.build_connector_meta()
+    client.settle(5)
+    assert not any(s.commits for s in client.sent)
+    assert side.has_pending_push_work()  # the copy is not reported yet
+
+
+def test_a_failed_saves_abort_is_sent_at_once_and_its_key_never_becomes_ready(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_producer")
+    save_ordered(side, client, "img-a")
+    report(side, failed=["img-a"])
+    client.settle(5)
+    assert [s.aborts for s in client.sent[1:]] == [[b"img-a"]]
+    assert not client.fake_view.has(b"img-a")
+
+
+def test_a_step_that_did_not_reach_the_daemon_owes_its_releases_and_commits_again(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client)
+    transfer_id = load_under_lease(side, client, "img-a")
+    lease_id = client._next_lease
+    save_ordered(side, client, "img-b")
+    side.request_finished(image_request("r1", ["img-a"], ROWS))
+    client.error = UNAVAILABLE
+    report(side, saved=["img-b"], loaded=[(transfer_id, WorkerRank(0, 0))])
+    client.settle(5)
+    assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [b"img-b"])
+    client.error = None  # the daemon is back
+    assert side.has_pending_push_work()  # owed again
+    side.build_connector_meta()
+    client.settle(5)
+    assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [b"img-b"])
+    assert client.fake_view.has(b"img-b") and not side.has_pending_push_work()
+
+
+def test_what_a_step_the_daemon_refused_carried_is_not_sent_again(client: FakeClient) -> None:
+    side = scheduler(client, role="ec_producer")
+    save_ordered(side, client, "img-a")
+    client.error = EcdError(grpc.StatusCode.PERMISSION_DENIED, "consumers may not commit")
+    report(side, saved=["img-a"])
+    client.settle(5)
+    client.error = None
+    sent = len(client.sent)
+    side.build_connector_meta()
+    client.settle(5)
+    assert len(client.sent) == sent and not side.has_pending_push_work()
+
+
+def test_while_the_daemon_was_never_reached_every_request_is_admitted_and_nothing_is_sent() -> None:
+    def unreachable() -> FakeClient:
+        raise UNAVAILABLE
+
+    vllm_config, config = connector_config("ec_both")
+    side = SchedulerSide(vllm_config, config, connect=unreachable)
+    request = image_request("r1", ["img-a"], ROWS)
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
+    side.update_state_after_alloc(request, 0)
+    meta = side.build_connector_meta()
+    assert meta.pool is None and not meta.saves and not meta.save_intents
+    assert side.client is None and not side.rpcs and not side.has_pending_push_work()
+    side.shutdown()
+
+
+def test_a_daemon_reached_in_the_background_is_used_from_then_on(client: FakeClient) -> None:
+    tries: list[int] = []
+
+    def connect() -> FakeClient:
+        tries.append(1)
+        if len(tries) == 1:
+            raise UNAVAILABLE  # not started yet
+        return client
+
+    vllm_config, config = connector_config("ec_consumer")
+    side = SchedulerSide(vllm_config, config, connect=connect)
+    wait_until(lambda: side.view.synced, timeout_s=5)
+    client.fake_view.ready[b"img-a"] = None
+    client.cached["img-a"] = spec(side)
+    assert not side.ensure_cache_available(image_request("r1", ["img-a"], ROWS), 0)
+    side.build_connector_meta()
+    client.settle(5)
+    assert [s.acquires for s in client.sent] == [["img-a"]]
+    side.shutdown()
+    assert client.closed
+
+
+def test_a_new_session_voids_lease_pins(client: FakeClient) -> None:
+    side = scheduler(client, role="ec_consumer")
+    transfer_id = load_under_lease(side, client, "img-a")
+    sent = len(client.sent)
+    client.session_id = "session-2"  # the daemon restarted: our lease pins are gone
+    assert side.take_unavailable_requests() == {"r1"}  # its load may have read evicted bytes
+    assert not side.has_cache_item("img-a")
+    report(side, loaded=[(transfer_id, WorkerRank(0, 0))])
+    side.request_finished(image_request("r1", ["img-a"], ROWS))
+    side.build_connector_meta()
+    client.settle(5)
+    assert len(client.sent) == sent  # nothing released: the new session holds no such pin
+
+
+def test_an_answer_from_before_a_new_session_gives_back_what_it_took(client: FakeClient) -> None:
+    side = scheduler(client, role="ec_consumer")
+    client.fake_view.ready[b"img-a"] = None
+    client.cached["img-a"] = spec(side)
+    request = image_request("r1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)
+    side.build_connector_meta()
+    client.settle(5)
+    first_lease = client._next_lease
+    client.session_id = "session-2"  # a restart between the Step's answer and its reading
+    # Its pin is not ours to use: the request encodes the item, and the pin goes back.
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
+    side.build_connector_meta()
+    client.settle(5)
+    assert client.sent[-1].releases == [first_lease] and client.sent[-1].acquires == []
