@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ec_client import _wire
 from ec_client._connection import Options
 from ec_client._session import SessionState
-from ec_client.owed import Owed, Parcel, send_parcel
+from ec_client.outbox import Outbox, OutboxBatch, batch_sender
 from ec_client.ready_view import ReadyView, Views
 from ec_client.tls import TLSFiles
 from ec_client.types import PoolInfo, Role, StepResult
@@ -39,13 +39,13 @@ class BaseClient:
         limits what the session may do (see Role); `token` defaults to ECD_TOKEN or
         ECD_TOKEN_FILE, `tls` to ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY (unless from_env is
         False, as for a daemon calling its peers). `linger_s`: how long what is owed (commits of
-        puts, releases of gets) waits for a call to ride on before it goes alone (see `owed`)."""
+        puts, releases of gets) waits for a call to ride on before it goes alone (see `outbox`)."""
         self.options = Options.make(
             target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
         )
         self._state = SessionState(self.options)
         self._views = Views(self._follow)
-        self.owed = Owed(send_parcel(self._deliver_from_thread), linger_s)
+        self.outbox = Outbox(batch_sender(self._send_batch_from_thread), linger_s)
         self._begin(keepalive, wait_for_daemon_s)
 
     # ---- what each twin does its own way -------------------------------------------------------
@@ -59,7 +59,9 @@ class BaseClient:
         """A new ReadyView of a pool (the views make one per pool, on first ask)."""
         raise NotImplementedError
 
-    def _deliver_from_thread(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
+    def _send_batch_from_thread(
+        self, batch: OutboxBatch, call: _wire.Call[StepResult]
+    ) -> StepResult:
         """A Step of what is owed, from owed's thread: answered when it returns."""
         raise NotImplementedError
 

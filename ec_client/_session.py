@@ -42,7 +42,7 @@ import grpc
 from ec_client import _wire
 from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S, Options
 from ec_client.errors import EcdError
-from ec_client.owed import Parcel
+from ec_client.outbox import OutboxBatch
 from ec_client.types import PoolInfo, StepResult
 
 T = TypeVar("T")
@@ -194,15 +194,15 @@ class SessionState:
                     raise self.options.unreachable(problem or (yield Probe())) from None
                 yield Pause(delay)
 
-    def step(self, parcel: Parcel, call: _wire.Call[StepResult]) -> Plan[StepResult]:
-        """A Step that carries what the client owes the pool (`parcel`, see `owed`): every debt
+    def step(self, batch: OutboxBatch, call: _wire.Call[StepResult]) -> Plan[StepResult]:
+        """A Step that carries what the client owes the pool (`batch`, see `outbox`): every op
         hears its answer, or the error, which is raised too; returns the caller's answers."""
         try:
             result = yield from self.call(call)
         except EcdError as error:
-            parcel.fail(error)
+            batch.fail(error)
             raise
-        return parcel.settle(result)
+        return batch.resolve(result)
 
     def _patience(self, call: _wire.Call[Any], problem: str | None) -> float:
         """Seconds to keep retrying a call the daemon did not answer: connect_timeout_s while it

@@ -8,7 +8,7 @@ the two), as coroutines where they wait on the daemon: see Client's docstrings f
 answers. Both run the same plans (`_session`: retries, reopening, a Step that carries what is
 owed) over the same requests and replies (`_wire`); this one performs their I/O with grpc.aio.
 What Client does on threads runs on threads here too, their calls handed to the client's event
-loop: the Steps of what is owed (`owed`) and the ReadyViews (`view`). The keep-alive is a task.
+loop: the Steps of what is owed (`outbox`) and the ReadyViews (`view`). The keep-alive is a task.
 `start()` (or `async with`) connects and opens the session, as Client's constructor does.
 """
 
@@ -33,7 +33,7 @@ from ec_client._connection import (
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, advance
 from ec_client.errors import EcdError
-from ec_client.owed import Parcel
+from ec_client.outbox import OutboxBatch
 from ec_client.ready_view import ReadyView
 from ec_client.types import (
     AcquireResult,
@@ -120,7 +120,7 @@ class AsyncClient(BaseClient):
     async def keep_alive(self) -> float:
         return await self._run(_wire.keep_alive())
 
-    async def close(self, settle_timeout_s: float = 10.0) -> None:
+    async def close(self, flush_timeout_s: float = 10.0) -> None:
         if self._state.closed:
             return
         if self._channel is None:  # start() found no daemon: no session to close
@@ -128,10 +128,10 @@ class AsyncClient(BaseClient):
             await asyncio.to_thread(self._stop_threads)
             return
         with contextlib.suppress(TimeoutError):
-            await self.settle(settle_timeout_s)
+            await self.flush(flush_timeout_s)
         if self._keepalive is not None:
             self._keepalive.cancel()
-        # Off the loop: the owed thread and the views' threads wait on it as they stop.
+        # Off the loop: the outbox thread and the views' threads wait on it as they stop.
         await asyncio.to_thread(self._stop_threads)
         with contextlib.suppress(EcdError):
             await self._drive(self._state.close())
@@ -140,9 +140,9 @@ class AsyncClient(BaseClient):
 
     # ---- what is owed and the views of pools ---------------------------------------------------
 
-    async def settle(self, timeout_s: float | None = None) -> None:
+    async def flush(self, timeout_s: float | None = None) -> None:
         # Off the loop: the Steps it waits for run on the loop.
-        await asyncio.to_thread(self.owed.flush, timeout_s)
+        await asyncio.to_thread(self.outbox.flush, timeout_s)
 
     def view(self, engine_id: str) -> ReadyView:
         """Call on the client's event loop; the view can be read from any thread."""
@@ -201,11 +201,11 @@ class AsyncClient(BaseClient):
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
     ) -> StepResult:
-        parcel = self.owed.take(engine_id)
-        call = parcel.step(
+        batch = self.outbox.take(engine_id)
+        call = batch.step(
             engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
         )
-        return await self._deliver(parcel, call)
+        return await self._send_batch(batch, call)
 
     async def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         return await self._run(_wire.lookup(engine_id, keys))
@@ -278,8 +278,8 @@ class AsyncClient(BaseClient):
     async def _run(self, call: _wire.Call[T]) -> T:
         return await self._drive(self._state.call(call))
 
-    async def _deliver(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
-        return await self._drive(self._state.step(parcel, call))
+    async def _send_batch(self, batch: OutboxBatch, call: _wire.Call[StepResult]) -> StepResult:
+        return await self._drive(self._state.step(batch, call))
 
     async def _drive(self, plan: Plan[T]) -> T:
         """Carry out a plan's steps with awaited calls until it returns."""
@@ -341,20 +341,22 @@ class AsyncClient(BaseClient):
             )
         return self._threads
 
-    def _deliver_from_thread(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
-        return self._from_threads().run(self._deliver(parcel, call))
+    def _send_batch_from_thread(
+        self, batch: OutboxBatch, call: _wire.Call[StepResult]
+    ) -> StepResult:
+        return self._from_threads().run(self._send_batch(batch, call))
 
     def _follow(self, engine_id: str) -> ReadyView:
         threads = self._from_threads()
         return ReadyView(threads, engine_id, lambda: threads.run(self.reopen_pool(engine_id)))
 
     def _stop_threads(self) -> None:
-        self.owed.close()
+        self.outbox.close()
         self._views.close()
 
 
 class _FromThreads:
-    """An AsyncClient as its threads (the owed Steps, each ReadyView's) use it: every call runs
+    """An AsyncClient as its threads (the outbox's Steps, each ReadyView's) use it: every call runs
     on the client's event loop while the thread waits for its answer."""
 
     def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop) -> None:

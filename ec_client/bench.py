@@ -252,7 +252,7 @@ def bench_latency(client: Client, runs: int, iterations: int, size: int, report:
         producer.flush()
         get = [timed(consumer.get, key, "cpu", 0, out) for key in keys]
         miss = [timed(consumer.get, f"absent-{key}") for key in keys]
-        client.settle()
+        client.flush()
         client.evict(POOL, keys)
         row = {}
         for name, samples in (("health", health), ("put", put), ("get", get), ("miss", miss)):
@@ -333,8 +333,8 @@ def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, repo
             put_many = timed(producer.put_many, dict(zip(keys, sources.values(), strict=True)))
             targets: dict[Key, torch.Tensor] = dict(zip(keys, outs, strict=True))
             get_many = timed(_get_into, consumer, targets)
-            producer.flush()  # commits go in the background: settle them before evicting
-            client.settle()
+            producer.flush()  # commits go in the background: let them land before evicting
+            client.flush()
             client.evict(POOL, [*singles, *keys])
             rows.append(
                 {
@@ -465,7 +465,7 @@ def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> 
 
 def _drop_local_copy(client: Client, key: str) -> None:
     """Evict this node's copy of `key`, until the client's view offers it from the peer only."""
-    client.settle()  # the last get's pin goes back first
+    client.flush()  # the last get's pin goes back first
     client.evict(POOL, [key])
     view, raw = client.view(POOL), key.encode()
     _wait(lambda: view.has(raw) and not view.has_local(raw), "the peer's copy to be offered")
@@ -499,8 +499,8 @@ def bench_remote(
         near, far = f"near-{size}", f"far-{size}"
         Producer(here, POOL).put(near, tensor)
         Producer(there, POOL).put(far, tensor)
-        here.settle()
-        there.settle()
+        here.flush()
+        there.flush()
         [pinned] = there.acquire(POOL, [far])  # where the bare reads read, for the whole size
         address = info.transfer_base + pinned.extents[0].start * BLOCK
         _wait(functools.partial(here.view(POOL).has, far.encode()), "the peer's entry")
@@ -525,7 +525,7 @@ def bench_remote(
             )
         [after] = here.stats(POOL).pools
         there.release([pinned.lease_id])
-        here.settle()
+        here.flush()
         here.evict(POOL, [near, far])
         there.evict(POOL, [far])
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}

@@ -9,10 +9,10 @@ pools reopened after a restart or a lost lease); this module only performs their
 
 Two things serve the hot path of Producer, Consumer and the vLLM scheduler side (docs/design.md
 §12):
-- `owed` (ec_client/owed.py), the client's one background mechanism: what is owed with nobody
+- `owed` (ec_client/outbox.py), the client's one background mechanism: what is owed with nobody
   waiting for it (a Commit once its bytes landed, a Release once its load landed, an Abort) rides
   on the next Step to its pool or goes from its thread, and `owed.step_soon` sends a Step from
-  that thread for a caller that must not wait on it; `settle()` waits for all of it so far.
+  that thread for a caller that must not wait on it; `flush()` waits for all of it so far.
 - `view(engine_id)`: the pool's READY keys, followed through Watch (ReadyView), so that a miss
   costs no round trip.
 
@@ -48,7 +48,7 @@ from ec_client._connection import (
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, advance
 from ec_client.errors import EcdError
-from ec_client.owed import Parcel
+from ec_client.outbox import OutboxBatch
 from ec_client.ready_view import ReadyView
 from ec_client.tls import TLSFiles
 from ec_client.types import (
@@ -157,25 +157,25 @@ class Client(BaseClient):
         """Renew the lease now; returns the lease TTL in seconds."""
         return self._run(_wire.keep_alive())
 
-    def close(self, settle_timeout_s: float = 10.0) -> None:
-        """Finish the background calls (within settle_timeout_s), stop following pools, close
+    def close(self, flush_timeout_s: float = 10.0) -> None:
+        """Finish the background calls (within flush_timeout_s), stop following pools, close
         the session: the daemon aborts its PENDING entries and releases its pins."""
         if self._closed.is_set():
             return
         with contextlib.suppress(TimeoutError):
-            self.settle(settle_timeout_s)
+            self.flush(flush_timeout_s)
         self._closed.set()
-        self.owed.close()
+        self.outbox.close()
         self._views.close()
         with contextlib.suppress(EcdError):
             self._drive(self._state.close())
 
     # ---- what is owed and the views of pools ---------------------------------------------------
 
-    def settle(self, timeout_s: float | None = None) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         """Send everything owed now, and wait until it and every Step asked of `owed.step_soon`
         so far have been answered (TimeoutError if not within timeout_s)."""
-        self.owed.flush(timeout_s)
+        self.outbox.flush(timeout_s)
 
     def view(self, engine_id: str) -> ReadyView:
         """The READY keys of a pool this client opened, followed from now on (one Watch stream
@@ -275,12 +275,12 @@ class Client(BaseClient):
         that order (releases and aborts free space first; commits are visible to the acquires;
         the acquires pin their entries before the allocations could evict them). Each part's
         results are what its own call answers. It also carries what this client owes the pool
-        (see `owed`); the results returned are those of the parts given here."""
-        parcel = self.owed.take(engine_id)
-        call = parcel.step(
+        (see `outbox`); the results returned are those of the parts given here."""
+        batch = self.outbox.take(engine_id)
+        call = batch.step(
             engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
         )
-        return self._deliver(parcel, call)
+        return self._send_batch(batch, call)
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
         """State (ABSENT, PENDING, READY), size and pins of each key; pins nothing."""
@@ -355,10 +355,10 @@ class Client(BaseClient):
     def _run(self, call: _wire.Call[T]) -> T:
         return self._drive(self._state.call(call))
 
-    def _deliver(self, parcel: Parcel, call: _wire.Call[StepResult]) -> StepResult:
-        return self._drive(self._state.step(parcel, call))
+    def _send_batch(self, batch: OutboxBatch, call: _wire.Call[StepResult]) -> StepResult:
+        return self._drive(self._state.step(batch, call))
 
-    _deliver_from_thread = _deliver  # any thread drives a plan with blocking calls
+    _send_batch_from_thread = _send_batch  # any thread drives a plan with blocking calls
 
     def _follow(self, engine_id: str) -> ReadyView:
         return ReadyView(self, engine_id, lambda: self.reopen_pool(engine_id))

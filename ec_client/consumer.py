@@ -16,8 +16,8 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
    and every key while the view is not synced (starting, or the daemon away) or with wait_ms
    (the daemon is what waits, for a key PENDING or not there yet).
 3. The copies out of the pool are launched. Pins are given back only once their copies landed:
-   lock pins are unlocked (at once for a CPU copy, else by the owed thread), leases are released
-   with the client's next Step to the pool or alone once it has been quiet (ec_client.owed).
+   lock pins are unlocked (at once for a CPU copy, else by the outbox thread), leases are released
+   with the client's next Step to the pool or alone once it has been quiet (ec_client.outbox).
 4. What the client answered itself reaches the daemon owed, with its next Step: the misses as a
    count, the local hits as keys (the daemon's hit counter and LRU order).
 
@@ -41,7 +41,7 @@ from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
 from ec_client.layout import LayoutError
 from ec_client.mover import TensorMover, Transfer, wait_all
-from ec_client.owed import Debt
+from ec_client.outbox import DeferredOp
 from ec_client.slot_locks import SlotPins
 from ec_client.types import Extent, Key, LeaseResult, Status, TensorSpec, key_bytes
 
@@ -136,8 +136,8 @@ class Consumer:
             if local:
                 self._read_locally(local, device, out, reads)
             misses = len(keys) - len(asked) - len(reads)
-            self.client.owed.misses(engine_id, misses)  # answered with no round trip
-            self.client.owed.hits(engine_id, [key_bytes(r.key) for r in reads])
+            self.client.outbox.misses(engine_id, misses)  # answered with no round trip
+            self.client.outbox.hits(engine_id, [key_bytes(r.key) for r in reads])
             if asked:
                 self._read_from_daemon(asked, device, wait_ms, out, reads, unread)
             if self.verify:
@@ -155,9 +155,9 @@ class Consumer:
     def _plan(self, keys: Sequence[Key], wait_ms: int) -> tuple[list[tuple[Key, int]], list[Key]]:
         """(key, slot) of the keys to lock-pin here, and the keys to ask the daemon for; the
         rest are misses. See the module's steps 1 and 2."""
-        owed = self.client.owed.commits_owed(self.endpoint.engine_id)
+        owed = self.client.outbox.commits_owed(self.endpoint.engine_id)
         if any(not owed[k] for k in map(key_bytes, keys) if k in owed):
-            self.client.settle()  # a write of ours still being copied: let it land and commit
+            self.client.flush()  # a write of ours still being copied: let it land and commit
             owed = {}
         view = self._view
         if view is None or wait_ms or not view.synced:
@@ -239,11 +239,11 @@ class Consumer:
 
     def _give_back(self, reads: list[_Read]) -> None:
         """Each pin goes back once its copy landed: a lock pin whose copy is done (a CPU copy)
-        at once, the others owed (ec_client.owed)."""
+        at once, the others owed (ec_client.outbox)."""
         engine_id = self.endpoint.engine_id
         leases = [r for r in reads if r.pins is None]
-        self.client.owed.releases(
-            engine_id, [Debt(self._released, r.transfer, lease_id=r.lease_id) for r in leases]
+        self.client.outbox.releases(
+            engine_id, [DeferredOp(self._released, r.transfer, lease_id=r.lease_id) for r in leases]
         )
         later = []
         for read in reads:
@@ -252,9 +252,11 @@ class Consumer:
             if read.transfer.done():
                 read.pins.unpin(read.slot)
             else:
-                later.append(Debt(functools.partial(_unpin, read.pins, read.slot), read.transfer))
+                later.append(
+                    DeferredOp(functools.partial(_unpin, read.pins, read.slot), read.transfer)
+                )
         if later:
-            self.client.owed.unlocks(engine_id, later)
+            self.client.outbox.unlocks(engine_id, later)
 
     def _give_back_now(self, reads: list[_Read], unread: list[int]) -> None:
         """Give every pin back at once (a batch that broke: its copies landed or never began)."""

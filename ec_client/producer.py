@@ -12,7 +12,7 @@ raises it). One refused item never sinks the others of its batch.
 
 One round trip per put, whose Allocate rides in a Step with whatever the client owes the pool.
 When a put becomes visible: `put` returns once the Allocate answered and the copy was launched
-(on CPU: done). From then on the client owes its Commit (ec_client.owed), sent only once the copy
+(on CPU: done). From then on the client owes its Commit (ec_client.outbox), sent only once the copy
 has landed: with the client's next Step to the pool (the next put or get) or, if none comes within
 the client's `linger_s` (1 ms by default), alone from a background thread. The entry is visible
 to every client, and durable (a daemon killed and restarted serves it again), once the daemon has
@@ -41,7 +41,7 @@ from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
 from ec_client.mover import TensorMover, Transfer, spec_of, wait_all
-from ec_client.owed import Debt
+from ec_client.outbox import DeferredOp
 from ec_client.types import AllocateItem, AllocateResult, ItemResult, Key, Status, key_bytes
 
 log = logging.getLogger("ec_client")
@@ -92,7 +92,7 @@ class PutHandle:
         }
 
 
-class _Tally:
+class _PutCommits:
     """Collects the Commit answers of one put's entries into its handle's future."""
 
     def __init__(self, producer: Producer, keys: int, done: Future[None]) -> None:
@@ -102,7 +102,7 @@ class _Tally:
         self._done = done
         self._lock = threading.Lock()
 
-    def settle(self, key: bytes, answer: ItemResult | EcdError) -> None:
+    def record(self, key: bytes, answer: ItemResult | EcdError) -> None:
         error = answer if isinstance(answer, EcdError) else item_errors("Commit", [answer])
         if error is None:
             self._producer.client.known_ready(self._producer.endpoint.engine_id, [key])
@@ -152,17 +152,21 @@ class Producer:
         ]
         results = self.client.step(engine_id, allocates=items).allocates
         committed: Future[None] = Future()
-        debts: list[Debt] = []
+        ops: list[DeferredOp] = []
         copies: list[Transfer] = []
         try:
-            tally = _Tally(self, sum(r.status is Status.ALLOCATED for r in results), committed)
+            commits = _PutCommits(
+                self, sum(r.status is Status.ALLOCATED for r in results), committed
+            )
             for (key, tensor), spec, result in zip(tensors.items(), specs, results, strict=True):
                 if result.status is Status.ALLOCATED:
                     mover = self.endpoint.mover(tensor.device)
                     copy = mover.save(tensor, result.extents)
                     copies.append(copy)
-                    debts.append(
-                        self._debt(key_bytes(key), copy, tally, mover, result, spec.nbytes)
+                    ops.append(
+                        self._deferred_commit(
+                            key_bytes(key), copy, commits, mover, result, spec.nbytes
+                        )
                     )
         except BaseException:
             # Copies already launched must land before their blocks go back to the pool: another
@@ -181,29 +185,29 @@ class Producer:
                 statuses[key] = _PUT_STATUS[result.status]
             else:
                 statuses[key], refused[key] = PutStatus.REFUSED, error
-        if debts:
-            self.client.owed.commits(engine_id, debts)
+        if ops:
+            self.client.outbox.commits(engine_id, ops)
         else:
             committed.set_result(None)
         return PutHandle(statuses, copies, committed, refused)
 
-    def _debt(
+    def _deferred_commit(
         self,
         key: bytes,
         copy: Transfer,
-        tally: _Tally,
+        commits: _PutCommits,
         mover: TensorMover,
         result: AllocateResult,
         nbytes: int,
-    ) -> Debt:
+    ) -> DeferredOp:
         checksum = (lambda: mover.checksum(result.extents, nbytes)) if self.checksum else None
-        return Debt(lambda answer: tally.settle(key, answer), copy, key, checksum=checksum)
+        return DeferredOp(lambda answer: commits.record(key, answer), copy, key, checksum=checksum)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Commit every put so far now, and wait for the answers (then every entry put as
         COMMITTING is STORED: visible to all, durable); raise the first failure since the last
         flush."""
-        self.client.settle(timeout_s)
+        self.client.flush(timeout_s)
         with self._lock:
             failures, self._failures = self._failures, []
         if failures:

@@ -291,7 +291,7 @@ class Engine:
     def answered(self) -> None:
         """Wait until the daemon answered every Step the scheduler side sent."""
         if self.scheduler.client is not None:  # None: the daemon was never reached
-            self.scheduler.client.settle(10)
+            self.scheduler.client.flush(10)
 
     def admit(self, req: Request, max_steps: int = 3) -> tuple[int, StepResult]:
         """Step with `req` until it gets past ensure_cache_available; returns how many steps it
@@ -307,7 +307,7 @@ class Engine:
         view heard its slot (the COMMITTED event, a moment after the commit's answer), as for
         an item saved a while ago: from then on a hit is lock-pinned at once."""
         result = self.step(request(request_id, key))
-        self.settle()
+        self.flush()
         self.slot_known(key)
         return result
 
@@ -324,7 +324,7 @@ class Engine:
             [pool] = c.stats(self.pool).pools
             return pool.pins, pool.entries_locked
 
-    def settle(self, max_steps: int = 5) -> None:
+    def flush(self, max_steps: int = 5) -> None:
         """Empty steps until nothing is owed to the daemon (as vLLM keeps stepping while
         has_pending_push_work)."""
         for _ in range(max_steps):

@@ -160,7 +160,7 @@ def read_back(
             assert tensor is not None, f"{key!r} was READY but its Acquire missed"
             problem = check_entry_bytes(key, tensor_bytes(tensor), version)
             assert problem is None, problem
-    client.settle()  # the pins go back in the background once the copies landed
+    client.flush()  # the pins go back in the background once the copies landed
     return len(wanted)
 
 
@@ -168,7 +168,7 @@ def assert_intact(client: Client, engine_id: str, version: int | None = 0) -> di
     """What must hold after every trial: the daemon serves, nothing is PENDING or pinned, every
     block is accounted for once, and every READY entry reads back bit-identical. Returns the
     READY keys with their sizes."""
-    client.settle()  # this client's own commits and releases, sent in the background
+    client.flush()  # this client's own commits and releases, sent in the background
     assert client.health() == "SERVING"
     [pool] = client.stats(engine_id).pools
     assert pool.entries_pending == 0, f"{pool.entries_pending} entries still PENDING"

@@ -15,7 +15,7 @@ for entries it already holds a pin on. A pin is of one of two kinds:
 - a *lease pin*: a lease ID from an Acquire, for what a lock pin cannot take: an entry only a
   peer daemon holds (the Acquire pulls it), or one committed a moment ago whose slot the view
   has not heard yet. Released by a Step: the caller takes what is owed (`take_releases`) and
-  hands it to its client's Owed, and gives back what did not reach the daemon
+  hands it to its client's Outbox, and gives back what did not reach the daemon
   (`requeue_releases`); a new session voids it.
 
 The steps:
@@ -275,7 +275,7 @@ class LoadBook:
         return releases
 
     def requeue_releases(self, lease_ids: Iterable[int]) -> None:
-        """Owed back again: their Step did not reach the daemon, or an answer from before a new
+        """Outbox back again: their Step did not reach the daemon, or an answer from before a new
         session pinned them for nobody."""
         self._releases.extend(lease_ids)
 

@@ -116,7 +116,7 @@ class SaveBook:
         return failed
 
     def requeue(self, landed: Iterable[str] = (), failed: Iterable[str] = ()) -> None:
-        """Owed again: a Commit or Abort did not reach the daemon (or, `failed`, an entry an
+        """Outbox again: a Commit or Abort did not reach the daemon (or, `failed`, an entry an
         answer from before a new session allocated for nobody): sent with the next Step."""
         self._landed.extend(landed)
         self._failed.extend(failed)

@@ -3,12 +3,12 @@
 The scheduler thread waits on no round trip in steady state (docs/design.md §12), pins
 included: everything owed to the daemon and asked of it goes in a Step (one RPC: Release,
 Commit, Abort, Acquire, Allocate, in that order, with the hits and misses answered here since the
-last one) sent from the client's one background thread (`Owed`, ec_client/owed.py). What is owed
+last one) sent from the client's one background thread (`Outbox`, ec_client/outbox.py). What is owed
 (releases of lease pins, commits of landed saves, aborts of failed ones) is handed to the
-client's Owed as debts, and what is asked (pins, allocations) goes by `Owed.step_soon`, which
-carries those debts ahead of the asks. The answers to the asks are taken on the scheduler thread
-at its next call into the connector, before anything depends on them; a debt hears its own
-answer on Owed's thread, and what that changes in the books (a debt owed again, its Step not
+client's Outbox as ops, and what is asked (pins, allocations) goes by `Outbox.step_soon`, which
+carries those ops ahead of the asks. The answers to the asks are taken on the scheduler thread
+at its next call into the connector, before anything depends on them; a op hears its own
+answer on Outbox's thread, and what that changes in the books (a op owed again, its Step not
 having reached the daemon) is handed to the scheduler thread the same way. The books (loads.py,
 saves.py) are touched on the scheduler thread alone. Per step:
 
@@ -39,7 +39,7 @@ Watch stream is down) the connector sends nothing, answers has_cache_item with F
 item it holds no pin on and saves nothing, so requests are encoded as if there were no cache.
 That holds from the start too: a daemon not reachable when the engine starts is tried again in
 the background (`NothingReady` stands for the pool's view until then). The books keep what is
-owed meanwhile; it is handed to Owed once the view is synced again.
+owed meanwhile; it is handed to Outbox once the view is synced again.
 
 SchedulerSide is handed its client (`connect`, a `SchedulerClient`: ec_client.Client by default),
 so that it can be driven in-process against a stand-in (tests/unit/test_scheduler_side.py), the
@@ -79,7 +79,7 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import LayoutError, tensor_nbytes
-from ec_client.owed import NOT_DELIVERED, Debt, Owed
+from ec_client.outbox import NOT_DELIVERED, DeferredOp, Outbox
 from ec_client.slot_locks import SlotPins
 from ec_client.types import (
     AllocateItem,
@@ -105,10 +105,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("ec_client.vllm")
 
 CALL_TIMEOUT_S = 10.0
-# How long what the client owes a quiet pool waits before Owed's thread sends it alone. What this
+# How long what the client owes a quiet pool waits before Outbox's thread sends it alone. What this
 # side owes goes at once with a step_soon of its own, so this only spaces the Steps that carry the
-# hits and misses answered here (they wait ANSWERED_LINGER_S anyway) and keeps Owed's thread from
-# sending a debt alone just before the step_soon that would have carried it.
+# hits and misses answered here (they wait ANSWERED_LINGER_S anyway) and keeps Outbox's thread from
+# sending a op alone just before the step_soon that would have carried it.
 LINGER_S = 1.0
 # While the daemon was never reached, how often the connector tries again.
 CONNECT_RETRY_FIRST_S = 0.5
@@ -147,9 +147,9 @@ class ReadyPoolView(PoolView, Protocol):
 
 class SchedulerClient(Protocol):
     """What SchedulerSide uses of its client (ec_client.Client): its pool, the view of it, and
-    its Owed, through which everything is sent."""
+    its Outbox, through which everything is sent."""
 
-    owed: Owed
+    outbox: Outbox
 
     @property
     def session_id(self) -> str: ...
@@ -165,11 +165,11 @@ class SchedulerClient(Protocol):
 
     def view(self, engine_id: str) -> ReadyPoolView: ...
 
-    def settle(self, timeout_s: float | None = None) -> None: ...
+    def flush(self, timeout_s: float | None = None) -> None: ...
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int: ...
 
-    def close(self, settle_timeout_s: float = 10.0) -> None: ...
+    def close(self, flush_timeout_s: float = 10.0) -> None: ...
 
 
 def connect_client(config: ConnectorConfig) -> Client:
@@ -191,7 +191,7 @@ def connect_client(config: ConnectorConfig) -> Client:
 @dataclass
 class Asked:
     """What one step_soon asked, to read its answer against; `generation` is the one it was
-    asked in (an answer from another is void, see `_absorb`)."""
+    asked in (an answer from another is void, see `_take_answers`)."""
 
     generation: tuple[str, str]
     acquires: list[str] = field(default_factory=list)
@@ -237,13 +237,13 @@ class SchedulerSide:
         )
         self.loads = LoadBook(config.load_reports)
         self.saves = SaveBook()
-        # Steps asked, by why (for `python -m ...bench`); all sent from Owed's thread.
+        # Steps asked, by why (for `python -m ...bench`); all sent from Outbox's thread.
         self.rpcs: Counter[str] = Counter()
         self._closed = threading.Event()
         self._connecting = threading.Lock()  # a late connect against shutdown
         # The answers to what was asked (step_soon), read on the scheduler thread in order.
         self._asked: deque[tuple[Future[StepResult], Asked]] = deque()
-        # Debts whose Step did not reach the daemon, from Owed's thread: each one's generation
+        # Ops whose Step did not reach the daemon, from Outbox's thread: each one's generation
         # and how to owe it again, done on the scheduler thread (the books are its alone).
         self._undelivered: deque[tuple[tuple[str, str], Callable[[], None]]] = deque()
         self._unavailable: set[str] = set()
@@ -316,7 +316,7 @@ class SchedulerSide:
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self.config.is_consumer or not request.mm_features:
             return True
-        self._absorb()
+        self._take_answers()
         needed = [
             f.identifier
             for f in request.mm_features
@@ -356,7 +356,7 @@ class SchedulerSide:
                 self.saves.plan(key, spec)
 
     def build_connector_meta(self) -> ECDaemonConnectorMetadata:
-        self._absorb()
+        self._take_answers()
         self._unlock_done()
         self._owe_hits()  # they ride on this Step
         if self.view.synced:
@@ -377,7 +377,7 @@ class SchedulerSide:
         )
 
     def take_unavailable_requests(self) -> set[str]:
-        self._absorb()
+        self._take_answers()
         unavailable, self._unavailable = self._unavailable, set()
         return unavailable
 
@@ -385,7 +385,7 @@ class SchedulerSide:
         meta = output.ec_connector_worker_meta
         if not isinstance(meta, ECDaemonWorkerMetadata):
             return
-        self._absorb()
+        self._take_answers()
         self.saves.report(meta.saved, meta.failed_saves)
         for transfer_id, rank in meta.loaded:
             self.loads.report(transfer_id, rank)
@@ -407,10 +407,10 @@ class SchedulerSide:
         yet reported by the workers. Not while the daemon is away: nothing could be sent, and
         an idle engine would spin; whatever is owed goes with the first step after it is
         back."""
-        # Asked before the answers are taken: a debt's answer arrives before its Step stops
+        # Asked before the answers are taken: a op's answer arrives before its Step stops
         # counting as on its way, so none can slip between the two.
-        on_its_way = self.client is not None and self.client.owed.owing(self.config.pool)
-        self._absorb()
+        on_its_way = self.client is not None and self.client.outbox.owing(self.config.pool)
+        self._take_answers()
         busy = self.loads.busy() or self.saves.busy() or self._asked
         return self.view.synced and bool(on_its_way or busy)
 
@@ -427,7 +427,7 @@ class SchedulerSide:
         client = self.client
         if client is None:
             return  # the daemon was never reached
-        self._absorb()
+        self._take_answers()
         self._owe_hits()
         if self.view.synced and self._owe():
             self._step_soon("shutdown")
@@ -436,29 +436,29 @@ class SchedulerSide:
             self._slot_pins.close()
         if self.config.pool_is_private:
             with contextlib.suppress(EcdError, TimeoutError):
-                client.settle(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
+                client.flush(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
-        client.close()  # after the Steps owed and asked are answered (within its settle time)
+        client.close()  # after the Steps owed and asked are answered (within its flush time)
 
     # ---- Steps -----------------------------------------------------------------------------------
 
     def _owe(self) -> bool:
         """Hand what the books owe (releases, commits of landed saves, aborts of failed ones) to
-        the client's Owed, each with what its answer does; whether there was any. The caller
+        the client's Outbox, each with what its answer does; whether there was any. The caller
         asks the Step that carries them (step_soon): they go at once."""
-        owed = self._reached().owed
+        owed = self._reached().outbox
         pool, generation = self.config.pool, self._generation
         releases = [
-            Debt(functools.partial(self._released, generation, lease_id), lease_id=lease_id)
+            DeferredOp(functools.partial(self._released, generation, lease_id), lease_id=lease_id)
             for lease_id in self.loads.take_releases()
         ]
         commits = [
-            Debt(functools.partial(self._committed, generation, key), key=key.encode())
+            DeferredOp(functools.partial(self._committed, generation, key), key=key.encode())
             for key in self.saves.take_landed()
         ]
         aborts = [
-            Debt(functools.partial(self._aborted, generation, key), key=key.encode())
+            DeferredOp(functools.partial(self._aborted, generation, key), key=key.encode())
             for key in self.saves.take_failed()
         ]
         owed.releases(pool, releases)
@@ -472,16 +472,16 @@ class SchedulerSide:
         acquires: Sequence[str] = (),
         allocates: dict[str, TensorSpec] | None = None,
     ) -> None:
-        """One Step from Owed's thread: what is owed, then what is asked, its answer taken by
-        `_absorb`."""
+        """One Step from Outbox's thread: what is owed, then what is asked, its answer taken by
+        `_take_answers`."""
         asked = Asked(self._generation, list(acquires), allocates or {})
         items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in asked.allocates.items()]
         self.rpcs[why] += 1
-        future = self._reached().owed.step_soon(self.config.pool, asked.acquires, items)
+        future = self._reached().outbox.step_soon(self.config.pool, asked.acquires, items)
         self._asked.append((future, asked))
 
-    def _absorb(self) -> None:
-        """Take what came back since the last call, in the order it came: debts owed again,
+    def _take_answers(self) -> None:
+        """Take what came back since the last call, in the order it came: ops owed again,
         then the answers to what was asked, in the order asked (each one's answer is applied
         before anything reads what it changes)."""
         self._check_generation()
@@ -515,8 +515,8 @@ class SchedulerSide:
             failed=[r.key.decode() for r in result.allocates if r.status is Status.ALLOCATED]
         )
 
-    # The answers to debts, on Owed's thread (or the caller of settle): the books are not
-    # touched here; a debt owed again is handed to the scheduler thread.
+    # The answers to ops, on Outbox's thread (or the caller of settle): the books are not
+    # touched here; a op owed again is handed to the scheduler thread.
 
     def _released(
         self, generation: tuple[str, str], lease_id: int, answer: LeaseResult | EcdError
@@ -562,8 +562,8 @@ class SchedulerSide:
         error: EcdError,
         owe_again: Callable[[], None],
     ) -> None:
-        """A debt's Step failed: one that did not reach the daemon is owed again (in the same
-        generation: `_absorb`); one the daemon refused as a whole is dropped, said."""
+        """A op's Step failed: one that did not reach the daemon is owed again (in the same
+        generation: `_take_answers`); one the daemon refused as a whole is dropped, said."""
         if error.code in NOT_DELIVERED:
             self._undelivered.append((generation, owe_again))
         else:
@@ -596,14 +596,14 @@ class SchedulerSide:
 
     def _owe_hits(self) -> None:
         """The step's lock-pin hits (the daemon's hit counters and LRU order) and the misses its
-        view answered, owed once per step: each call into the owed book takes its lock and may
+        view answered, owed once per step: each call into the outbox takes its lock and may
         wake its thread, a cost per item on the scheduler thread otherwise."""
         if self._hits:
             hits, self._hits = self._hits, []
-            self._reached().owed.hits(self.config.pool, hits)
+            self._reached().outbox.hits(self.config.pool, hits)
         if self._misses:
             misses, self._misses = self._misses, 0
-            self._reached().owed.misses(self.config.pool, misses)
+            self._reached().outbox.misses(self.config.pool, misses)
 
     def _unlock_done(self) -> None:
         """Unlock the lock pins the book is done with (every copy under them landed)."""

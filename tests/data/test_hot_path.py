@@ -131,7 +131,7 @@ def test_a_client_reads_its_own_puts_at_once(client: Client) -> None:
 def test_a_get_releases_its_pin_in_the_background_once_the_copy_landed(client: Client) -> None:
     Producer(client, POOL).put("k", torch.ones(BLOCK, dtype=torch.uint8))
     assert Consumer(client, POOL).get("k") is not None
-    client.settle(10)
+    client.flush(10)
     assert client.lookup(POOL, ["k"])[0].pins == 0
 
 
@@ -205,7 +205,7 @@ def test_a_local_hit_makes_no_round_trip_and_unlocks_once_copied(
     assert calls == []  # not even one in the background yet: the hit is owed, with a linger
     assert loaded is not None and torch.equal(loaded, torch.arange(BLOCK, dtype=torch.int32))
     assert consumer.endpoint.pins().held() == 0  # a CPU copy lands at once: unlocked
-    client.settle(10)
+    client.flush(10)
     [pool] = client.stats(POOL).pools
     assert (pool.hits, pool.entries_locked, pool.pins) == (1, 0, 0)  # the owed hit arrived
 
@@ -225,7 +225,7 @@ def test_a_lock_pin_is_held_until_the_copy_landed(
     assert client.stats(POOL).pools[0].entries_locked == 1
     assert client.evict(POOL, ["theirs"])[0].status.is_error  # being read: not evicted
     gate.gate.set()
-    client.settle(10)
+    client.flush(10)
     assert client.stats(POOL).pools[0].entries_locked == 0
 
 
@@ -238,7 +238,7 @@ def test_hits_answered_under_lock_pins_keep_the_lru_order(daemon: Daemon) -> Non
         producer.flush()
         wait_until(lambda: c.view("lru").slot(b"old") is not None)
         assert consumer.get("old") is not None  # a local hit: "new" is now the least recent
-        c.settle(10)
+        c.flush(10)
         producer.put("third", torch.ones(BLOCK, dtype=torch.uint8))
         producer.flush()
         states = {r.key: r.state for r in c.lookup("lru", ["old", "new"])}

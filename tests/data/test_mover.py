@@ -152,12 +152,12 @@ def test_a_failed_load_copy_releases_the_pins_only_after_the_batchs_other_copies
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     Producer(client, POOL).put_many({k: torch.zeros(1024) for k in ["a", "b", "c"]})
-    client.settle(10)
+    client.flush(10)
     log: list[str] = []
     launches(monkeypatch, "load", log, refused=None, failing=["1"])
     logging_rpcs(client, monkeypatch, log)
     handle = Consumer(client, POOL).get_many_async(["a", "b", "c"])
-    client.settle(10)  # the release runs in the background once the copies landed
+    client.flush(10)  # the release runs in the background once the copies landed
     assert log == ["landed 1", "landed 2", "landed 3", "release"]
     with pytest.raises(RuntimeError, match="copying 1"):
         handle.wait()

@@ -102,7 +102,7 @@ def test_put_many_and_get_many_use_one_rpc_each_way(client: Client) -> None:
     loaded = Consumer(client, POOL).get_many([*tensors, "absent"])
     assert loaded["absent"] is None
     assert all(same_bits(loaded[k], t) for k, t in tensors.items())  # type: ignore[arg-type]
-    client.settle()  # the pins go back in the background, once the copies landed
+    client.flush()  # the pins go back in the background, once the copies landed
     after = client.stats(POOL).pools[0]
     assert (after.commits - before.commits, after.hits - before.hits) == (8, 8)
     assert after.pins == 0

@@ -215,7 +215,7 @@ def test_a_daemon_killed_and_restarted_under_a_lock_pin_keeps_the_pinned_entry_w
         # And the daemon serves it whole too.
         got = Consumer(c, POOL, verify=True).get(pinned)
         assert got is not None and check_entry_bytes(pinned, tensor_bytes(got)) is None
-        c.settle()
+        c.flush()
 
         reader.send("unpin")
         assert reader.expect("unpinned") == "unpinned 0"
@@ -250,7 +250,7 @@ def test_a_key_deleted_under_a_lock_pin_and_put_again_survives_a_daemon_restart(
         assert states(c, keys[:1] + keys[2:]) == [EntryState.READY] * (ENTRIES - 1)
         got = Consumer(c, POOL, verify=True).get(key)
         assert got is not None and check_entry_bytes(key, tensor_bytes(got), 1) is None
-        c.settle()
+        c.flush()
         reader.send("read")  # the old bytes, under the old pin, are still whole
         assert reader.expect("read") == "read", f"bytes changed under the pin: {reader.said}"
         reader.send("unpin")
@@ -585,6 +585,6 @@ def test_a_consumer_whose_view_is_stale_gets_a_miss_never_the_new_tenants_bytes(
     # The slot's tenant, asked for under its own key, is a hit with its own bytes.
     got = consumer.get("other")
     assert got is not None and check_entry_bytes("other", tensor_bytes(got)) is None
-    c.settle()
+    c.flush()
     wait_until(lambda: c.stats(POOL).pools[0].misses > misses, 5.0, "the miss to be owed")
     assert locked(c) == 0

@@ -88,7 +88,7 @@ def nodes() -> Iterator[Nodes]:
         with source.client(name="encoder") as producer:
             producer.open_pool(POOL, BLOCK, 2 * SIZE)
             Producer(producer, POOL).put(KEY, make_tensor(KEY, SIZE))
-            producer.settle()
+            producer.flush()
         with reader.client(name="decoder") as client:
             client.open_pool(POOL, BLOCK, 2 * SIZE)
             yield Nodes(source, reader, client)

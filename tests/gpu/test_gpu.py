@@ -25,7 +25,7 @@ from ec_client import Client, Consumer, EntryState, PoolMapping, Producer, PutSt
 from ec_client import mapping as mapping_module
 from ec_client.cuda_runtime import cuda_runtime
 from ec_client.mover import byte_view, spec_of
-from ec_client.owed import Parcel
+from ec_client.outbox import OutboxBatch
 from ec_client.types import Extent, StepResult
 
 POOL = "gpu"
@@ -99,7 +99,7 @@ def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
     mapping = mapping_of(client)
     allocated: list[Extent] = []
     at_commit: list[torch.Tensor] = []
-    real_step, real_commit_pairs = client.step, Parcel.commit_pairs
+    real_step, real_commit_pairs = client.step, OutboxBatch.commit_pairs
 
     def step(*args: Any, **kwargs: Any) -> StepResult:  # the put's Allocate rides in a Step
         result = real_step(*args, **kwargs)
@@ -107,14 +107,14 @@ def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
             allocated.extend(answer.extents)
         return result
 
-    def commit_pairs(parcel: Parcel) -> list[tuple[bytes, int]]:  # a Step carrying a Commit
-        pairs = real_commit_pairs(parcel)
+    def commit_pairs(batch: OutboxBatch) -> list[tuple[bytes, int]]:  # a Step carrying a Commit
+        pairs = real_commit_pairs(batch)
         if pairs:
             at_commit.append(torch.cat([mapping.region(x).clone() for x in allocated])[: 16 * MiB])
         return pairs
 
     monkeypatch.setattr(client, "step", step)
-    monkeypatch.setattr(Parcel, "commit_pairs", commit_pairs)
+    monkeypatch.setattr(OutboxBatch, "commit_pairs", commit_pairs)
     producer = Producer(client, POOL)
     ready(producer)
     torch.cuda._sleep(SLEEP)

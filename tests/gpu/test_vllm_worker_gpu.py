@@ -81,7 +81,7 @@ def engine_and_worker(daemon: Daemon) -> Iterator[tuple[Engine, CudaWorker]]:
     engine.close()
 
 
-def settle(engine: Engine, worker: CudaWorker) -> None:
+def flush(engine: Engine, worker: CudaWorker) -> None:
     for _ in range(50):  # a GPU copy may be reported a step or more later
         if not engine.connector.has_pending_push_work():
             return
@@ -101,7 +101,7 @@ def saved(engine: Engine, worker: CudaWorker, key: str, expected: torch.Tensor) 
     output.copy_(expected)  # "the encoder's kernels", queued behind the sleep
     worker.step(engine, [], {})  # orders the copy while the compute stream is still busy
     assert state(engine, key) is EntryState.PENDING  # not committed before the copy landed
-    settle(engine, worker)
+    flush(engine, worker)
     assert state(engine, key) is EntryState.READY
 
 
@@ -142,7 +142,7 @@ def test_a_load_is_in_the_encoder_cache_bit_identical_and_usable_at_once_on_the_
     loaded = worker.encoder_cache["img-a"]
     same = torch.equal(loaded, expected)  # on the compute stream, no host sync before it
     assert loaded.device.type == "cuda" and same
-    settle(engine, worker)
+    flush(engine, worker)
 
 
 def test_the_worker_registers_the_pool_with_cuda_before_its_first_step(

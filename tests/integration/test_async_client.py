@@ -11,7 +11,7 @@ import pytest
 from ecd_testing import Daemon
 
 from ec_client import AllocateItem, AsyncClient, EcdError, EntryState, ItemResult, Status
-from ec_client.owed import Debt
+from ec_client.outbox import DeferredOp
 
 POOL = "vl"
 BLOCK = 4096
@@ -33,7 +33,7 @@ async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float 
 def owe_commits(client: AsyncClient, keys: Sequence[bytes]) -> list[ItemResult]:
     """Owe the pool the Commits of `keys` (copies landed); the answers land in the list."""
     answers: list[ItemResult] = []
-    client.owed.commits(POOL, [Debt(settle=answers.append, key=k) for k in keys])
+    client.outbox.commits(POOL, [DeferredOp(on_result=answers.append, key=k) for k in keys])
     return answers
 
 
@@ -68,13 +68,13 @@ async def test_reopen_pool_makes_a_pool_dropped_by_someone_else_again(daemon: Da
 async def test_a_step_carries_what_is_owed_ahead_of_its_own_parts(daemon: Daemon) -> None:
     async with AsyncClient(daemon.address, name="producer", linger_s=60) as c:
         await c.open_pool(POOL, BLOCK, 64 * BLOCK)
-        # A Step to the pool first: a pool never stepped to is quiet, and its debts would go
+        # A Step to the pool first: a pool never stepped to is quiet, and its ops would go
         # alone at once.
         first = await c.step(POOL, allocates=[AllocateItem(b"owed", (BLOCK,), "uint8")])
         assert [r.status for r in first.allocates] == [Status.ALLOCATED]
         answers = owe_commits(c, [b"owed"])
         result = await c.step(POOL, acquires=[b"owed"])
-        assert [a.status for a in answers] == [Status.OK]  # the debt heard its own answer
+        assert [a.status for a in answers] == [Status.OK]  # the op heard its own answer
         assert result.commits == [] and [r.status for r in result.acquires] == [Status.HIT]
 
 
@@ -89,7 +89,7 @@ async def test_what_is_owed_goes_alone_once_the_pool_is_quiet_and_settle_waits_f
         assert [a.status for a in alone] == [Status.OK]
 
         settled = owe_commits(c, [b"settled"])
-        await c.settle(5)
+        await c.flush(5)
         assert [a.status for a in settled] == [Status.OK]
         states = [r.state for r in await c.lookup(POOL, [b"alone", b"settled"])]
         assert states == [EntryState.READY, EntryState.READY]

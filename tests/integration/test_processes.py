@@ -192,7 +192,7 @@ def test_a_call_to_a_daemon_that_died_fails_at_once_in_ecds_words(
     with daemon.client(name="encoder") as c:
         c.open_pool(POOL, BLOCK, 64 * BLOCK)
         Producer(c, POOL).put("kept", torch.zeros(16))
-        c.settle()
+        c.flush()
         daemon.kill()  # and no restart
         started = time.monotonic()
         with pytest.raises(EcdError) as info:

@@ -30,7 +30,7 @@ def open_pool(client: Client, compat_key: str = "model") -> None:
 def put(client: Client, key: str, nbytes: int) -> torch.Tensor:
     tensor = torch.randint(0, 256, (nbytes // 64, 64), dtype=torch.uint8)
     Producer(client, POOL).put(key, tensor)
-    client.settle()
+    client.flush()
     return tensor
 
 
@@ -52,7 +52,7 @@ def test_a_remote_hit_counts_as_a_hit_and_a_remote_hit_not_a_miss() -> None:
         wait_until(lambda: remote_view_has(cb, "img"))
 
         assert Consumer(cb, POOL).get("img") is not None  # a Step's acquire, pulled
-        cb.settle()
+        cb.flush()
 
         [pool] = cb.stats(POOL).pools
         assert (pool.hits, pool.misses, pool.remote_hits) == (1, 0, 1)
@@ -72,7 +72,7 @@ def test_an_entry_put_on_one_node_is_read_bit_identical_on_another_after_one_rea
         [pool] = cb.stats(POOL).pools
         assert (pool.remote_hits, pool.remote_reads, pool.remote_misses) == (1, 1, 0)
         assert pool.remote_bytes == stored.numel()
-        cb.settle()
+        cb.flush()
         wait_until(lambda: ca.stats(POOL).pools[0].pins == 0)  # the peer's pin went back
         for client in (ca, cb):
             assert_blocks_accounted(client, POOL)

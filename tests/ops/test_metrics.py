@@ -155,7 +155,7 @@ def test_metrics_move_with_traffic_and_equal_stats(metrics_daemon: tuple[Daemon,
 def test_misses_answered_from_the_clients_view_are_counted(
     metrics_daemon: tuple[Daemon, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ec_client.owed.ANSWERED_LINGER_S", 60.0)  # only the settle sends them
+    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)  # only the settle sends them
     daemon, port = metrics_daemon
     with daemon.client(name="metrics", keepalive=False) as client:
         client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=CAPACITY)
@@ -164,7 +164,7 @@ def test_misses_answered_from_the_clients_view_are_counted(
         for i in range(50):
             assert consumer.get(f"absent-{i}") is None
         assert rpc_count(scrape(port), "Step") == 0  # the view answered: no round trip
-        client.settle(5)
+        client.flush(5)
         samples = scrape(port)
         assert pool_value(samples, "ecd_pool_misses_total") == 50
         [pool] = client.stats(POOL).pools

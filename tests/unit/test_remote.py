@@ -190,7 +190,7 @@ async def pair(shm_dirs: tuple[Path, Path]) -> Pair:
     return connect(make_node(shm_dirs[0]), make_node(shm_dirs[1]))
 
 
-async def settle(pair: Pair) -> None:
+async def flush(pair: Pair) -> None:
     """Let the background releases run."""
     for _ in range(5):
         await asyncio.sleep(0)
@@ -216,7 +216,7 @@ async def test_a_key_only_a_peer_holds_is_pulled_bit_identical_in_one_read(pair:
     assert stats.remote_reads == 1
     assert (stats.remote_hits, stats.remote_misses, stats.remote_bytes) == (1, 0, len(data))
     assert sum(stats.remote_seconds_counts) == 1
-    await settle(pair)
+    await flush(pair)
     pair.local.store.release(session, [hit.lease_id])
     pair.check()
 
@@ -262,7 +262,7 @@ async def test_a_failed_read_aborts_the_entry_and_releases_the_peers_pin(pair: P
     pair.store_on_peer(b"k", os.urandom(BLOCK))
     pair.local.transport.failures = 1
     await pair.remote.fetch(consumer(pair), POOL, [b"k"], 0)
-    await settle(pair)
+    await flush(pair)
     assert pair.state(b"k") is EntryState.ABSENT
     assert [e.type for e in pair.local.events if not e.remote][-1] is EventType.ABORTED
     assert pair.local.stats().free_blocks == pair.local.stats().num_blocks
@@ -285,7 +285,7 @@ async def test_a_read_past_the_timeout_holds_its_blocks_until_it_is_over(
     pair.local.store.check()  # free + entries + held == num_blocks
 
     pair.local.transport.finish_held()  # the engine is done with the blocks at last
-    await settle(pair)
+    await flush(pair)
     stats = pair.local.stats()
     assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
     pair.check()
@@ -309,7 +309,7 @@ async def test_an_entry_deleted_while_its_read_runs_keeps_its_blocks_until_the_r
 
     pair.local.transport.finish_held()  # the engine is done writing the blocks
     await asyncio.wait(set(waits.values()))
-    await settle(pair)
+    await flush(pair)
     stats = pair.local.stats()
     assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
     assert pair.state(b"k") is EntryState.ABSENT  # the pull found its entry gone

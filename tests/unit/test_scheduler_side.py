@@ -1,5 +1,5 @@
 """SchedulerSide in-process (the vLLM scheduler side of ECDaemonConnector), handed a fake client:
-the real Owed whose Steps a fake daemon answers, and a ready view the test fills. Requests are
+the real Outbox whose Steps a fake daemon answers, and a ready view the test fills. Requests are
 vLLM's own (ec_client.vllm.offline), as vLLM tests ECCPUScheduler with stand-in requests; the
 end-to-end tests (tests/vllm) drive the same calls against a real daemon and real workers.
 
@@ -25,7 +25,7 @@ from vllm.config.ec_transfer import ECRole
 from vllm.v1.outputs import ECConnectorOutput
 
 from ec_client.errors import EcdError
-from ec_client.owed import Owed, Parcel
+from ec_client.outbox import Outbox, OutboxBatch
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -91,7 +91,7 @@ class Sent:
 
 
 class FakeClient:
-    """A client of a fake daemon: the real Owed (its thread sends every Step), each Step recorded
+    """A client of a fake daemon: the real Outbox (its thread sends every Step), each Step recorded
     and answered here: releases, commits, aborts OK; an acquire a HIT with the next lease ID if
     the test put its key in `cached`, else a MISS; an allocate ALLOCATED. With `error` set, every
     Step fails with it."""
@@ -108,33 +108,33 @@ class FakeClient:
         self.sent: list[Sent] = []
         self.closed = False
         self._next_lease = 100
-        self.owed = Owed(self._send, linger_s=60.0)  # nothing goes alone during a test
+        self.outbox = Outbox(self._send, linger_s=60.0)  # nothing goes alone during a test
 
     def _send(
         self,
         engine_id: str,
-        parcel: Parcel,
+        batch: OutboxBatch,
         acquires: Sequence[Key],
         allocates: Sequence[AllocateItem],
     ) -> StepResult:
         self.sent.append(
             Sent(
-                parcel.release_ids(),
-                [key for key, _ in parcel.commit_pairs()],
-                parcel.abort_keys(),
+                batch.release_ids(),
+                [key for key, _ in batch.commit_pairs()],
+                batch.abort_keys(),
                 [str(k) for k in acquires],
                 [str(item.key) for item in allocates],
-                parcel.answered.misses,
+                batch.answered.misses,
             )
         )
         if self.error is not None:
-            parcel.fail(self.error)
+            batch.fail(self.error)
             raise self.error
-        return parcel.settle(
+        return batch.resolve(
             StepResult(
-                [LeaseResult(d.lease_id, Status.OK, "") for d in parcel.releases],
-                [ItemResult(d.key, Status.OK, "") for d in parcel.commits],
-                [ItemResult(d.key, Status.OK, "") for d in parcel.aborts],
+                [LeaseResult(d.lease_id, Status.OK, "") for d in batch.releases],
+                [ItemResult(d.key, Status.OK, "") for d in batch.commits],
+                [ItemResult(d.key, Status.OK, "") for d in batch.aborts],
                 [self._acquire(str(k)) for k in acquires],
                 [
                     AllocateResult(str(i.key).encode(), Status.ALLOCATED, "", (Extent(0, 1),))
@@ -165,15 +165,15 @@ class FakeClient:
     def view(self, engine_id: str) -> FakeView:
         return self.fake_view
 
-    def settle(self, timeout_s: float | None = None) -> None:
-        self.owed.flush(timeout_s)
+    def flush(self, timeout_s: float | None = None) -> None:
+        self.outbox.flush(timeout_s)
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
         return 0
 
-    def close(self, settle_timeout_s: float = 10.0) -> None:
+    def close(self, flush_timeout_s: float = 10.0) -> None:
         self.closed = True
-        self.owed.close()
+        self.outbox.close()
 
 
 def connector_config(role: ECRole, tp: int = 1) -> tuple[VllmConfig, ConnectorConfig]:
@@ -191,7 +191,7 @@ def connector_config(role: ECRole, tp: int = 1) -> tuple[VllmConfig, ConnectorCo
 def client() -> Iterator[FakeClient]:
     fake = FakeClient()
     yield fake
-    fake.owed.close()
+    fake.outbox.close()
 
 
 def scheduler(client: FakeClient, role: ECRole = "ec_both", tp: int = 1) -> SchedulerSide:
@@ -221,7 +221,7 @@ def load_under_lease(side: SchedulerSide, client: FakeClient, key: str) -> int:
     request = image_request("r1", [key], ROWS)
     assert not side.ensure_cache_available(request, 0)
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert side.ensure_cache_available(request, 0) and side.has_cache_item(key)
     side.update_state_after_alloc(request, 0)
     [order] = side.build_connector_meta().loads.values()
@@ -234,7 +234,7 @@ def save_ordered(side: SchedulerSide, client: FakeClient, key: str, request_id: 
     assert side.ensure_cache_available(request, 0) and not side.has_cache_item(key)
     side.update_state_after_alloc(request, 0)
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert key in side.build_connector_meta().saves
 
 
@@ -247,7 +247,7 @@ def test_a_miss_the_view_answers_is_owed_to_the_daemon_with_the_next_step_and_no
     side.update_state_after_alloc(request, 0)
     side.build_connector_meta()
     assert not side.rpcs and client.sent == [] and not side.has_pending_push_work()
-    assert client.owed.take(side.config.pool).answered.misses == 1  # for the next Step
+    assert client.outbox.take(side.config.pool).answered.misses == 1  # for the next Step
 
 
 def test_an_item_ready_with_no_known_slot_is_acquired_in_one_background_step_and_its_request_admitted_at_the_next_call(  # noqa: E501
@@ -260,7 +260,7 @@ def test_an_item_ready_with_no_known_slot_is_acquired_in_one_background_step_and
     assert not side.ensure_cache_available(request, 0)  # held: its pin is on its way
     assert client.sent == []  # nothing asked of the daemon on the scheduler's call
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert [s.acquires for s in client.sent] == [["img-a"]]
     assert side.ensure_cache_available(request, 0) and side.has_cache_item("img-a")
 
@@ -273,11 +273,11 @@ def test_the_release_of_a_lease_pin_is_owed_once_every_loading_rank_reported(
     assert [s.acquires for s in client.sent] == [["img-a"]]
     report(side, loaded=[(transfer_id, WorkerRank(0, 0))])
     side.request_finished(image_request("r1", ["img-a"], ROWS))
-    client.settle(5)
+    client.flush(5)
     assert [s.releases for s in client.sent[1:]] == []  # rank 1 is still copying
     assert side.has_pending_push_work()
     report(side, loaded=[(transfer_id, WorkerRank(0, 1))])
-    client.settle(5)
+    client.flush(5)
     assert [s.releases for s in client.sent[1:]] == [[client._next_lease]]
     assert not side.has_pending_push_work()
 
@@ -289,7 +289,7 @@ def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_
     save_ordered(side, client, "img-a")
     assert [s.allocates for s in client.sent] == [["img-a"]]
     report(side, saved=["img-a"])
-    client.settle(5)  # no build_connector_meta between: the report's own Step
+    client.flush(5)  # no build_connector_meta between: the report's own Step
     assert [s.commits for s in client.sent[1:]] == [[b"img-a"]]
     assert client.fake_view.has(b"img-a")
 
@@ -300,7 +300,7 @@ def test_nothing_is_committed_before_the_workers_reported_the_copy_landed(
     side = scheduler(client, role="ec_producer")
     save_ordered(side, client, "img-a")
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert not any(s.commits for s in client.sent)
     assert side.has_pending_push_work()  # the copy is not reported yet
 
@@ -311,7 +311,7 @@ def test_a_failed_saves_abort_is_sent_at_once_and_its_key_never_becomes_ready(
     side = scheduler(client, role="ec_producer")
     save_ordered(side, client, "img-a")
     report(side, failed=["img-a"])
-    client.settle(5)
+    client.flush(5)
     assert [s.aborts for s in client.sent[1:]] == [[b"img-a"]]
     assert not client.fake_view.has(b"img-a")
 
@@ -326,12 +326,12 @@ def test_a_step_that_did_not_reach_the_daemon_owes_its_releases_and_commits_agai
     side.request_finished(image_request("r1", ["img-a"], ROWS))
     client.error = UNAVAILABLE
     report(side, saved=["img-b"], loaded=[(transfer_id, WorkerRank(0, 0))])
-    client.settle(5)
+    client.flush(5)
     assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [b"img-b"])
     client.error = None  # the daemon is back
     assert side.has_pending_push_work()  # owed again
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [b"img-b"])
     assert client.fake_view.has(b"img-b") and not side.has_pending_push_work()
 
@@ -341,11 +341,11 @@ def test_what_a_step_the_daemon_refused_carried_is_not_sent_again(client: FakeCl
     save_ordered(side, client, "img-a")
     client.error = EcdError(grpc.StatusCode.PERMISSION_DENIED, "consumers may not commit")
     report(side, saved=["img-a"])
-    client.settle(5)
+    client.flush(5)
     client.error = None
     sent = len(client.sent)
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert len(client.sent) == sent and not side.has_pending_push_work()
 
 
@@ -380,7 +380,7 @@ def test_a_daemon_reached_in_the_background_is_used_from_then_on(client: FakeCli
     client.cached["img-a"] = spec(side)
     assert not side.ensure_cache_available(image_request("r1", ["img-a"], ROWS), 0)
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert [s.acquires for s in client.sent] == [["img-a"]]
     side.shutdown()
     assert client.closed
@@ -396,7 +396,7 @@ def test_a_new_session_voids_lease_pins(client: FakeClient) -> None:
     report(side, loaded=[(transfer_id, WorkerRank(0, 0))])
     side.request_finished(image_request("r1", ["img-a"], ROWS))
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert len(client.sent) == sent  # nothing released: the new session holds no such pin
 
 
@@ -407,11 +407,11 @@ def test_an_answer_from_before_a_new_session_gives_back_what_it_took(client: Fak
     request = image_request("r1", ["img-a"], ROWS)
     assert not side.ensure_cache_available(request, 0)
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     first_lease = client._next_lease
     client.session_id = "session-2"  # a restart between the Step's answer and its reading
     # Its pin is not ours to use: the request encodes the item, and the pin goes back.
     assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
     side.build_connector_meta()
-    client.settle(5)
+    client.flush(5)
     assert client.sent[-1].releases == [first_lease] and client.sent[-1].acquires == []

@@ -7,7 +7,7 @@ reopened, with its pools, and the call retried once; a reply from a restarted da
 session and still answers; a call the daemon cut off at shutdown is retried when it is safe and
 otherwise raised saying it may have taken effect; a pool that cannot be reopened is skipped;
 two callers that notice one restart reopen it once; a Step carrying what the client owes
-hands each debt its answer, or the error.
+hands each op its answer, or the error.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ec_client._connection import Options
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._session import Done, Pause, Plan, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
-from ec_client.owed import Debt, Parcel
+from ec_client.outbox import DeferredOp, OutboxBatch
 from ec_client.types import Role
 
 UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")
@@ -191,13 +191,13 @@ def test_a_restart_noticed_by_two_callers_is_reopened_once() -> None:
 def test_a_step_carrying_debts_settles_each_with_its_answer_and_returns_the_callers() -> None:
     state = opened()
     heard: list[Any] = []
-    parcel = Parcel(commits=[Debt(settle=heard.append, key=b"owed")])
+    batch = OutboxBatch(commits=[DeferredOp(on_result=heard.append, key=b"owed")])
     reply = pb.StepReply(
         boot_epoch="epoch-1",
         commits=[pb.ItemResult(key=k, status=pb.ITEM_OK) for k in (b"owed", b"mine")],
     )
-    call = parcel.step("p", commits=[(b"mine", 0)])
-    result = ScriptedDaemon(state, reply).run(state.step(parcel, call))
+    call = batch.step("p", commits=[(b"mine", 0)])
+    result = ScriptedDaemon(state, reply).run(state.step(batch, call))
     assert [r.key for r in heard] == [b"owed"]
     assert [r.key for r in result.commits] == [b"mine"]
 
@@ -205,7 +205,7 @@ def test_a_step_carrying_debts_settles_each_with_its_answer_and_returns_the_call
 def test_a_step_that_fails_tells_every_debt_and_raises() -> None:
     state = opened(connect_timeout_s=0.0)
     heard: list[object] = []
-    parcel = Parcel(releases=[Debt(settle=heard.append, lease_id=7)])
+    batch = OutboxBatch(releases=[DeferredOp(on_result=heard.append, lease_id=7)])
     with pytest.raises(EcdError) as raised:
-        ScriptedDaemon(state, UNAVAILABLE).run(state.step(parcel, parcel.step("p")))
+        ScriptedDaemon(state, UNAVAILABLE).run(state.step(batch, batch.step("p")))
     assert heard == [raised.value]

@@ -52,7 +52,7 @@ def test_an_item_evicted_before_its_lock_pin_is_encoded_instead_and_saved_again(
     held, result = e.admit(request("r1", "img-a"))  # the lock finds the record erased
     assert held == 0 and result.step.encode == {"img-a": ROWS} and not result.failed
     assert e.locked() == (0, 0)
-    e.settle()
+    e.flush()
     with daemon.client() as c:
         assert c.lookup(e.pool, ["img-a"])[0].state is EntryState.READY  # saved again
 

@@ -130,7 +130,7 @@ def test_a_step_makes_at_most_one_rpc_of_each_purpose_however_many_images(
 ) -> None:
     e = engine()
     e.step(*[request(f"seed-{i}", f"old-{i}") for i in range(32)])
-    e.settle()
+    e.flush()
     waiting, per_step = [], []
     for s in range(4):  # 8 new requests a step, each with a cached image and a new one
         waiting += [request(f"s{s}-{i}", f"old-{s * 8 + i}", f"new-{s * 8 + i}") for i in range(8)]
@@ -164,7 +164,7 @@ def test_a_request_finished_before_its_load_gives_its_lease_pin_back(
     r2 = request("r2", "img-a")
     e.step(r2)  # held back: the pin is taken for it in the background
     e.connector.request_finished(r2)  # aborted by the user before it ran
-    e.settle()
+    e.flush()
     assert e.locked() == (0, 0)
 
 
@@ -174,7 +174,7 @@ def test_a_request_mid_prefill_is_not_held_back_for_an_image_it_already_has(
     e = engine()
     r1 = request("r1", "img-a")
     e.step(r1)  # encoded, and saved: the pool has img-a from now on
-    e.settle()
+    e.flush()
     before = e.scheduler.rpcs.copy()
     assert e.connector.ensure_cache_available(r1, 1)  # its next chunk starts inside the image
     e.step()

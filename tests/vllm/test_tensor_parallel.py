@@ -30,7 +30,7 @@ def test_only_rank_0_saves_and_every_rank_loads(engine: EngineFactory) -> None:
     e.step(request("r1", "img-a"))  # encoded; its entry is being allocated
     saved = e.step()  # the order: rank 0 copies what it kept
     assert [r.saved_here for r in saved.replies] == [["img-a"], []]
-    e.settle()
+    e.flush()
     _, loaded = e.admit(request("r2", "img-a"))
     expected = digest(encoder_output("img-a"))
     assert [r.loaded for r in loaded.replies] == [{"img-a": expected}] * 2

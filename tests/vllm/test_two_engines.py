@@ -27,7 +27,7 @@ def test_a_consumer_engine_loads_what_a_producer_engine_saved_through_the_shared
     consumer = engine(role="ec_consumer", pool=SHARED)
     produced = producer.step(request("p1", "img-a"))
     assert produced.step.encode == {"img-a": 16}
-    producer.settle()
+    producer.flush()
     wait_until(lambda: consumer.scheduler.view.has(b"img-a"))
     _, result = consumer.admit(request("c1", "img-a"))
     assert not result.step.encode
@@ -58,7 +58,7 @@ def test_a_consumer_waits_for_an_item_the_producer_is_writing_and_loads_it(
     waiting = request("c1", "img-a")
     assert consumer.step(waiting).step.held == {"c1"}  # not encoded: its save is on its way
     producer.finish(producer.run(encoding))
-    producer.settle()
+    producer.flush()
     wait_until(lambda: consumer.scheduler.view.has(b"img-a"))
     _, result = consumer.admit(waiting)
     assert result.step.load == {"img-a"} and not result.step.encode

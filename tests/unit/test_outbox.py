@@ -1,10 +1,10 @@
-"""Owed: what a client owes the daemon with nobody waiting (ec_client/owed.py), with fake copies
+"""Outbox: what a client owes the daemon with nobody waiting (ec_client/outbox.py), with fake copies
 and a fake sender; no daemon.
 
-Proves: a debt goes only once its copy landed (or, when flushing, after waiting for it); a commit
-whose copy failed leaves as an abort and its owner hears why; each debt gets its own answer and
+Proves: a op goes only once its copy landed (or, when flushing, after waiting for it); a commit
+whose copy failed leaves as an abort and its owner hears why; each op gets its own answer and
 the rest of a Step's answers go back to the caller; the background thread sends what a quiet pool
-is owed, and leaves a busy pool's debts to its next Step; a commit is reported owed until its
+is owed, and leaves a busy pool's ops to its next Step; a commit is reported owed until its
 answer came; flush sends everything and waits, or says it ran out of time; a Step asked soon goes
 from the background in the order asked, with what is owed ahead of its asks, its future holding
 the asker's answers or the error.
@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from ec_client.errors import EcdError
-from ec_client.owed import Debt, Owed, Parcel
+from ec_client.outbox import DeferredOp, Outbox, OutboxBatch
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -58,21 +58,23 @@ class FakeCopy:
 
 
 class Answers:
-    """Records what each debt was told."""
+    """Records what each op was told."""
 
     def __init__(self) -> None:
         self.got: dict[str, Any] = {}
 
-    def debt(self, name: str, copy: FakeCopy | None = None, **fields: Any) -> Debt:
-        return Debt(settle=lambda answer: self.got.__setitem__(name, answer), copy=copy, **fields)
+    def op(self, name: str, copy: FakeCopy | None = None, **fields: Any) -> DeferredOp:
+        return DeferredOp(
+            on_result=lambda answer: self.got.__setitem__(name, answer), copy=copy, **fields
+        )
 
 
 class Sender:
-    """Owed's send: records parcels (and asks), and answers them as a daemon would, or holds
+    """Outbox's send: records batches (and asks), and answers them as a daemon would, or holds
     them, or fails them with `error`."""
 
     def __init__(self) -> None:
-        self.parcels: list[tuple[str, Parcel]] = []
+        self.batches: list[tuple[str, OutboxBatch]] = []
         self.asks: list[tuple[Sequence[Key], Sequence[AllocateItem]]] = []
         self.sent = threading.Event()
         self.hold = False
@@ -82,38 +84,38 @@ class Sender:
     def __call__(
         self,
         engine_id: str,
-        parcel: Parcel,
+        batch: OutboxBatch,
         acquires: Sequence[Key],
         allocates: Sequence[AllocateItem],
     ) -> StepResult:
-        self.parcels.append((engine_id, parcel))
+        self.batches.append((engine_id, batch))
         self.asks.append((acquires, allocates))
         self.sent.set()
         if self.hold:
             assert self.release.wait(5), "the test never let the held Step be answered"
         if self.error is not None:
-            parcel.fail(self.error)
+            batch.fail(self.error)
             raise self.error
-        return parcel.settle(answer(parcel, acquires))
+        return batch.resolve(answer(batch, acquires))
 
 
-def answer(parcel: Parcel, acquires: Sequence[Key] = ()) -> StepResult:
-    """What a daemon would answer a Step carrying this parcel and these acquires: all OK, every
+def answer(batch: OutboxBatch, acquires: Sequence[Key] = ()) -> StepResult:
+    """What a daemon would answer a Step carrying this batch and these acquires: all OK, every
     acquire a miss."""
     return StepResult(
-        tuple(LeaseResult(d.lease_id, Status.OK, "") for d in parcel.releases),
-        tuple(ItemResult(d.key, Status.OK, "") for d in parcel.commits),
-        tuple(ItemResult(d.key, Status.OK, "") for d in parcel.aborts),
+        tuple(LeaseResult(d.lease_id, Status.OK, "") for d in batch.releases),
+        tuple(ItemResult(d.key, Status.OK, "") for d in batch.commits),
+        tuple(ItemResult(d.key, Status.OK, "") for d in batch.aborts),
         tuple(AcquireResult(bytes(k), Status.MISS, "", 0, (), None, 0) for k in acquires),
         (),
     )
 
 
-def owed(linger_s: float = 60.0) -> tuple[Owed, Sender]:
-    """An Owed whose pools had a Step a moment ago: with the default linger, what they are owed
+def owed(linger_s: float = 60.0) -> tuple[Outbox, Sender]:
+    """An Outbox whose pools had a Step a moment ago: with the default linger, what they are owed
     waits for their next Step (the test's take) rather than go in the background."""
     sender = Sender()
-    o = Owed(sender, linger_s)
+    o = Outbox(sender, linger_s)
     for engine_id in (POOL, "other"):
         o.take(engine_id)
     return o, sender
@@ -124,7 +126,7 @@ def test_a_debt_goes_only_once_its_copy_landed() -> None:
     answers = Answers()
     flying, landed = FakeCopy(), FakeCopy()
     landed.land()
-    o.commits(POOL, [answers.debt("a", flying, key=b"a"), answers.debt("b", landed, key=b"b")])
+    o.commits(POOL, [answers.op("a", flying, key=b"a"), answers.op("b", landed, key=b"b")])
     assert [d.key for d in o.take(POOL).commits] == [b"b"]
     flying.land()
     assert [d.key for d in o.take(POOL).commits] == [b"a"]
@@ -134,20 +136,20 @@ def test_a_debt_goes_only_once_its_copy_landed() -> None:
 def test_taking_with_wait_carries_every_debt_after_its_copy_landed() -> None:
     o, _ = owed()
     copy = FakeCopy()
-    o.releases(POOL, [Answers().debt("pin", copy, lease_id=7)])
+    o.releases(POOL, [Answers().op("pin", copy, lease_id=7)])
     threading.Timer(0.05, copy.land).start()
-    parcel = o.take(POOL, wait=True)
-    assert parcel.release_ids() == [7] and copy.done()
+    batch = o.take(POOL, wait=True)
+    assert batch.release_ids() == [7] and copy.done()
     o.close()
 
 
 def test_a_commit_whose_copy_failed_leaves_as_an_abort_and_its_owner_hears_why() -> None:
     o, _ = owed()
     answers, copy = Answers(), FakeCopy()
-    o.commits(POOL, [answers.debt("a", copy, key=b"a")])
+    o.commits(POOL, [answers.op("a", copy, key=b"a")])
     copy.fail()
-    parcel = o.take(POOL)
-    assert parcel.commits == [] and parcel.abort_keys() == [b"a"]
+    batch = o.take(POOL)
+    assert batch.commits == [] and batch.abort_keys() == [b"a"]
     assert isinstance(answers.got["a"], EcdError) and "illegal memory access" in str(
         answers.got["a"]
     )
@@ -156,11 +158,11 @@ def test_a_commit_whose_copy_failed_leaves_as_an_abort_and_its_owner_hears_why()
 
 def test_each_debt_gets_its_answer_and_the_rest_of_the_step_goes_back_to_the_caller() -> None:
     answers = Answers()
-    parcel = Parcel(
-        releases=[answers.debt("pin", lease_id=3)], commits=[answers.debt("a", key=b"a")]
+    batch = OutboxBatch(
+        releases=[answers.op("pin", lease_id=3)], commits=[answers.op("a", key=b"a")]
     )
     theirs = AcquireResult(b"x", Status.HIT, "", 9, (), None, 0)
-    rest = parcel.settle(
+    rest = batch.resolve(
         StepResult(
             (LeaseResult(3, Status.OK, ""),),
             (ItemResult(b"a", Status.OK, ""), ItemResult(b"mine", Status.OK, "")),
@@ -176,9 +178,9 @@ def test_each_debt_gets_its_answer_and_the_rest_of_the_step_goes_back_to_the_cal
 
 def test_a_failed_step_tells_every_debt_it_carried() -> None:
     answers = Answers()
-    parcel = Parcel(releases=[answers.debt("pin", lease_id=1)], aborts=[answers.debt("a")])
+    batch = OutboxBatch(releases=[answers.op("pin", lease_id=1)], aborts=[answers.op("a")])
     error = EcdError(grpc.StatusCode.UNAVAILABLE, "the daemon went away")
-    parcel.fail(error)
+    batch.fail(error)
     assert answers.got == {"pin": error, "a": error}
 
 
@@ -186,17 +188,17 @@ def test_the_background_sends_what_a_quiet_pool_is_owed() -> None:
     o, sender = owed(linger_s=0.01)
     answers, copy = Answers(), FakeCopy()
     copy.land()
-    o.commits(POOL, [answers.debt("a", copy, key=b"a")])
+    o.commits(POOL, [answers.op("a", copy, key=b"a")])
     assert sender.sent.wait(5)
-    [(engine_id, parcel)] = sender.parcels
-    assert engine_id == POOL and parcel.commit_pairs() == [(b"a", 0)]
+    [(engine_id, batch)] = sender.batches
+    assert engine_id == POOL and batch.commit_pairs() == [(b"a", 0)]
     assert answers.got["a"].status is Status.OK
     o.close()
 
 
 def test_a_busy_pools_debts_wait_for_its_next_step() -> None:
     o, sender = owed(linger_s=0.3)  # a Step to the pool just went out: it is not quiet
-    o.commits(POOL, [Answers().debt("a", key=b"a")])
+    o.commits(POOL, [Answers().op("a", key=b"a")])
     assert not sender.sent.wait(0.1)  # not yet: the pool's next Step would carry it
     assert [d.key for d in o.take(POOL).commits] == [b"a"]
     o.close()
@@ -205,13 +207,13 @@ def test_a_busy_pools_debts_wait_for_its_next_step() -> None:
 def test_a_commit_counts_as_owed_until_its_answer_came() -> None:
     o, _ = owed()
     copy = FakeCopy()
-    o.commits(POOL, [Answers().debt("a", copy, key=b"a")])
+    o.commits(POOL, [Answers().op("a", copy, key=b"a")])
     assert o.commits_owed(POOL) == {b"a": False}  # copy in flight
     copy.land()
     assert o.commits_owed(POOL) == {b"a": True}  # may ride on the next Step
-    parcel = o.take(POOL)
+    batch = o.take(POOL)
     assert o.commits_owed(POOL) == {b"a": False}  # in transit: not visible yet
-    parcel.settle(answer(parcel))
+    batch.resolve(answer(batch))
     assert o.commits_owed(POOL) == {}
     o.close()
 
@@ -219,11 +221,11 @@ def test_a_commit_counts_as_owed_until_its_answer_came() -> None:
 def test_flush_sends_everything_owed_and_returns_once_answered() -> None:
     o, sender = owed()
     answers, copy = Answers(), FakeCopy()
-    o.commits(POOL, [answers.debt("a", copy, key=b"a")])
-    o.releases("other", [answers.debt("pin", lease_id=5)])
+    o.commits(POOL, [answers.op("a", copy, key=b"a")])
+    o.releases("other", [answers.op("pin", lease_id=5)])
     threading.Timer(0.05, copy.land).start()
     o.flush(5)
-    assert sorted(e for e, _ in sender.parcels) == ["other", POOL]
+    assert sorted(e for e, _ in sender.batches) == ["other", POOL]
     assert set(answers.got) == {"a", "pin"}
     o.close()
 
@@ -231,7 +233,7 @@ def test_flush_sends_everything_owed_and_returns_once_answered() -> None:
 def test_flush_says_so_when_an_answer_does_not_come_in_time() -> None:
     o, sender = owed(linger_s=0.01)
     sender.hold = True  # the daemon does not answer in time
-    o.commits(POOL, [Answers().debt("a", key=b"a")])
+    o.commits(POOL, [Answers().op("a", key=b"a")])
     assert sender.sent.wait(5)  # the background thread sent it
     with pytest.raises(TimeoutError, match="still running"):
         o.flush(0.1)
@@ -242,10 +244,10 @@ def test_flush_says_so_when_an_answer_does_not_come_in_time() -> None:
 def test_an_abort_owed_rides_on_the_pools_next_step_and_hears_its_answer() -> None:
     o, _ = owed()
     answers = Answers()
-    o.aborts(POOL, [answers.debt("a", key=b"a")])
-    parcel = o.take(POOL)
-    assert parcel.abort_keys() == [b"a"] and parcel.step(POOL).build("sid").aborts == [b"a"]
-    parcel.settle(answer(parcel))
+    o.aborts(POOL, [answers.op("a", key=b"a")])
+    batch = o.take(POOL)
+    assert batch.abort_keys() == [b"a"] and batch.step(POOL).build("sid").aborts == [b"a"]
+    batch.resolve(answer(batch))
     assert answers.got["a"].status is Status.OK
     o.close()
 
@@ -253,10 +255,10 @@ def test_an_abort_owed_rides_on_the_pools_next_step_and_hears_its_answer() -> No
 def test_a_step_asked_soon_goes_from_the_background_with_what_is_owed_ahead_of_its_asks() -> None:
     o, sender = owed()  # the pool is busy: only the asked Step carries the release
     answers = Answers()
-    o.releases(POOL, [answers.debt("pin", lease_id=4)])
+    o.releases(POOL, [answers.op("pin", lease_id=4)])
     result = o.step_soon(POOL, acquires=[b"x"]).result(5)
-    [(engine_id, parcel)] = sender.parcels
-    assert engine_id == POOL and parcel.release_ids() == [4] and sender.asks == [([b"x"], [])]
+    [(engine_id, batch)] = sender.batches
+    assert engine_id == POOL and batch.release_ids() == [4] and sender.asks == [([b"x"], [])]
     assert answers.got["pin"].status is Status.OK
     assert result.releases == () and [r.key for r in result.acquires] == [b"x"]  # the asker's
     o.close()
@@ -273,7 +275,7 @@ def test_steps_asked_soon_go_in_the_order_asked() -> None:
 def test_a_step_asked_soon_with_nothing_owed_or_asked_sends_nothing() -> None:
     o, sender = owed()
     assert o.step_soon(POOL).result(5) == StepResult([], [], [], [], [])
-    assert sender.parcels == []
+    assert sender.batches == []
     o.close()
 
 
@@ -281,7 +283,7 @@ def test_a_step_asked_soon_that_failed_hands_its_error_to_the_asker_and_its_debt
     o, sender = owed()
     sender.error = EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd")
     answers = Answers()
-    o.commits(POOL, [answers.debt("a", key=b"a")])
+    o.commits(POOL, [answers.op("a", key=b"a")])
     future = o.step_soon(POOL, acquires=[b"x"])
     with pytest.raises(EcdError, match="cannot reach ecd"):
         future.result(5)
@@ -305,7 +307,7 @@ def test_a_pool_is_owing_while_a_debt_waits_but_not_for_the_hits_it_answered() -
     o, _ = owed()
     o.hits(POOL, [b"a"])
     assert not o.owing(POOL)
-    o.releases(POOL, [Answers().debt("pin", lease_id=1)])
+    o.releases(POOL, [Answers().op("pin", lease_id=1)])
     assert o.owing(POOL)
     o.close()
 
@@ -342,9 +344,9 @@ def test_misses_answered_from_the_view_ride_on_the_pools_next_step() -> None:
     o, _ = owed()
     o.misses(POOL, 2)
     o.misses(POOL, 1)
-    parcel = o.take(POOL)
-    assert parcel.answered.misses == 3 and o.take("other").answered.misses == 0
-    assert parcel.step(POOL).build("sid").misses == 3  # StepRequest.misses
+    batch = o.take(POOL)
+    assert batch.answered.misses == 3 and o.take("other").answered.misses == 0
+    assert batch.step(POOL).build("sid").misses == 3  # StepRequest.misses
     o.close()
 
 
@@ -352,9 +354,9 @@ def test_hits_read_under_lock_pins_ride_on_the_pools_next_step() -> None:
     o, _ = owed()
     o.hits(POOL, [b"a"])
     o.hits(POOL, [b"b", b"a"])
-    parcel = o.take(POOL)
-    assert parcel.answered.hits == [b"a", b"b", b"a"]  # each read is a hit
-    assert list(parcel.step(POOL).build("sid").hits) == [b"a", b"b", b"a"]  # StepRequest.hits
+    batch = o.take(POOL)
+    assert batch.answered.hits == [b"a", b"b", b"a"]  # each read is a hit
+    assert list(batch.step(POOL).build("sid").hits) == [b"a", b"b", b"a"]  # StepRequest.hits
     assert not o.take(POOL).answered
     o.close()
 
@@ -362,9 +364,9 @@ def test_hits_read_under_lock_pins_ride_on_the_pools_next_step() -> None:
 def test_a_step_that_did_not_reach_the_daemon_leaves_its_hits_to_the_next_one() -> None:
     o, _ = owed()
     o.hits(POOL, [b"a"])
-    parcel = o.take(POOL)
+    batch = o.take(POOL)
     o.hits(POOL, [b"b"])
-    parcel.fail(EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd"))
+    batch.fail(EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd"))
     assert sorted(o.take(POOL).answered.hits) == [b"a", b"b"]
     o.close()
 
@@ -372,8 +374,8 @@ def test_a_step_that_did_not_reach_the_daemon_leaves_its_hits_to_the_next_one() 
 def test_an_answered_steps_misses_are_not_sent_again() -> None:
     o, _ = owed()
     o.misses(POOL, 3)
-    parcel = o.take(POOL)
-    parcel.settle(answer(parcel))
+    batch = o.take(POOL)
+    batch.resolve(answer(batch))
     assert o.take(POOL).answered.misses == 0
     o.close()
 
@@ -381,9 +383,9 @@ def test_an_answered_steps_misses_are_not_sent_again() -> None:
 def test_a_step_that_did_not_reach_the_daemon_leaves_its_misses_to_the_next_one() -> None:
     o, _ = owed()
     o.misses(POOL, 3)
-    parcel = o.take(POOL)
+    batch = o.take(POOL)
     o.misses(POOL, 1)  # while the Step was on its way
-    parcel.fail(EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd"))
+    batch.fail(EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd"))
     assert o.take(POOL).answered.misses == 4
     o.close()
 
@@ -402,13 +404,13 @@ def test_a_step_the_daemon_refused_drops_its_misses_and_says_so(
 def test_the_background_sends_a_quiet_pools_misses_after_the_misses_linger(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("ec_client.owed.ANSWERED_LINGER_S", 0.2)
+    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 0.2)
     o, sender = owed(linger_s=0.01)
     o.misses(POOL, 5)
     assert not sender.sent.wait(0.1)  # a count waits longer than a pin for a Step to ride on
     assert sender.sent.wait(5)
-    [(engine_id, parcel)] = sender.parcels
-    assert engine_id == POOL and parcel.answered.misses == 5
+    [(engine_id, batch)] = sender.batches
+    assert engine_id == POOL and batch.answered.misses == 5
     o.close()
 
 
@@ -416,14 +418,14 @@ def test_flush_sends_the_misses_owed() -> None:
     o, sender = owed()
     o.misses(POOL, 2)
     o.flush(5)
-    assert [(e, p.answered.misses) for e, p in sender.parcels] == [(POOL, 2)]
+    assert [(e, p.answered.misses) for e, p in sender.batches] == [(POOL, 2)]
     o.close()
 
 
 def test_a_new_pools_misses_wait_the_misses_linger_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ec_client.owed.ANSWERED_LINGER_S", 60.0)
+    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)
     sender = Sender()
-    o = Owed(sender, 0.01)  # no Step to the pool yet
+    o = Outbox(sender, 0.01)  # no Step to the pool yet
     o.misses(POOL, 1)
     assert not sender.sent.wait(0.2)
     o.close()

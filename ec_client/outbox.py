@@ -1,9 +1,9 @@
 """What a client owes the daemon with nobody waiting for it: the Commit of a put once its copy
 landed, the Release of a get once its copy landed, the Abort of a copy that failed; and the Steps
-asked of it with nobody waiting on the caller's thread (`step_soon`). Owed is a client's one
+asked of it with nobody waiting on the caller's thread (`step_soon`). Outbox is a client's one
 background mechanism (docs/design.md §12): its one thread sends all of these.
 
-A put or a get waits on one round trip, so debts never get one of their own on the caller's
+A put or a get waits on one round trip, so ops never get one of their own on the caller's
 time. They ride on the client's next Step to the same pool (the next put's Allocate, the next
 get's Acquire, the next `step_soon`: one round trip carries everything owed then), or, once the
 pool has been quiet for `linger_s`, the background thread sends them in a Step of their own.
@@ -15,7 +15,7 @@ vLLM scheduler side's pins and allocations): the background thread sends its Ste
 can, in the order asked, each carrying what is owed to its pool then, and resolves each one's
 future with the caller's part of the answer.
 
-Each debt carries `settle`, called once with its answer (an ItemResult / LeaseResult) or with the
+Each op carries `on_result`, called once with its answer (an ItemResult / LeaseResult) or with the
 EcdError that kept it from the daemon.
 
 What a client answered itself, with no round trip, is owed too (`Answered`): the misses it
@@ -47,12 +47,12 @@ from ec_client.types import AllocateItem, Key, StepResult
 
 log = logging.getLogger("ec_client")
 
-Settle = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
+OnResult = Callable[[Any], None]  # an ItemResult / LeaseResult, or the EcdError
 
-# A Step carrying the parcel ahead of the asks (acquires, allocates), delivered through the
-# client's call rules; returns the caller's part of the answer, raises the EcdError (each debt
+# A Step carrying the batch ahead of the asks (acquires, allocates), sent through the
+# client's call rules; returns the caller's part of the answer, raises the EcdError (each op
 # heard of it).
-Send = Callable[[str, "Parcel", Sequence[Key], Sequence[AllocateItem]], StepResult]
+Send = Callable[[str, "OutboxBatch", Sequence[Key], Sequence[AllocateItem]], StepResult]
 
 # How long the hits and misses owed to a quiet pool wait for a Step to ride on before they go
 # alone: recency a second late changes little, and one Step then carries many.
@@ -72,11 +72,13 @@ class Copy(Protocol):
 
 
 @dataclass
-class Debt:
-    """One thing owed: of the entry `key` (commit, abort) or the pin `lease_id` (release).
-    `copy` must land before it is sent; `checksum`, for commits, is computed once it has."""
+class DeferredOp:
+    """One operation deferred to a later Step, with nobody waiting for it: the Commit or Abort
+    of the entry `key`, the Release of the lease pin `lease_id`, or the unlock of a lock pin
+    (never sent: `on_result` drops the lock). `copy` must land before it is sent; `checksum`,
+    for commits, is computed once it has. `on_result` hears the answer, once."""
 
-    settle: Settle
+    on_result: OnResult
     copy: Copy | None = None
     key: bytes = b""
     lease_id: int = 0
@@ -106,15 +108,16 @@ class Answered:
 
 
 @dataclass
-class Parcel:
-    """The debts one Step carries, in the order of its parts. `delivered` is told once the
+class OutboxBatch:
+    """The part of one Step that comes from the outbox: its ops, in the order of the Step's
+    parts, and the hits and misses answered since the pool's last Step. `on_done` is told once the
     Step is answered (or failed), so the keys it commits stop counting as in transit."""
 
-    releases: list[Debt] = field(default_factory=list)
-    commits: list[Debt] = field(default_factory=list)
-    aborts: list[Debt] = field(default_factory=list)
-    delivered: Callable[[Parcel], None] = lambda parcel: None
-    unlocks: list[Debt] = field(default_factory=list)  # lock pins: dropped here, never sent
+    releases: list[DeferredOp] = field(default_factory=list)
+    commits: list[DeferredOp] = field(default_factory=list)
+    aborts: list[DeferredOp] = field(default_factory=list)
+    on_done: Callable[[OutboxBatch], None] = lambda batch: None
+    unlocks: list[DeferredOp] = field(default_factory=list)  # lock pins: dropped here, never sent
     answered: Answered = field(default_factory=Answered)  # since the pool's last Step
     returned: Callable[[Answered], None] = lambda answered: None  # a failed Step's, owed again
 
@@ -130,17 +133,17 @@ class Parcel:
     def abort_keys(self) -> list[bytes]:
         return [d.key for d in self.aborts]
 
-    def settle(self, result: StepResult) -> StepResult:
-        """Hand each debt its answer; returns the rest of the Step's answers (the caller's)."""
+    def resolve(self, result: StepResult) -> StepResult:
+        """Hand each op its answer; returns the rest of the Step's answers (the caller's)."""
         parts = (
             (self.releases, result.releases),
             (self.commits, result.commits),
             (self.aborts, result.aborts),
         )
-        for debts, answers in parts:
-            for debt, answer in zip(debts, answers, strict=False):
-                debt.settle(answer)
-        self.delivered(self)
+        for ops, answers in parts:
+            for op, answer in zip(ops, answers, strict=False):
+                op.on_result(answer)
+        self.on_done(self)
         return StepResult(
             result.releases[len(self.releases) :],
             result.commits[len(self.commits) :],
@@ -160,9 +163,9 @@ class Parcel:
                 len(answered.hits),
                 error,
             )
-        for debt in self.releases + self.commits + self.aborts:
-            debt.settle(error)
-        self.delivered(self)
+        for op in self.releases + self.commits + self.aborts:
+            op.on_result(error)
+        self.on_done(self)
 
     def step(
         self,
@@ -173,7 +176,7 @@ class Parcel:
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
     ) -> _wire.Call[StepResult]:
-        """A Step carrying this parcel, each part ahead of the caller's own items."""
+        """A Step carrying this batch, each part ahead of the caller's own items."""
         return _wire.step(
             engine_id,
             self.release_ids() + list(releases),
@@ -199,34 +202,39 @@ class _Ask:
 @dataclass
 class _Pool:
     """What is owed to one pool (the releases of pins taken from it too: any Step of the session
-    could carry those, but this way each pool's debts wait for that pool's traffic alone)."""
+    could carry those, but this way each pool's ops wait for that pool's traffic alone)."""
 
-    releases: list[Debt] = field(default_factory=list)
-    commits: list[Debt] = field(default_factory=list)
-    aborts: list[Debt] = field(default_factory=list)
-    unlocks: list[Debt] = field(default_factory=list)
+    releases: list[DeferredOp] = field(default_factory=list)
+    commits: list[DeferredOp] = field(default_factory=list)
+    aborts: list[DeferredOp] = field(default_factory=list)
+    unlocks: list[DeferredOp] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
     answered: Answered = field(default_factory=Answered)  # not sent yet
 
-    def debts(self) -> bool:
+    def ops(self) -> bool:
         return bool(self.releases or self.commits or self.aborts or self.unlocks)
 
     def owing(self) -> bool:
-        return self.debts() or bool(self.answered)
+        return self.ops() or bool(self.answered)
 
     def due_at(self, linger_s: float) -> float:
         """When the background thread sends what is owed, if no Step goes before."""
-        if self.debts():
+        if self.ops():
             return self.last_step + linger_s
         return self.last_step + max(linger_s, ANSWERED_LINGER_S)
 
 
-class Owed:
+class Outbox:
+    """A client's outbox: per pool, the DeferredOps it owes the daemon, the hits and misses it
+    answered itself, and the Steps asked with `step_soon`. Whoever hands something over goes on
+    at once; the next Step to the pool carries it, or the outbox's one thread sends it once due.
+    """
+
     def __init__(
         self, send: Send, linger_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        """send(engine_id, parcel, acquires, allocates): a Step (see `Send`), from the
+        """send(engine_id, batch, acquires, allocates): a Step (see `Send`), from the
         background thread or a flush."""
         self._send = send
         self._linger_s = linger_s
@@ -240,23 +248,23 @@ class Owed:
 
     # ---- what the client owes ----------------------------------------------------------------
 
-    def commits(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        if debts:  # waking the background thread for nothing costs the caller the GIL
-            self._owe(lambda: self._pool(engine_id).commits.extend(debts))
+    def commits(self, engine_id: str, ops: Sequence[DeferredOp]) -> None:
+        if ops:  # waking the background thread for nothing costs the caller the GIL
+            self._owe(lambda: self._pool(engine_id).commits.extend(ops))
 
-    def releases(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        if debts:
-            self._owe(lambda: self._pool(engine_id).releases.extend(debts))
+    def releases(self, engine_id: str, ops: Sequence[DeferredOp]) -> None:
+        if ops:
+            self._owe(lambda: self._pool(engine_id).releases.extend(ops))
 
-    def aborts(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        if debts:
-            self._owe(lambda: self._pool(engine_id).aborts.extend(debts))
+    def aborts(self, engine_id: str, ops: Sequence[DeferredOp]) -> None:
+        if ops:
+            self._owe(lambda: self._pool(engine_id).aborts.extend(ops))
 
-    def unlocks(self, engine_id: str, debts: Sequence[Debt]) -> None:
-        """Lock pins to drop (each debt's settle) once their copies landed. Nothing is sent for
-        them: they ride with the pool's other debts only to share the waiting for copies."""
-        if debts:
-            self._owe(lambda: self._pool(engine_id).unlocks.extend(debts))
+    def unlocks(self, engine_id: str, ops: Sequence[DeferredOp]) -> None:
+        """Lock pins to drop (each op's on_result) once their copies landed. Nothing is sent for
+        them: they ride with the pool's other ops only to share the waiting for copies."""
+        if ops:
+            self._owe(lambda: self._pool(engine_id).unlocks.extend(ops))
 
     def misses(self, engine_id: str, count: int) -> None:
         """`count` misses answered from the view of the pool, for the daemon's counters."""
@@ -312,7 +320,7 @@ class Owed:
             return (
                 engine_id in self._sending
                 or any(ask.engine_id == engine_id for ask in self._asks)
-                or (pool is not None and bool(pool.debts() or pool.in_transit))
+                or (pool is not None and bool(pool.ops() or pool.in_transit))
             )
 
     def commits_owed(self, engine_id: str) -> dict[bytes, bool]:
@@ -322,58 +330,58 @@ class Owed:
             pool = self._pools.get(engine_id)
             if pool is None:
                 return {}
-            # A commit on its way is not visible yet either: whoever waits for it must settle.
+            # A commit on its way is not visible yet either: whoever waits for it must flush.
             owed = dict.fromkeys(pool.in_transit, False)
             owed.update((d.key, d.landed()) for d in pool.commits)
             return owed
 
     # ---- paying ------------------------------------------------------------------------------
 
-    def take(self, engine_id: str, wait: bool = False) -> Parcel:
-        """What a Step to this pool should carry now: every debt whose copy landed (with wait,
-        every debt, once its copy has landed). The caller sends it and settles it."""
+    def take(self, engine_id: str, wait: bool = False) -> OutboxBatch:
+        """What a Step to this pool should carry now: every op whose copy landed (with wait,
+        every op, once its copy has landed). The caller sends it and resolves it."""
         with self._lock:
             pool = self._pool(engine_id)
             pool.last_step = self._clock()
-            parcel = Parcel(
+            batch = OutboxBatch(
                 _split(pool.releases, wait),
                 _split(pool.commits, wait),
                 _split(pool.aborts, wait),  # and those of commits whose copy failed, as found
-                lambda delivered: self._delivered(pool, delivered),
+                lambda on_done: self._batch_done(pool, on_done),
                 _split(pool.unlocks, wait),
                 pool.answered,
                 lambda answered: self._returned(pool, answered),
             )
             pool.answered = Answered()
-            pool.in_transit.update(d.key for d in parcel.commits)
-        return self._landed(parcel)
+            pool.in_transit.update(d.key for d in batch.commits)
+        return self._landed(batch)
 
     @staticmethod
-    def _landed(parcel: Parcel) -> Parcel:
-        """Wait for the parcel's copies (landed already, unless taken with wait). A commit
+    def _landed(batch: OutboxBatch) -> OutboxBatch:
+        """Wait for the batch's copies (landed already, unless taken with wait). A commit
         whose copy failed becomes an abort: its bytes must never be exposed. A pin goes back
         whatever its copy did (the reader learns of a failed copy from its own handle); lock
         pins are dropped here."""
-        for debt in parcel.releases + parcel.aborts + parcel.unlocks:
-            if debt.copy is not None:
+        for op in batch.releases + batch.aborts + batch.unlocks:
+            if op.copy is not None:
                 with contextlib.suppress(Exception):
-                    debt.copy.wait()
-        for debt in parcel.unlocks:
-            debt.settle(None)
-        for debt in list(parcel.commits):
+                    op.copy.wait()
+        for op in batch.unlocks:
+            op.on_result(None)
+        for op in list(batch.commits):
             try:
-                if debt.copy is not None:
-                    debt.copy.wait()
+                if op.copy is not None:
+                    op.copy.wait()
             except Exception as exc:  # a device error surfaces on the copy's event
-                debt.settle(EcdError.copy_failed(debt.key, exc))
-                parcel.commits.remove(debt)
-                parcel.aborts.append(Debt(settle=_ignore, key=debt.key))
-        return parcel
+                op.on_result(EcdError.copy_failed(op.key, exc))
+                batch.commits.remove(op)
+                batch.aborts.append(DeferredOp(on_result=_ignore, key=op.key))
+        return batch
 
-    def _delivered(self, pool: _Pool, parcel: Parcel) -> None:
+    def _batch_done(self, pool: _Pool, batch: OutboxBatch) -> None:
         with self._lock:
             # aborts too: a commit whose copy failed left as an abort
-            pool.in_transit.difference_update(d.key for d in parcel.commits + parcel.aborts)
+            pool.in_transit.difference_update(d.key for d in batch.commits + batch.aborts)
             self._lock.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -410,7 +418,7 @@ class Owed:
         with self._lock:
             add()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ecd-owed", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="ecd-outbox", daemon=True)
                 self._thread.start()
             self._lock.notify_all()
 
@@ -429,7 +437,7 @@ class Owed:
                 due = [ask.engine_id] if ask else [e for e, at in owing.items() if at <= now]
                 self._sending = due
             if not due:
-                with self._lock:  # woken early by close (or new debts: due is worked out anew)
+                with self._lock:  # woken early by close (or new ops: due is worked out anew)
                     if not self._closed:
                         self._lock.wait(max(min(owing.values(), default=now) - now, 0.0))
                 continue
@@ -445,24 +453,24 @@ class Owed:
                     self._lock.notify_all()
 
     def _send_asked(self, ask: _Ask) -> None:
-        """A step_soon's Step: what is owed to the pool now (debts whose copy landed: the asks
+        """A step_soon's Step: what is owed to the pool now (ops whose copy landed: the asks
         wait for no copy), then the asks."""
         try:
-            parcel = self.take(ask.engine_id)
-            if parcel or ask.acquires or ask.allocates:
-                result = self._send(ask.engine_id, parcel, ask.acquires, ask.allocates)
+            batch = self.take(ask.engine_id)
+            if batch or ask.acquires or ask.allocates:
+                result = self._send(ask.engine_id, batch, ask.acquires, ask.allocates)
             else:
                 result = StepResult([], [], [], [], [])
-        except Exception as error:  # the EcdError, or a settle's bug: the asker hears of it
+        except Exception as error:  # the EcdError, or an on_result bug: the asker hears of it
             ask.future.set_exception(error)
         else:
             ask.future.set_result(result)
 
-    def _send_alone(self, engine_id: str, parcel: Parcel) -> None:
-        """A Step of the parcel alone, if it carries anything."""
-        if parcel:
-            with contextlib.suppress(EcdError):  # each debt heard of it
-                self._send(engine_id, parcel, (), ())
+    def _send_alone(self, engine_id: str, batch: OutboxBatch) -> None:
+        """A Step of the batch alone, if it carries anything."""
+        if batch:
+            with contextlib.suppress(EcdError):  # each op heard of it
+                self._send(engine_id, batch, (), ())
 
     def _owing(self) -> bool:
         return any(p.owing() for p in self._pools.values())
@@ -479,30 +487,30 @@ def _closed() -> EcdError:
 
 
 def _ignore(answer: object) -> None:
-    """For debts whose outcome nobody needs (the abort of a failed copy: if it does not reach
+    """For ops whose outcome nobody needs (the abort of a failed copy: if it does not reach
     the daemon, the producer's lease aborts the entry all the same)."""
 
 
-def _split(debts: list[Debt], all_of_them: bool) -> list[Debt]:
-    """Remove and return the debts ready to go (all of them, or those whose copy landed)."""
-    ready: list[Debt] = []
-    waiting: list[Debt] = []
-    for debt in debts:
-        (ready if all_of_them or debt.landed() else waiting).append(debt)
-    debts[:] = waiting
+def _split(ops: list[DeferredOp], all_of_them: bool) -> list[DeferredOp]:
+    """Remove and return the ops ready to go (all of them, or those whose copy landed)."""
+    ready: list[DeferredOp] = []
+    waiting: list[DeferredOp] = []
+    for op in ops:
+        (ready if all_of_them or op.landed() else waiting).append(op)
+    ops[:] = waiting
     return ready
 
 
-def send_parcel(deliver: Callable[[Parcel, _wire.Call[StepResult]], StepResult]) -> Send:
-    """Owed's send: a Step of the parcel and the asks, delivered through the client's call rules
+def batch_sender(deliver: Callable[[OutboxBatch, _wire.Call[StepResult]], StepResult]) -> Send:
+    """Outbox's send: a Step of the batch and the asks, on_done through the client's call rules
     (`_session.SessionState.step`)."""
 
     def send(
         engine_id: str,
-        parcel: Parcel,
+        batch: OutboxBatch,
         acquires: Sequence[Key],
         allocates: Sequence[AllocateItem],
     ) -> StepResult:
-        return deliver(parcel, parcel.step(engine_id, acquires=acquires, allocates=allocates))
+        return deliver(batch, batch.step(engine_id, acquires=acquires, allocates=allocates))
 
     return send
