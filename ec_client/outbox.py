@@ -427,20 +427,25 @@ class Outbox:
         until closed."""
         while True:
             with self._lock:
-                while not self._closed and not self._asks and not self._owing():
-                    self._lock.wait()
-                if self._closed:
-                    return
-                ask = self._asks.popleft() if self._asks else None
-                now = self._clock()
-                owing = {e: p.due_at(self._linger_s) for e, p in self._pools.items() if p.owing()}
-                due = [ask.engine_id] if ask else [e for e, at in owing.items() if at <= now]
+                # One hold of the lock from the check to the wait: whatever is handed over
+                # meanwhile notifies a waiting thread, never one between the two (a lost wake-up
+                # would leave a step_soon waiting out the linger).
+                while True:
+                    if self._closed:
+                        return
+                    now = self._clock()
+                    ask = self._asks.popleft() if self._asks else None
+                    if ask is not None:
+                        due = [ask.engine_id]
+                        break
+                    owing = {
+                        e: p.due_at(self._linger_s) for e, p in self._pools.items() if p.owing()
+                    }
+                    due = [e for e, at in owing.items() if at <= now]
+                    if due:
+                        break
+                    self._lock.wait(min(owing.values()) - now if owing else None)
                 self._sending = due
-            if not due:
-                with self._lock:  # woken early by close (or new ops: due is worked out anew)
-                    if not self._closed:
-                        self._lock.wait(max(min(owing.values(), default=now) - now, 0.0))
-                continue
             try:
                 if ask is not None:
                     self._send_asked(ask)
@@ -471,9 +476,6 @@ class Outbox:
         if batch:
             with contextlib.suppress(EcdError):  # each op heard of it
                 self._send(engine_id, batch, (), ())
-
-    def _owing(self) -> bool:
-        return any(p.owing() for p in self._pools.values())
 
     def _pool(self, engine_id: str) -> _Pool:
         pool = self._pools.get(engine_id)

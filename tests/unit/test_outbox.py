@@ -13,11 +13,14 @@ the asker's answers or the error.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 import pytest
+from ecd_testing import wait_until
 
 from ec_client.errors import EcdError
 from ec_client.outbox import DeferredOp, Outbox, OutboxBatch
@@ -121,7 +124,7 @@ def owed(linger_s: float = 60.0) -> tuple[Outbox, Sender]:
     return o, sender
 
 
-def test_a_debt_goes_only_once_its_copy_landed() -> None:
+def test_a_op_goes_only_once_its_copy_landed() -> None:
     o, _ = owed()
     answers = Answers()
     flying, landed = FakeCopy(), FakeCopy()
@@ -133,7 +136,7 @@ def test_a_debt_goes_only_once_its_copy_landed() -> None:
     o.close()
 
 
-def test_taking_with_wait_carries_every_debt_after_its_copy_landed() -> None:
+def test_taking_with_wait_carries_every_op_after_its_copy_landed() -> None:
     o, _ = owed()
     copy = FakeCopy()
     o.releases(POOL, [Answers().op("pin", copy, lease_id=7)])
@@ -156,7 +159,7 @@ def test_a_commit_whose_copy_failed_leaves_as_an_abort_and_its_owner_hears_why()
     o.close()
 
 
-def test_each_debt_gets_its_answer_and_the_rest_of_the_step_goes_back_to_the_caller() -> None:
+def test_each_op_gets_its_answer_and_the_rest_of_the_step_goes_back_to_the_caller() -> None:
     answers = Answers()
     batch = OutboxBatch(
         releases=[answers.op("pin", lease_id=3)], commits=[answers.op("a", key=b"a")]
@@ -176,7 +179,7 @@ def test_each_debt_gets_its_answer_and_the_rest_of_the_step_goes_back_to_the_cal
     assert rest.releases == ()
 
 
-def test_a_failed_step_tells_every_debt_it_carried() -> None:
+def test_a_failed_step_tells_every_op_it_carried() -> None:
     answers = Answers()
     batch = OutboxBatch(releases=[answers.op("pin", lease_id=1)], aborts=[answers.op("a")])
     error = EcdError(grpc.StatusCode.UNAVAILABLE, "the daemon went away")
@@ -196,7 +199,7 @@ def test_the_background_sends_what_a_quiet_pool_is_owed() -> None:
     o.close()
 
 
-def test_a_busy_pools_debts_wait_for_its_next_step() -> None:
+def test_a_busy_pools_ops_wait_for_its_next_step() -> None:
     o, sender = owed(linger_s=0.3)  # a Step to the pool just went out: it is not quiet
     o.commits(POOL, [Answers().op("a", key=b"a")])
     assert not sender.sent.wait(0.1)  # not yet: the pool's next Step would carry it
@@ -279,7 +282,7 @@ def test_a_step_asked_soon_with_nothing_owed_or_asked_sends_nothing() -> None:
     o.close()
 
 
-def test_a_step_asked_soon_that_failed_hands_its_error_to_the_asker_and_its_debts() -> None:
+def test_a_step_asked_soon_that_failed_hands_its_error_to_the_asker_and_its_ops() -> None:
     o, sender = owed()
     sender.error = EcdError(grpc.StatusCode.UNAVAILABLE, "cannot reach ecd")
     answers = Answers()
@@ -303,12 +306,30 @@ def test_a_pool_is_owing_while_a_step_asked_for_it_is_on_its_way() -> None:
     o.close()
 
 
-def test_a_pool_is_owing_while_a_debt_waits_but_not_for_the_hits_it_answered() -> None:
+def test_a_pool_is_owing_while_a_op_waits_but_not_for_the_hits_it_answered() -> None:
     o, _ = owed()
     o.hits(POOL, [b"a"])
     assert not o.owing(POOL)
     o.releases(POOL, [Answers().op("pin", lease_id=1)])
     assert o.owing(POOL)
+    o.close()
+
+
+def test_a_step_asked_while_the_thread_decides_to_wait_out_a_linger_goes_at_once() -> None:
+    # The clock the thread reads as it decides stands in for another thread that asks a Step
+    # at that very moment; the thread must not then wait out the hits' linger (a minute).
+    asked: list[Future[StepResult]] = []
+
+    def clock() -> float:
+        if threading.current_thread().name == "ecd-outbox" and not asked:
+            asked.append(o.step_soon(POOL, acquires=[b"x"]))
+        return time.monotonic()
+
+    o = Outbox(Sender(), 60.0, clock=clock)
+    o.take(POOL)  # a Step a moment ago: the hits wait for the linger
+    o.hits(POOL, [b"h"])
+    wait_until(lambda: bool(asked))
+    assert asked[0].result(5).acquires[0].status is Status.MISS
     o.close()
 
 

@@ -188,7 +188,7 @@ def test_a_restart_noticed_by_two_callers_is_reopened_once() -> None:
     assert daemon.sent == ["Lookup", "OpenSession", "OpenPool", "Lookup", "Lookup"]
 
 
-def test_a_step_carrying_debts_settles_each_with_its_answer_and_returns_the_callers() -> None:
+def test_a_step_carrying_deferred_ops_answers_each_and_returns_the_callers() -> None:
     state = opened()
     heard: list[Any] = []
     batch = OutboxBatch(commits=[DeferredOp(on_result=heard.append, key=b"owed")])
