@@ -7,8 +7,8 @@ last one) sent from the client's one background thread (`Outbox`, ec_client/outb
 (releases of lease pins, commits of landed saves, aborts of failed ones) is handed to the
 client's Outbox as ops, and what is asked (pins, allocations) goes by `Outbox.step_soon`, which
 carries those ops ahead of the asks. The answers to the asks are taken on the scheduler thread
-at its next call into the connector, before anything depends on them; a op hears its own
-answer on Outbox's thread, and what that changes in the books (a op owed again, its Step not
+at its next call into the connector, before anything depends on them; an op hears its own
+answer on Outbox's thread, and what that changes in the books (an op owed again, its Step not
 having reached the daemon) is handed to the scheduler thread the same way. The books (loads.py,
 saves.py) are touched on the scheduler thread alone. Per step:
 
@@ -108,7 +108,7 @@ CALL_TIMEOUT_S = 10.0
 # How long what the client owes a quiet pool waits before Outbox's thread sends it alone. What this
 # side owes goes at once with a step_soon of its own, so this only spaces the Steps that carry the
 # hits and misses answered here (they wait ANSWERED_LINGER_S anyway) and keeps Outbox's thread from
-# sending a op alone just before the step_soon that would have carried it.
+# sending an op alone just before the step_soon that would have carried it.
 LINGER_S = 1.0
 # While the daemon was never reached, how often the connector tries again.
 CONNECT_RETRY_FIRST_S = 0.5
@@ -407,7 +407,7 @@ class SchedulerSide:
         yet reported by the workers. Not while the daemon is away: nothing could be sent, and
         an idle engine would spin; whatever is owed goes with the first step after it is
         back."""
-        # Asked before the answers are taken: a op's answer arrives before its Step stops
+        # Asked before the answers are taken: an op's answer arrives before its Step stops
         # counting as on its way, so none can slip between the two.
         on_its_way = self.client is not None and self.client.outbox.owing(self.config.pool)
         self._take_answers()
@@ -516,7 +516,7 @@ class SchedulerSide:
         )
 
     # The answers to ops, on Outbox's thread (or the caller of settle): the books are not
-    # touched here; a op owed again is handed to the scheduler thread.
+    # touched here; an op owed again is handed to the scheduler thread.
 
     def _released(
         self, generation: tuple[str, str], lease_id: int, answer: LeaseResult | EcdError
@@ -562,7 +562,7 @@ class SchedulerSide:
         error: EcdError,
         owe_again: Callable[[], None],
     ) -> None:
-        """A op's Step failed: one that did not reach the daemon is owed again (in the same
+        """An op's Step failed: one that did not reach the daemon is owed again (in the same
         generation: `_take_answers`); one the daemon refused as a whole is dropped, said."""
         if error.code in NOT_DELIVERED:
             self._undelivered.append((generation, owe_again))

@@ -1,7 +1,7 @@
 """Outbox: what a client owes the daemon with nobody waiting (ec_client/outbox.py), with fake copies
 and a fake sender; no daemon.
 
-Proves: a op goes only once its copy landed (or, when flushing, after waiting for it); a commit
+Proves: an op goes only once its copy landed (or, when flushing, after waiting for it); a commit
 whose copy failed leaves as an abort and its owner hears why; each op gets its own answer and
 the rest of a Step's answers go back to the caller; the background thread sends what a quiet pool
 is owed, and leaves a busy pool's ops to its next Step; a commit is reported owed until its
