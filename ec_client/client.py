@@ -9,9 +9,9 @@ pools reopened after a restart or a lost lease); this module only performs their
 
 Two things serve the hot path of Producer, Consumer and the vLLM scheduler side (docs/design.md
 §12):
-- `owed` (ec_client/outbox.py), the client's one background mechanism: what is owed with nobody
+- `outbox` (ec_client/outbox.py), the client's one background mechanism: what is owed with nobody
   waiting for it (a Commit once its bytes landed, a Release once its load landed, an Abort) rides
-  on the next Step to its pool or goes from its thread, and `owed.step_soon` sends a Step from
+  on the next Step to its pool or goes from its thread, and `outbox.step_soon` sends a Step from
   that thread for a caller that must not wait on it; `flush()` waits for all of it so far.
 - `view(engine_id)`: the pool's READY keys, followed through Watch (ReadyView), so that a miss
   costs no round trip.
@@ -173,7 +173,7 @@ class Client(BaseClient):
     # ---- what is owed and the views of pools ---------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Send everything owed now, and wait until it and every Step asked of `owed.step_soon`
+        """Send everything owed now, and wait until it and every Step asked of `outbox.step_soon`
         so far have been answered (TimeoutError if not within timeout_s)."""
         self.outbox.flush(timeout_s)
 

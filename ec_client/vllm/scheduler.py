@@ -447,7 +447,7 @@ class SchedulerSide:
         """Hand what the books owe (releases, commits of landed saves, aborts of failed ones) to
         the client's Outbox, each with what its answer does; whether there was any. The caller
         asks the Step that carries them (step_soon): they go at once."""
-        owed = self._reached().outbox
+        outbox = self._reached().outbox
         pool, generation = self.config.pool, self._generation
         releases = [
             DeferredOp(functools.partial(self._released, generation, lease_id), lease_id=lease_id)
@@ -461,9 +461,9 @@ class SchedulerSide:
             DeferredOp(functools.partial(self._aborted, generation, key), key=key.encode())
             for key in self.saves.take_failed()
         ]
-        owed.releases(pool, releases)
-        owed.commits(pool, commits)
-        owed.aborts(pool, aborts)
+        outbox.releases(pool, releases)
+        outbox.commits(pool, commits)
+        outbox.aborts(pool, aborts)
         return bool(releases or commits or aborts)
 
     def _step_soon(
