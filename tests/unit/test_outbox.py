@@ -124,7 +124,7 @@ def owed(linger_s: float = 60.0) -> tuple[Outbox, Sender]:
     return o, sender
 
 
-def test_a_op_goes_only_once_its_copy_landed() -> None:
+def test_an_op_goes_only_once_its_copy_landed() -> None:
     o, _ = owed()
     answers = Answers()
     flying, landed = FakeCopy(), FakeCopy()
@@ -306,7 +306,7 @@ def test_a_pool_is_owing_while_a_step_asked_for_it_is_on_its_way() -> None:
     o.close()
 
 
-def test_a_pool_is_owing_while_a_op_waits_but_not_for_the_hits_it_answered() -> None:
+def test_a_pool_is_owing_while_an_op_waits_but_not_for_the_hits_it_answered() -> None:
     o, _ = owed()
     o.hits(POOL, [b"a"])
     assert not o.owing(POOL)
