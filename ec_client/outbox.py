@@ -294,15 +294,31 @@ class Outbox:
         engine_id: str,
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
+        *,
+        releases: Sequence[DeferredOp] = (),
+        commits: Sequence[DeferredOp] = (),
+        aborts: Sequence[DeferredOp] = (),
+        answered: Answered | None = None,
     ) -> Future[StepResult]:
         """A Step from the background thread as soon as it can, after every one asked before:
         Release, Commit, Abort of what is owed to the pool then, and the acquires (without
         waiting) and allocates. Its future holds the answers to the acquires and allocates (and
         nothing else), or the EcdError. With nothing owed and nothing asked, nothing is sent and
-        the answer is empty."""
+        the answer is empty.
+
+        The ops, hits and misses handed over with it are owed as by `releases`, `commits`,
+        `aborts`, `hits` and `misses`, and so ride on it: one hold of the lock and one wake of
+        the thread for all of them, where a call each would wake it each time (every wake costs
+        the caller the GIL, on the vLLM scheduler thread once per step)."""
         ask = _Ask(engine_id, list(acquires), list(allocates))
 
         def add() -> None:
+            pool = self._pool(engine_id)
+            pool.releases.extend(releases)
+            pool.commits.extend(commits)
+            pool.aborts.extend(aborts)
+            if answered:
+                pool.answered.add(answered)
             if self._closed:  # nobody would send it
                 ask.future.set_exception(_closed())
             else:

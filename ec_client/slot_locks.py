@@ -197,11 +197,15 @@ class SlotPins:
             return None
         _, dtype, shape, nbytes, checksum, _, flat = fields
         g = self.header.geometry
-        starts, counts = flat[0::2], flat[1::2]
-        if sum(counts) != -(-nbytes // g.block_size_bytes) or any(
-            start + count > g.num_blocks for start, count in zip(starts, counts, strict=True)
-        ):
-            return None
-        return PinnedEntry(
-            key, tuple(map(Extent, starts, counts)), TensorSpec(shape, dtype, nbytes), checksum
-        )
+        if len(flat) == 2:  # one extent, as nearly every entry has: a hit's cost, kept short
+            start, count = flat
+            if count != -(-nbytes // g.block_size_bytes) or start + count > g.num_blocks:
+                return None
+            extents: tuple[Extent, ...] = (Extent(start, count),)
+        else:
+            extents = tuple(map(Extent, flat[0::2], flat[1::2]))
+            if sum(e.count for e in extents) != -(-nbytes // g.block_size_bytes) or any(
+                e.end > g.num_blocks for e in extents
+            ):
+                return None
+        return PinnedEntry(key, extents, TensorSpec(shape, dtype, nbytes), checksum)

@@ -46,9 +46,10 @@ from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.metadata import LoadOrder, WorkerRank
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LockPin:
-    """A lock pin the caller took on `slot`: the entry's extents and spec, from its record."""
+    """A lock pin the caller took on `slot`: the entry's extents and spec, from its record.
+    Slotted, not frozen: one is built per hit on the scheduler thread; never changed."""
 
     slot: int
     extents: tuple[Extent, ...]
@@ -144,7 +145,8 @@ class LoadBook:
                 continue
             locked = lock(key)
             if isinstance(locked, LockPin):
-                holders = self._wanted.pop(key, set()) | {request_id}
+                holders = self._wanted.pop(key, None) or set()
+                holders.add(request_id)
                 self._pins[key] = Pin(locked.extents, locked.spec, None, locked.slot, holders)
             elif locked is not None:  # missed: encoded, like a missed Acquire
                 self._no_wait.add((request_id, key))

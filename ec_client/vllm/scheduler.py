@@ -5,8 +5,9 @@ included: everything owed to the daemon and asked of it goes in a Step (one RPC:
 Commit, Abort, Acquire, Allocate, in that order, with the hits and misses answered here since the
 last one) sent from the client's one background thread (`Outbox`, ec_client/outbox.py). What is owed
 (releases of lease pins, commits of landed saves, aborts of failed ones) is handed to the
-client's Outbox as ops, and what is asked (pins, allocations) goes by `Outbox.step_soon`, which
-carries those ops ahead of the asks. The answers to the asks are taken on the scheduler thread
+client's Outbox as ops, with the hits and misses, in the `Outbox.step_soon` that asks what is
+asked (pins, allocations) and carries them ahead of the asks: one hand-over, one wake of
+Outbox's thread per Step. The answers to the asks are taken on the scheduler thread
 at its next call into the connector, before anything depends on them; an op hears its own
 answer on Outbox's thread, and what that changes in the books (an op owed again, its Step not
 having reached the daemon) is handed to the scheduler thread the same way. The books (loads.py,
@@ -79,7 +80,7 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.layout import LayoutError, tensor_nbytes
-from ec_client.outbox import NOT_DELIVERED, DeferredOp, Outbox
+from ec_client.outbox import NOT_DELIVERED, Answered, DeferredOp, Outbox
 from ec_client.slot_locks import SlotPins
 from ec_client.types import (
     AllocateItem,
@@ -348,7 +349,7 @@ class SchedulerSide:
         self.loads.scheduled(request.request_id, key)
         if self.config.is_consumer and self.view.synced and not self._ready(key):
             # A miss the view answered (nothing was asked of the daemon): its count rides on
-            # the next Step, for the daemon's miss counters (owed once per step, see _owe_hits).
+            # the next Step, for the daemon's miss counters (see _step_soon).
             self._misses += 1
         if self.config.is_producer and not self._ready(key):
             spec = self._save_spec(feature)
@@ -358,12 +359,8 @@ class SchedulerSide:
     def build_connector_meta(self) -> ECDaemonConnectorMetadata:
         self._take_answers()
         self._unlock_done()
-        self._owe_hits()  # they ride on this Step
         if self.view.synced:
-            owed = self._owe()
-            acquires, allocates = self.loads.take_wanted(), self.saves.take_planned()
-            if owed or acquires or allocates:
-                self._step_soon("flush", acquires, allocates)
+            self._step_soon("flush", self.loads.take_wanted(), self.saves.take_planned())
         else:  # the daemon is away: waiting requests encode, and this step saves nothing
             self.loads.give_up()
             self.saves.drop_planned()
@@ -390,7 +387,7 @@ class SchedulerSide:
         for transfer_id, rank in meta.loaded:
             self.loads.report(transfer_id, rank)
         self._unlock_done()  # every loading rank reported them: the copies have landed
-        if self.view.synced and self._owe():  # commit what landed at once: a hit next step
+        if self.view.synced:  # commit what landed at once: a hit next step
             self._step_soon("report")
 
     def update_state_after_free(self, request: Request, index: int) -> None:
@@ -428,9 +425,9 @@ class SchedulerSide:
         if client is None:
             return  # the daemon was never reached
         self._take_answers()
-        self._owe_hits()
-        if self.view.synced and self._owe():
+        if self.view.synced:
             self._step_soon("shutdown")
+        self._hand_over_answered(client.outbox)  # if the view was not synced
         self.view.close()
         if self._slot_pins is not None:
             self._slot_pins.close()
@@ -443,12 +440,43 @@ class SchedulerSide:
 
     # ---- Steps -----------------------------------------------------------------------------------
 
-    def _owe(self) -> bool:
-        """Hand what the books owe (releases, commits of landed saves, aborts of failed ones) to
-        the client's Outbox, each with what its answer does; whether there was any. The caller
-        asks the Step that carries them (step_soon): they go at once."""
+    def _step_soon(
+        self,
+        why: str,
+        acquires: Sequence[str] = (),
+        allocates: dict[str, TensorSpec] | None = None,
+    ) -> None:
+        """One Step from Outbox's thread, if anything is owed or asked: what the books owe now
+        (releases, commits of landed saves, aborts of failed ones, each with what its answer
+        does) and the hits and misses answered here since the last one, then what is asked, its
+        answer taken by `_take_answers`. All of it is handed over in one call: each call into
+        the outbox may wake its thread, a cost on the scheduler thread. With only hits and
+        misses, no Step: they are handed over to ride on a later one."""
         outbox = self._reached().outbox
-        pool, generation = self.config.pool, self._generation
+        releases, commits, aborts = self._ops()
+        if not (releases or commits or aborts or acquires or allocates):
+            self._hand_over_answered(outbox)
+            return
+        answered = Answered(self._misses, self._hits)
+        self._hits, self._misses = [], 0
+        asked = Asked(self._generation, list(acquires), allocates or {})
+        items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in asked.allocates.items()]
+        self.rpcs[why] += 1
+        future = outbox.step_soon(
+            self.config.pool,
+            asked.acquires,
+            items,
+            releases=releases,
+            commits=commits,
+            aborts=aborts,
+            answered=answered,
+        )
+        self._asked.append((future, asked))
+
+    def _ops(self) -> tuple[list[DeferredOp], list[DeferredOp], list[DeferredOp]]:
+        """What the books owe, as ops (no longer owed there): releases of lease pins, commits
+        of landed saves, aborts of failed ones; each op's answer is heard on Outbox's thread."""
+        generation = self._generation
         releases = [
             DeferredOp(functools.partial(self._released, generation, lease_id), lease_id=lease_id)
             for lease_id in self.loads.take_releases()
@@ -461,24 +489,17 @@ class SchedulerSide:
             DeferredOp(functools.partial(self._aborted, generation, key), key=key.encode())
             for key in self.saves.take_failed()
         ]
-        outbox.releases(pool, releases)
-        outbox.commits(pool, commits)
-        outbox.aborts(pool, aborts)
-        return bool(releases or commits or aborts)
+        return releases, commits, aborts
 
-    def _step_soon(
-        self,
-        why: str,
-        acquires: Sequence[str] = (),
-        allocates: dict[str, TensorSpec] | None = None,
-    ) -> None:
-        """One Step from Outbox's thread: what is owed, then what is asked, its answer taken by
-        `_take_answers`."""
-        asked = Asked(self._generation, list(acquires), allocates or {})
-        items = [AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in asked.allocates.items()]
-        self.rpcs[why] += 1
-        future = self._reached().outbox.step_soon(self.config.pool, asked.acquires, items)
-        self._asked.append((future, asked))
+    def _hand_over_answered(self, outbox: Outbox) -> None:
+        """The lock-pin hits (the daemon's hit counters and LRU order) and the misses the view
+        answered, owed to ride on the pool's next Step (or to go alone once it is quiet)."""
+        if self._hits:
+            hits, self._hits = self._hits, []
+            outbox.hits(self.config.pool, hits)
+        if self._misses:
+            misses, self._misses = self._misses, 0
+            outbox.misses(self.config.pool, misses)
 
     def _take_answers(self) -> None:
         """Take what came back since the last call, in the order it came: ops owed again,
@@ -593,17 +614,6 @@ class SchedulerSide:
             pins.unpin(slot)
         self.view.discard(raw)  # gone (or not ours): it is encoded, and saved again
         return LOCK_MISSED
-
-    def _owe_hits(self) -> None:
-        """The step's lock-pin hits (the daemon's hit counters and LRU order) and the misses its
-        view answered, owed once per step: each call into the outbox takes its lock and may
-        wake its thread, a cost per item on the scheduler thread otherwise."""
-        if self._hits:
-            hits, self._hits = self._hits, []
-            self._reached().outbox.hits(self.config.pool, hits)
-        if self._misses:
-            misses, self._misses = self._misses, 0
-            self._reached().outbox.misses(self.config.pool, misses)
 
     def _unlock_done(self) -> None:
         """Unlock the lock pins the book is done with (every copy under them landed)."""

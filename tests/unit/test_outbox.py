@@ -6,8 +6,8 @@ whose copy failed leaves as an abort and its owner hears why; each op gets its o
 the rest of a Step's answers go back to the caller; the background thread sends what a quiet pool
 is owed, and leaves a busy pool's ops to its next Step; a commit is reported owed until its
 answer came; flush sends everything and waits, or says it ran out of time; a Step asked soon goes
-from the background in the order asked, with what is owed ahead of its asks, its future holding
-the asker's answers or the error.
+from the background in the order asked, with what is owed ahead of its asks (and what was handed
+over with it), its future holding the asker's answers or the error.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 from ecd_testing import wait_until
 
 from ec_client.errors import EcdError
-from ec_client.outbox import DeferredOp, Outbox, OutboxBatch
+from ec_client.outbox import Answered, DeferredOp, Outbox, OutboxBatch
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -264,6 +264,26 @@ def test_a_step_asked_soon_goes_from_the_background_with_what_is_owed_ahead_of_i
     assert engine_id == POOL and batch.release_ids() == [4] and sender.asks == [([b"x"], [])]
     assert answers.got["pin"].status is Status.OK
     assert result.releases == () and [r.key for r in result.acquires] == [b"x"]  # the asker's
+    o.close()
+
+
+def test_ops_hits_and_misses_handed_over_with_a_step_asked_soon_ride_on_it() -> None:
+    o, sender = owed()
+    answers = Answers()
+    future = o.step_soon(
+        POOL,
+        acquires=[b"x"],
+        releases=[answers.op("pin", lease_id=4)],
+        commits=[answers.op("c", key=b"c")],
+        aborts=[answers.op("a", key=b"a")],
+        answered=Answered(misses=2, hits=[b"h"]),
+    )
+    future.result(5)
+    [(_, batch)] = sender.batches
+    assert batch.release_ids() == [4] and [d.key for d in batch.commits] == [b"c"]
+    assert [d.key for d in batch.aborts] == [b"a"]
+    assert batch.answered.misses == 2 and batch.answered.hits == [b"h"]
+    assert {"pin", "c", "a"} <= set(answers.got)
     o.close()
 
 

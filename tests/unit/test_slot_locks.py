@@ -149,7 +149,24 @@ MISSES: dict[str, Callable[[PoolFile], object]] = {
     "extents not its size": lambda pool: pool.write_slot(
         1, SlotRecord(key(1), "uint8", (BLOCK,), BLOCK, 0, 1, ((3, 2),))
     ),
+    "two extents, one past the pool": lambda pool: pool.write_slot(
+        1, two_extents(key(1), (3, 1), (GEOMETRY.num_blocks - 1, 2))
+    ),
+    "two extents not its size": lambda pool: pool.write_slot(
+        1, two_extents(key(1), (3, 1), (30, 1))
+    ),
 }
+
+
+def two_extents(key: bytes, first: tuple[int, int], second: tuple[int, int]) -> SlotRecord:
+    """A record of 3 blocks' bytes in two extents, as a fragmented pool allocates them."""
+    return SlotRecord(key, "uint8", (3 * BLOCK,), 3 * BLOCK, 0, 1, (first, second))
+
+
+def test_a_pin_of_an_entry_in_two_extents_answers_both(pool: PoolFile, pins: SlotPins) -> None:
+    entry = two_extents(key(1), (3, 1), (30, 2))
+    pool.write_slot(1, entry)
+    assert pins.pin(1, key(1)) == pinned(entry)
 
 
 @pytest.mark.parametrize("case", MISSES)
