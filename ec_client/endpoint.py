@@ -41,6 +41,20 @@ class PoolEndpoint:
             mover = self._movers[device] = TensorMover(self.mapping, device)
         return mover
 
+    def still_maps(self, mover: TensorMover) -> bool:
+        """Whether `mover` still maps the pool's file. Asked after a Step, with `mover` taken
+        before it: then the daemon answered of that very file, and the Step's extents are the
+        mover's. (A pool's file, once replaced, never comes back: the path holding it now means
+        it held it all along. Taken after the Step instead, a mover could map a file recreated
+        meanwhile, and read or write another file's extents: another entry's bytes.)"""
+        if mover.mapping is not self.mapping:
+            return False
+        try:
+            self.mapping.check_current()
+        except EcdError:
+            return False
+        return True
+
     def _refresh(self) -> None:
         """Map the pool again if the daemon announced a new file (after a restart), or if the
         file at the path is not the one mapped (dropped and recreated, truncated, removed):

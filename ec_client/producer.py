@@ -40,6 +40,7 @@ import torch
 from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
+from ec_client.mapping import stale
 from ec_client.mover import TensorMover, Transfer, spec_of, wait_all
 from ec_client.outbox import DeferredOp
 from ec_client.types import AllocateItem, AllocateResult, ItemResult, Key, Status, key_bytes
@@ -150,17 +151,26 @@ class Producer:
         items = [
             AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in zip(tensors, specs, strict=True)
         ]
+        # The movers before the Step, checked after it (PoolEndpoint.still_maps): a mover taken
+        # after could map a file recreated meanwhile and write these extents into it, over
+        # another entry's bytes.
+        movers = {d: self.endpoint.mover(d) for d in {t.device for t in tensors.values()}}
         results = self.client.step(engine_id, allocates=items).allocates
         committed: Future[None] = Future()
         ops: list[DeferredOp] = []
         copies: list[Transfer] = []
         try:
-            commits = _PutCommits(
-                self, sum(r.status is Status.ALLOCATED for r in results), committed
-            )
+            count = sum(r.status is Status.ALLOCATED for r in results)
+            if count and not all(map(self.endpoint.still_maps, movers.values())):
+                raise stale(
+                    self.endpoint.mapping.info,
+                    "the pool was recreated while this put was allocated; nothing was written, "
+                    "put again",
+                )
+            commits = _PutCommits(self, count, committed)
             for (key, tensor), spec, result in zip(tensors.items(), specs, results, strict=True):
                 if result.status is Status.ALLOCATED:
-                    mover = self.endpoint.mover(tensor.device)
+                    mover = movers[tensor.device]
                     copy = mover.save(tensor, result.extents)
                     copies.append(copy)
                     ops.append(

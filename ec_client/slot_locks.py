@@ -124,6 +124,7 @@ class SlotPins:
             os.close(self._fd)
             raise
         self.pool_uuid = pool_uuid
+        self.path = path
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
         self._retired = False
@@ -165,6 +166,19 @@ class SlotPins:
                     unlock(self._fd, slot)
                 if self._retired and not self._held:
                     self._close()
+
+    def still_at_path(self) -> bool:
+        """Whether the file at the path is still the one these pins opened (not dropped and
+        recreated since); False once closed."""
+        with self._lock:
+            if self._fd < 0:
+                return False
+            held = os.fstat(self._fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
     def held(self) -> int:
         """Slots this process holds locked."""

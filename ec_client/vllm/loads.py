@@ -263,7 +263,9 @@ class LoadBook:
             if not waiting:
                 del self._wanted[key]
         # An Acquire on its way stays recorded, holders or not: its pin must be released.
-        self._acquiring.get(key, set()).discard(request_id)
+        acquiring = self._acquiring.get(key)
+        if acquiring is not None:
+            acquiring.discard(request_id)
 
     def forget(self, request_id: str) -> None:
         for key in self._by_request.pop(request_id, ()):

@@ -523,9 +523,30 @@ class SchedulerSide:
             if asked.generation != self._generation:
                 self._void_answer(result)
                 continue
+            if not self._of_our_file(result):
+                log.warning(
+                    "ecd pool %s was recreated while a Step was answered: its pins and entries "
+                    "are void here, the cache is skipped this step",
+                    self.config.pool,
+                )
+                self._void_answer(result)
+                self.loads.give_up(asked.acquires)
+                self.saves.give_up(asked.allocates)
+                continue
             for key in self.loads.acquired(asked.acquires, result.acquires, self._loadable):
                 self.view.discard(key.encode())  # found gone: gone from the view too
             self.saves.allocated(list(asked.allocates), result.allocates)
+
+    def _of_our_file(self, result: StepResult) -> bool:
+        """Whether the extents of an answer are of the file this generation's workers map. The
+        client learns of a recreated pool only when it reopens it, so an answer of the same
+        generation may still come from the new file (the pool recreated before the daemon read
+        the Step). It came from ours if the path still holds the file our lock pins opened: a
+        pool's file, once replaced, never comes back. Without lock pins there is nothing to
+        check against (the answer is taken)."""
+        if not (result.acquires or result.allocates) or self._slot_pins is None:
+            return True
+        return self._slot_pins.still_at_path()
 
     def _void_answer(self, result: StepResult) -> None:
         """An answer from a daemon that restarted meanwhile, or to a recreated pool: what the

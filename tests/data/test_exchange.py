@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from ecd_testing import REPO, Daemon, assert_blocks_accounted
 
 from ec_client import (
     AllocateItem,
+    Client,
     Consumer,
     EcdError,
     EntryState,
@@ -23,6 +26,7 @@ from ec_client import (
     Producer,
     PutStatus,
     Status,
+    StepResult,
 )
 
 POOL = "exchange"
@@ -249,6 +253,55 @@ def test_producers_follow_a_recreated_pool(daemon: Daemon) -> None:
         assert producer.put("after", torch.ones(10)) is PutStatus.COMMITTING
         loaded = Consumer(c, POOL).get("after")
         assert loaded is not None and bool((loaded == 1).all())
+
+
+def recreated_after_each_step(
+    daemon: Daemon, c: Client, monkeypatch: pytest.MonkeyPatch, then: Callable[[Client], None]
+) -> None:
+    """Every Step of `c` is answered, then the pool is dropped (forced) and recreated by an
+    operator, who does `then` with the new pool, before `c` sees the answer: the race of a
+    Step with an operator's drop."""
+    step = c.step
+
+    def answered_then_recreated(*args: Any, **kwargs: Any) -> StepResult:
+        result = step(*args, **kwargs)
+        with daemon.client(name="operator") as operator:
+            operator.drop_pool(POOL, force=True)
+            operator.open_pool(POOL, BLOCK, CAPACITY)
+            then(operator)
+        return result
+
+    monkeypatch.setattr(c, "step", answered_then_recreated)
+
+
+def test_a_get_whose_pool_is_recreated_during_its_step_is_a_miss_not_the_new_files_bytes(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, CAPACITY)
+        Producer(c, POOL).put("k", torch.ones(4 * BLOCK, dtype=torch.uint8))
+        c.flush()
+        consumer = Consumer(c, POOL, watch=False)  # every get asks the daemon (a lease pin)
+        recreated_after_each_step(daemon, c, monkeypatch, lambda operator: None)
+        assert consumer.get("k") is None
+
+
+def test_a_put_whose_pool_is_recreated_during_its_step_writes_nothing_into_the_new_file(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def victim_put(operator: Client) -> None:  # at the blocks the first file gave "k"
+        Producer(operator, POOL).put("victim", torch.full((4 * BLOCK,), 2, dtype=torch.uint8))
+        operator.flush()
+
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, CAPACITY)
+        producer = Producer(c, POOL)
+        recreated_after_each_step(daemon, c, monkeypatch, victim_put)
+        with pytest.raises(EcdError, match="recreated while this put was allocated"):
+            producer.put("k", torch.ones(4 * BLOCK, dtype=torch.uint8))
+        monkeypatch.undo()
+        victim = Consumer(c, POOL).get("victim")
+        assert victim is not None and bool((victim == 2).all())
 
 
 def test_a_pool_file_whose_header_does_not_verify_is_refused(daemon: Daemon) -> None:

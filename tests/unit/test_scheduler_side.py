@@ -13,9 +13,11 @@ reached the cache is used; a new session voids lease pins and fails the loads un
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -25,6 +27,7 @@ from vllm.config.ec_transfer import ECRole
 from vllm.v1.outputs import ECConnectorOutput
 
 from ec_client.errors import EcdError
+from ec_client.layout import Geometry
 from ec_client.outbox import Outbox, OutboxBatch
 from ec_client.types import (
     AcquireResult,
@@ -43,6 +46,7 @@ from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.metadata import ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import image_request, offline_config
 from ec_client.vllm.scheduler import SchedulerSide
+from ec_daemon.pool import PoolFile
 
 WIDTH = 64
 ROWS = 4
@@ -108,6 +112,7 @@ class FakeClient:
         self.sent: list[Sent] = []
         self.closed = False
         self._next_lease = 100
+        self.before_answer: Callable[[], None] = lambda: None  # as the daemon reads a Step
         self.outbox = Outbox(self._send, linger_s=60.0)  # nothing goes alone during a test
 
     def _send(
@@ -117,6 +122,7 @@ class FakeClient:
         acquires: Sequence[Key],
         allocates: Sequence[AllocateItem],
     ) -> StepResult:
+        self.before_answer()
         self.sent.append(
             Sent(
                 batch.release_ids(),
@@ -415,3 +421,39 @@ def test_an_answer_from_before_a_new_session_gives_back_what_it_took(client: Fak
     side.build_connector_meta()
     client.flush(5)
     assert client.sent[-1].releases == [first_lease] and client.sent[-1].acquires == []
+
+
+def test_an_answer_from_a_pool_recreated_before_the_daemon_read_the_step_pins_nothing(
+    client: FakeClient, tmp_path: Path
+) -> None:
+    # The client learns of a recreated pool only when it reopens it: until then an answer of
+    # the same session may come from the new file, whose extents the workers do not map.
+    geometry = Geometry(WIDTH * 2, num_blocks=64, num_slots=8)
+    pool = PoolFile.create(tmp_path, "pool", geometry, "model", 0o600, None)
+    pool.close()
+    client.info = dataclasses.replace(
+        client.info, path=str(pool.path), pool_uuid=str(pool.header.pool_uuid)
+    )
+    side = scheduler(client)
+
+    def recreated() -> None:  # once, as the daemon reads the first Step
+        client.before_answer = lambda: None
+        pool.path.unlink()
+        PoolFile.create(tmp_path, "pool", geometry, "model", 0o600, None).close()
+
+    client.before_answer = recreated
+    client.fake_view.ready[b"img-a"] = None  # pinned by an Acquire
+    client.cached["img-a"] = spec(side)
+    cached, new = image_request("r1", ["img-a"], ROWS), image_request("r2", ["img-b"], ROWS)
+    assert not side.ensure_cache_available(cached, 0)
+    assert side.ensure_cache_available(new, 0)
+    side.update_state_after_alloc(new, 0)  # to encode and save
+    side.build_connector_meta()
+    client.flush(5)
+    assert side.ensure_cache_available(cached, 0) and not side.has_cache_item("img-a")
+    meta = side.build_connector_meta()
+    assert not meta.saves and not meta.loads
+    client.flush(5)
+    asked, given_back = client.sent[0], client.sent[-1]  # (a flush sent the miss between)
+    assert asked.acquires == ["img-a"] and asked.allocates == ["img-b"]
+    assert given_back.releases == [client._next_lease] and given_back.aborts == [b"img-b"]
