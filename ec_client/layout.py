@@ -298,9 +298,12 @@ class SlotRecord:
 # per entry, 100,000 in a large pool: such a tuple costs a fraction of a SlotRecord (a frozen
 # dataclass sets each field through object.__setattr__; docs/performance.md, *A warm restart*).
 RecordFields = tuple[bytes, str, tuple[int, ...], int, int, int, tuple[int, ...]]
+# Slots' bytes as read: a bytes, or a view of a buffer read into again and again (a slot table
+# read a part at a time); what is read from them never keeps a view of them.
+SlotBytes = bytes | bytearray | memoryview
 
 
-def read_record(slot: bytes, offset: int = 0) -> RecordFields | None:
+def read_record(slot: SlotBytes, offset: int = 0) -> RecordFields | None:
     """The fields of the record in a slot (the slot at `offset` of a slot table) if its mark
     says READY and its CRC verifies, else None (a slot cut short included): what
     SlotRecord.unpack makes a SlotRecord of."""
@@ -310,7 +313,7 @@ def read_record(slot: bytes, offset: int = 0) -> RecordFields | None:
     return records[0][1] if records else None
 
 
-def ready_slots(table: bytes) -> list[int]:
+def ready_slots(table: SlotBytes) -> list[int]:
     """The slots of a slot table whose mark says READY, found by their 4-byte marks alone (in
     C, however many slots are free): the only slots that can hold a record."""
     if len(table) % SLOT_SIZE:
@@ -319,10 +322,10 @@ def ready_slots(table: bytes) -> list[int]:
     return list(itertools.compress(range(len(marks)), map(_READY_MARK_NATIVE.__eq__, marks)))
 
 
-def read_slot_table(table: bytes) -> list[tuple[int, RecordFields]]:
-    """The whole records of a slot table with their slots: what read_record finds in each
-    slot, read only where a READY mark is."""
-    return _read_records(table, ready_slots(table), SLOT_SIZE)
+def read_slot_table(table: SlotBytes, first_slot: int = 0) -> list[tuple[int, RecordFields]]:
+    """The whole records of a slot table (or of its slots from `first_slot` on) with their
+    slots: what read_record finds in each slot, read only where a READY mark is."""
+    return _read_records(table, ready_slots(table), SLOT_SIZE, first_slot)
 
 
 # A slot record's mark, CRC and fixed fields, unpacked in one call.
@@ -331,12 +334,12 @@ assert _SLOT_HEAD_FIELDS.size == _SLOT_HEAD
 
 
 def _read_records(
-    buf: bytes, indexes: Iterable[int], stride: int
+    buf: SlotBytes, indexes: Iterable[int], stride: int, base: int = 0
 ) -> list[tuple[int, RecordFields]]:
     """The whole records at `index * stride` in `buf` for each index (each with a record
-    head's bytes from there), with their indexes: read_record of each, in one loop. A restart
-    reads 100,000 records: each call, unpack and slice less per record is a share of its wait
-    (docs/performance.md, *A warm restart*)."""
+    head's bytes from there), with their indexes plus `base`: read_record of each, in one
+    loop. A restart reads 100,000 records: each call, unpack and slice less per record is a
+    share of its wait (docs/performance.md, *A warm restart*)."""
     records: list[tuple[int, RecordFields]] = []
     append, unpack_head, size = records.append, _SLOT_HEAD_FIELDS.unpack_from, len(buf)
     crc32, dtypes, tail_of, crc_from = zlib.crc32, DTYPE_BY_CODE, _slot_tail, _SLOT_MARK_CRC.size
@@ -366,7 +369,7 @@ def _read_records(
                 commit_seq,
                 values[ndim:-1],
             )
-            append((index, fields))
+            append((base + index, fields))
     return records
 
 
