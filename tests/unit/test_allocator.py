@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import pickle
 import random
 
 import pytest
@@ -127,3 +129,14 @@ def test_random_allocations_and_frees_keep_every_block_in_exactly_one_place(
         runs = sorted([e for h in held for e in h] + allocator.free_runs())
         assert sum(e.count for e in runs) == 128
         assert all(a.end <= b.start for a, b in itertools.pairwise(runs))
+
+
+def test_an_extent_is_a_frozen_value_built_by_position_or_by_name() -> None:
+    extent = Extent(3, count=4)
+    assert (extent.start, extent.count, extent.end) == (3, 4, 7)
+    assert extent == Extent(start=3, count=4) and hash(extent) == hash(Extent(3, 4))
+    assert sorted([Extent(3, 5), extent, Extent(1, 9)]) == [Extent(1, 9), extent, Extent(3, 5)]
+    assert dataclasses.replace(extent, count=1) == Extent(3, 1)
+    assert pickle.loads(pickle.dumps(extent)) == extent
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        extent.start = 0  # type: ignore[misc]
