@@ -29,6 +29,7 @@ import struct
 import sys
 import uuid
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAGIC = b"ECDPOOL1"
@@ -297,36 +298,22 @@ class SlotRecord:
 # per entry, 100,000 in a large pool: such a tuple costs a fraction of a SlotRecord (a frozen
 # dataclass sets each field through object.__setattr__; docs/performance.md, *A warm restart*).
 RecordFields = tuple[bytes, str, tuple[int, ...], int, int, int, tuple[int, ...]]
+# Slots' bytes as read: a bytes, or a view of a buffer read into again and again (a slot table
+# read a part at a time); what is read from them never keeps a view of them.
+SlotBytes = bytes | bytearray | memoryview
 
 
-def read_record(slot: bytes, offset: int = 0) -> RecordFields | None:
+def read_record(slot: SlotBytes, offset: int = 0) -> RecordFields | None:
     """The fields of the record in a slot (the slot at `offset` of a slot table) if its mark
-    says READY and its CRC verifies, else None: what SlotRecord.unpack makes a SlotRecord of."""
-    mark, crc = _SLOT_MARK_CRC.unpack_from(slot, offset)
-    if mark != SLOT_READY_MARK:
+    says READY and its CRC verifies, else None (a slot cut short included): what
+    SlotRecord.unpack makes a SlotRecord of."""
+    if len(slot) - offset < _SLOT_HEAD:
         return None
-    commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = _SLOT_FIXED.unpack_from(
-        slot, offset + _SLOT_MARK_CRC.size
-    )
-    end = offset + _SLOT_HEAD + 8 * ndim + 8 * n_extents + key_len
-    if ndim > MAX_NDIM or end > len(slot) or end - offset > SLOT_SIZE:
-        return None
-    dtype = DTYPE_BY_CODE.get(dtype_code)
-    if dtype is None or crc != zlib.crc32(slot[offset + _SLOT_MARK_CRC.size : end]):
-        return None
-    values = _slot_tail(ndim, n_extents).unpack_from(slot, offset + _SLOT_HEAD)
-    key = bytes(slot[end - key_len : end])
-    return key, dtype, values[:ndim], nbytes, checksum, commit_seq, values[ndim:]
+    records = _read_records(slot, (offset,), 1)
+    return records[0][1] if records else None
 
 
-@functools.cache
-def _slot_tail(ndim: int, n_extents: int) -> struct.Struct:
-    """What follows a slot record's fixed fields: its shape and extents. One per shape of
-    record (at most MAX_NDIM + 1 times what a slot has room for): a pool's records share few."""
-    return struct.Struct(f"<{ndim}q{2 * n_extents}I")
-
-
-def ready_slots(table: bytes) -> list[int]:
+def ready_slots(table: SlotBytes) -> list[int]:
     """The slots of a slot table whose mark says READY, found by their 4-byte marks alone (in
     C, however many slots are free): the only slots that can hold a record."""
     if len(table) % SLOT_SIZE:
@@ -335,15 +322,66 @@ def ready_slots(table: bytes) -> list[int]:
     return list(itertools.compress(range(len(marks)), map(_READY_MARK_NATIVE.__eq__, marks)))
 
 
-def read_slot_table(table: bytes) -> list[tuple[int, RecordFields]]:
-    """The whole records of a slot table with their slots: what read_record finds in each
-    slot, read only where a READY mark is."""
-    records = []
-    for slot in ready_slots(table):
-        fields = read_record(table, slot * SLOT_SIZE)
-        if fields is not None:
-            records.append((slot, fields))
+def read_slot_table(table: SlotBytes, first_slot: int = 0) -> list[tuple[int, RecordFields]]:
+    """The whole records of a slot table (or of its slots from `first_slot` on) with their
+    slots: what read_record finds in each slot, read only where a READY mark is."""
+    return _read_records(table, ready_slots(table), SLOT_SIZE, first_slot)
+
+
+# A slot record's mark, CRC and fixed fields, unpacked in one call.
+_SLOT_HEAD_FIELDS = struct.Struct(f"<{_SLOT_MARK_CRC.format[1:]}{_SLOT_FIXED.format[1:]}")
+assert _SLOT_HEAD_FIELDS.size == _SLOT_HEAD
+
+
+def _read_records(
+    buf: SlotBytes, indexes: Iterable[int], stride: int, base: int = 0
+) -> list[tuple[int, RecordFields]]:
+    """The whole records at `index * stride` in `buf` for each index (each with a record
+    head's bytes from there), with their indexes plus `base`: read_record of each, in one
+    loop. A restart reads 100,000 records: each call, unpack and slice less per record is a
+    share of its wait (docs/performance.md, *A warm restart*)."""
+    records: list[tuple[int, RecordFields]] = []
+    append, unpack_head, size = records.append, _SLOT_HEAD_FIELDS.unpack_from, len(buf)
+    crc32, dtypes, tail_of, crc_from = zlib.crc32, DTYPE_BY_CODE, _slot_tail, _SLOT_MARK_CRC.size
+    for index in indexes:
+        offset = index * stride
+        mark, crc, commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = unpack_head(
+            buf, offset
+        )
+        tail = tail_of(ndim, n_extents, key_len)
+        dtype = dtypes.get(dtype_code)
+        start = offset + _SLOT_HEAD
+        end = start + tail.size if tail is not None else 0
+        if (
+            mark == SLOT_READY_MARK
+            and tail is not None
+            and dtype is not None
+            and end <= size
+            and crc == crc32(buf[offset + crc_from : end])
+        ):
+            values = tail.unpack_from(buf, start)  # shape, extents, key
+            fields = (
+                values[-1],
+                dtype,
+                values[:ndim],
+                nbytes,
+                checksum,
+                commit_seq,
+                values[ndim:-1],
+            )
+            append((base + index, fields))
     return records
+
+
+# Bounded: a slot table written over by someone else could name any sizes.
+@functools.lru_cache(maxsize=1024)
+def _slot_tail(ndim: int, n_extents: int, key_len: int) -> struct.Struct | None:
+    """What follows a slot record's fixed fields: its shape, extents and key; None when no
+    record can be so (more than MAX_NDIM dimensions, or longer than a slot). One per shape of
+    record: a pool's records share few (its keys' lengths times its entries' shapes)."""
+    if ndim > MAX_NDIM or _SLOT_HEAD + 8 * ndim + 8 * n_extents + key_len > SLOT_SIZE:
+        return None
+    return struct.Struct(f"<{ndim}q{2 * n_extents}I{key_len}s")
 
 
 def slot_offset(index: int) -> int:

@@ -11,14 +11,11 @@ merged) and both indexes hold the same set.
 from __future__ import annotations
 
 import itertools
-import operator
+from collections.abc import Iterable
 
 from sortedcontainers import SortedDict, SortedList
 
 from ec_client.types import Extent
-
-# Extents compared as tuples, in C: their dataclass ordering costs a Python call per comparison.
-_start_and_count = operator.attrgetter("start", "count")
 
 
 class ExtentAllocator:
@@ -32,20 +29,22 @@ class ExtentAllocator:
         self._insert(0, num_blocks)
 
     @classmethod
-    def with_used(cls, num_blocks: int, used: list[Extent]) -> ExtentAllocator:
-        """An allocator whose free space is everything but `used` (recovery after a restart).
+    def with_used(cls, num_blocks: int, used: Iterable[tuple[int, int]]) -> ExtentAllocator:
+        """An allocator whose free space is everything but the `used` extents, as (start, count)
+        pairs (recovery after a restart).
 
         Raises ValueError if used extents overlap or fall outside the pool. The free runs are
         the gaps between the used extents in order, indexed in one go: a pool of 100,000
-        entries is rebuilt in milliseconds, not in 100,000 updates of the indexes.
+        entries is rebuilt in milliseconds, not in 100,000 updates of the indexes. Pairs, not
+        Extents: they sort and unpack in C.
         """
         runs, end = [], 0  # the free runs, and where the used extents so far end
-        for extent in sorted(used, key=_start_and_count):
-            if extent.count <= 0 or extent.start < end or extent.end > num_blocks:
-                raise ValueError(f"{extent} is not free")
-            if extent.start > end:
-                runs.append((end, extent.start - end))
-            end = extent.end
+        for start, count in sorted(used):
+            if count <= 0 or start < end or start + count > num_blocks:
+                raise ValueError(f"{Extent(start, count)} is not free")
+            if start > end:
+                runs.append((end, start - end))
+            end = start + count
         if end < num_blocks:
             runs.append((end, num_blocks - end))
         allocator = cls(num_blocks)

@@ -33,6 +33,7 @@ entry whose blocks belong to someone else, and a reader never locks a record who
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import math
@@ -181,26 +182,39 @@ class PoolIndex:
         twice, or hold extents that do not match their size; the caller then refuses the whole
         pool rather than serve bytes two entries claim. Two records of one key are an entry
         deleted under a lock pin and put again: the newer is the entry. One pass, the tallies set
-        once: a restart with 100,000 entries waits on it (docs/performance.md, *A warm restart*).
+        once, the least built per entry: a restart with 100,000 entries waits on it
+        (docs/performance.md, *A warm restart*).
         """
         now = self._clock()
+        in_order = sorted(records, key=_commit_seq)
+        slots = {slot for slot, _ in in_order}
+        if len(slots) != len(in_order):
+            twice = next(s for s, n in collections.Counter(s for s, _ in in_order).items() if n > 1)
+            raise ValueError(f"slot table names slot {twice} twice")
+        # One spec, and its size in blocks, for the entries of one shape, dtype and size (most
+        # of a pool's): a spec is never changed, only replaced (PoolIndex.commit).
+        specs: dict[tuple[tuple[int, ...], str, int], tuple[TensorSpec, int]] = {}
         entries: dict[bytes, Entry] = {}
         superseded: list[Entry] = []
-        slots: set[int] = set()
-        used: list[Extent] = []
+        used: list[tuple[int, int]] = []  # every extent, as (start, count)
         blocks = 0
-        for slot, fields in sorted(records, key=_commit_seq):
-            key, dtype, shape, nbytes, checksum, commit_seq, flat_extents = fields
-            if slot in slots:
-                raise ValueError(f"slot table names slot {slot} twice")
-            slots.add(slot)
+        for slot, (key, dtype, shape, nbytes, checksum, commit_seq, flat_extents) in in_order:
+            spec_and_size = specs.get((shape, dtype, nbytes))
+            if spec_and_size is None:
+                spec_and_size = (TensorSpec(shape, dtype, nbytes), self.blocks_for(nbytes))
+                specs[shape, dtype, nbytes] = spec_and_size
+            spec, size = spec_and_size
             if len(flat_extents) == 2:  # one extent, as nearly every entry has
-                size = flat_extents[1]
-                extents: tuple[Extent, ...] = (Extent(flat_extents[0], size),)
+                start, count = flat_extents
+                extents: tuple[Extent, ...] = (Extent(start, count),)
+                used.append((start, count))
+                matches = count == size
             else:
-                size = sum(flat_extents[1::2])
-                extents = tuple(map(Extent, flat_extents[0::2], flat_extents[1::2]))
-            if size != self.blocks_for(nbytes):
+                pairs = list(zip(flat_extents[0::2], flat_extents[1::2], strict=True))
+                extents = tuple(itertools.starmap(Extent, pairs))
+                used += pairs
+                matches = sum(flat_extents[1::2]) == size
+            if not matches:
                 raise ValueError(f"entry {key!r}: extents do not match {nbytes} bytes")
             older = entries.get(key)
             if older is not None:
@@ -213,7 +227,7 @@ class PoolIndex:
             # Entry's fields in their order (keywords cost this loop a sixth more)
             entries[key] = Entry(
                 key,
-                TensorSpec(shape, dtype, nbytes),
+                spec,
                 extents,
                 slot,
                 "",  # session_id: none may commit or abort it
@@ -227,14 +241,15 @@ class PoolIndex:
                 False,  # removed
                 True,  # recorded
             )
-            used += extents
             blocks += size
         self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, used)
         self._entries = entries
-        for key in entries:  # oldest commit first
-            self._policy.on_ready(key)
+        # Oldest commit first: a key's place in the dict is its first record's, which is where
+        # on_ready one record at a time would have left it too.
+        self._policy.on_ready_many(entries)
         self._evictable_blocks, self._evictable_entries = blocks, len(entries)
-        self._commit_seq = max((e.commit_seq for e in entries.values()), default=0)
+        # The newest record is an entry (a key's newest record is never superseded).
+        self._commit_seq = _commit_seq(in_order[-1]) if in_order else 0
         self._free_slots = [s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in slots]
         for entry in superseded:
             self._place(entry)

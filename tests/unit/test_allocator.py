@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import pickle
 import random
 
 import pytest
@@ -25,7 +27,7 @@ def test_allocation_is_one_contiguous_extent_when_a_run_is_long_enough() -> None
 
 
 def test_best_fit_takes_the_smallest_run_that_fits() -> None:
-    allocator = ExtentAllocator.with_used(100, [Extent(10, 10), Extent(25, 75)])
+    allocator = ExtentAllocator.with_used(100, [(10, 10), (25, 75)])
     # free runs: [0,10) and [20,25); a 4-block entry goes in the 5-block hole
     assert allocator.allocate(4, max_extents=4) == [Extent(20, 4)]
 
@@ -43,7 +45,7 @@ def test_freed_neighbours_coalesce_into_one_run() -> None:
 
 
 def test_fragmented_space_is_allocated_as_several_extents_largest_first() -> None:
-    allocator = ExtentAllocator.with_used(20, [Extent(3, 2), Extent(9, 2), Extent(14, 6)])
+    allocator = ExtentAllocator.with_used(20, [(3, 2), (9, 2), (14, 6)])
     # free runs: [0,3) [5,9) [11,14) -> 3 + 4 + 3 blocks
     extents = allocator.allocate(8, max_extents=4)
     assert extents is not None
@@ -54,7 +56,7 @@ def test_fragmented_space_is_allocated_as_several_extents_largest_first() -> Non
 
 
 def test_allocation_needing_more_extents_than_allowed_fails_and_changes_nothing() -> None:
-    allocator = ExtentAllocator.with_used(20, [Extent(3, 2), Extent(9, 2), Extent(14, 6)])
+    allocator = ExtentAllocator.with_used(20, [(3, 2), (9, 2), (14, 6)])
     before = allocator.free_runs()
     assert allocator.allocate(8, max_extents=2) is None
     assert allocator.free_runs() == before
@@ -76,14 +78,12 @@ def test_double_free_is_refused() -> None:
 
 def test_rebuilding_from_overlapping_used_extents_is_refused() -> None:
     with pytest.raises(ValueError, match="not free"):
-        ExtentAllocator.with_used(10, [Extent(0, 5), Extent(4, 2)])
+        ExtentAllocator.with_used(10, [(0, 5), (4, 2)])
 
 
-@pytest.mark.parametrize(
-    "used", [[Extent(8, 3)], [Extent(-1, 2)], [Extent(3, 0)], [Extent(2, 2)] * 2]
-)
+@pytest.mark.parametrize("used", [[(8, 3)], [(-1, 2)], [(3, 0)], [(2, 2)] * 2])
 def test_rebuilding_from_used_extents_outside_the_pool_empty_or_twice_is_refused(
-    used: list[Extent],
+    used: list[tuple[int, int]],
 ) -> None:
     with pytest.raises(ValueError, match="not free"):
         ExtentAllocator.with_used(10, used)
@@ -100,7 +100,7 @@ def test_rebuilding_from_used_extents_frees_exactly_the_gaps_between_them(
         start += gap + count
     num_blocks = start + 3
     rng.shuffle(used)
-    allocator = ExtentAllocator.with_used(num_blocks, used)
+    allocator = ExtentAllocator.with_used(num_blocks, [(e.start, e.count) for e in used])
     allocator.check()
     taken = ExtentAllocator(num_blocks)  # the same, one extent at a time
     for extent in used:
@@ -129,3 +129,14 @@ def test_random_allocations_and_frees_keep_every_block_in_exactly_one_place(
         runs = sorted([e for h in held for e in h] + allocator.free_runs())
         assert sum(e.count for e in runs) == 128
         assert all(a.end <= b.start for a, b in itertools.pairwise(runs))
+
+
+def test_an_extent_is_a_frozen_value_built_by_position_or_by_name() -> None:
+    extent = Extent(3, count=4)
+    assert (extent.start, extent.count, extent.end) == (3, 4, 7)
+    assert extent == Extent(start=3, count=4) and hash(extent) == hash(Extent(3, 4))
+    assert sorted([Extent(3, 5), extent, Extent(1, 9)]) == [Extent(1, 9), extent, Extent(3, 5)]
+    assert dataclasses.replace(extent, count=1) == Extent(3, 1)
+    assert pickle.loads(pickle.dumps(extent)) == extent
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        extent.start = 0  # type: ignore[misc]

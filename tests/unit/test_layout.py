@@ -75,6 +75,12 @@ def test_an_erased_or_empty_slot_holds_no_record() -> None:
     assert SlotRecord.unpack(bytes(SLOT_SIZE)) is None
 
 
+def test_a_slot_cut_short_holds_no_record() -> None:
+    packed = record().pack()  # a pread of a truncated file reads less than a slot
+    for length in (0, 4, 8, 20, len(packed) - 1):
+        assert read_record(packed[:length]) is None, length
+
+
 def a_slot_table() -> tuple[bytes, set[int], list[tuple[int, SlotRecord]]]:
     """A slot table whose slots are free, READY, erased over a record, torn, written over a
     longer record, marked READY over nothing, or whole records of many shapes; the slots marked

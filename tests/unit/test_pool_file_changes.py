@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from core_testing import FakeClock, make_store, open_pool
 
-from ec_client.layout import MAGIC, pool_file_name
+from ec_client.layout import MAGIC, Geometry, SlotRecord, pool_file_name, read_record
 from ec_daemon.errors import CoreError, Reason
+from ec_daemon.pool import _TABLE_CHUNK_SLOTS, PoolFile
 from ec_daemon.store import Store
 
 BLOCK = 4096
@@ -76,3 +77,19 @@ def test_a_pool_file_of_an_older_layout_is_refused_at_adoption_and_kept(
     assert refused.value.reason is Reason.POOL_UNVERIFIED
     assert "layout 1" in refused.value.message and "older ecd" in refused.value.message
     assert path.exists()
+
+
+def test_an_adopted_slot_table_is_read_whole_across_the_parts_it_is_read_in(
+    shm_dir: Path,
+) -> None:
+    slots = 2 * _TABLE_CHUNK_SLOTS + 5  # two whole parts and a short one
+    created = PoolFile.create(shm_dir, "p", Geometry(BLOCK, slots, slots), "", 0o600, None)
+    written = {}
+    for slot in (0, _TABLE_CHUNK_SLOTS - 1, _TABLE_CHUNK_SLOTS, slots - 1):
+        record = SlotRecord(f"k{slot}".encode(), "uint8", (BLOCK,), BLOCK, 7, slot, ((slot, 1),))
+        created.write_slot(slot, record)
+        written[slot] = read_record(record.pack())
+    created.close()
+    adopted, records = PoolFile.adopt(shm_dir / pool_file_name("p"))
+    adopted.close()
+    assert records == list(written.items())
