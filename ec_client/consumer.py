@@ -215,7 +215,7 @@ class Consumer:
         leases of hits whose copy was not launched stay in `unread`, for the caller to release
         (after the copies launched landed, should this raise)."""
         engine_id = self.endpoint.engine_id
-        mover = self.endpoint.mover(device)  # before the Step: see PoolEndpoint.still_maps
+        before = self.endpoint.file_at_path()  # which file the Step is answered of: see below
         if wait_ms:  # the daemon waits: an Acquire of its own, what is owed goes its own way
             results = self.client.acquire(engine_id, asked, wait_ms)
         else:
@@ -224,14 +224,15 @@ class Consumer:
         error = item_errors("Acquire", results)
         if error is not None:
             raise error
-        if unread and not self.endpoint.still_maps(mover):
-            # The pool was recreated during the Step: its hits may be of a file this mapping is
+        mover = self.endpoint.mover(device) if unread else None
+        if mover is not None and not self.endpoint.answered_of(mover, before):
+            # The pool was recreated around the Step: its hits may be of a file this mapping is
             # not. They are misses (their leases go back, void or not), never another's bytes.
             return
         for key, result in zip(asked, results, strict=True):
             if result.status is Status.MISS and self._view is not None:
                 self._view.discard(key_bytes(key))
-            if result.status is not Status.HIT or result.spec is None:
+            if mover is None or result.status is not Status.HIT or result.spec is None:
                 continue
             target = out.get(key) if out else None
             tensor, transfer = mover.load(result.extents, result.spec, target)

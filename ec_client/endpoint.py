@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import grpc
@@ -41,19 +42,23 @@ class PoolEndpoint:
             mover = self._movers[device] = TensorMover(self.mapping, device)
         return mover
 
-    def still_maps(self, mover: TensorMover) -> bool:
-        """Whether `mover` still maps the pool's file. Asked after a Step, with `mover` taken
-        before it: then the daemon answered of that very file, and the Step's extents are the
-        mover's. (A pool's file, once replaced, never comes back: the path holding it now means
-        it held it all along. Taken after the Step instead, a mover could map a file recreated
-        meanwhile, and read or write another file's extents: another entry's bytes.)"""
-        if mover.mapping is not self.mapping:
-            return False
+    def file_at_path(self) -> tuple[int, int] | None:
+        """The file at the pool's path now (device, inode), None if there is none: taken before
+        a Step, to tell after it which file the Step was answered of (`answered_of`)."""
         try:
-            self.mapping.check_current()
-        except EcdError:
-            return False
-        return True
+            stat = os.stat(self.mapping.info.path)
+        except FileNotFoundError:
+            return None
+        return stat.st_dev, stat.st_ino
+
+    def answered_of(self, mover: TensorMover, before: tuple[int, int] | None) -> bool:
+        """Whether a Step sent while `before` was at the path (`file_at_path`) was answered of
+        the file `mover` maps (taken after the Step, so that it is current): that file was at
+        the path before the Step and is now, and a pool's file, once replaced, never comes back,
+        so it was the pool's throughout. Otherwise the pool was recreated around the Step, and
+        its extents may be of another file than the mover's: read, another entry's bytes or
+        zeros; written, over another entry's bytes."""
+        return before is not None and mover.mapping.file_id == before
 
     def _refresh(self) -> None:
         """Map the pool again if the daemon announced a new file (after a restart), or if the

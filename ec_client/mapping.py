@@ -147,7 +147,7 @@ class PoolMapping:
         fd = _open_pool_file(info)
         try:
             stat = os.fstat(fd)
-            self._inode = (stat.st_dev, stat.st_ino)
+            self.file_id = (stat.st_dev, stat.st_ino)  # which file, whatever is at the path now
             self._verify_header(os.pread(fd, HEADER_SIZE, 0), stat.st_size)
             try:
                 self._mmap = map_populated(
@@ -204,7 +204,7 @@ class PoolMapping:
             stat = os.stat(self.info.path)
         except FileNotFoundError:
             raise stale(self.info, "the file was removed (pool dropped)") from None
-        if (stat.st_dev, stat.st_ino) != self._inode:
+        if (stat.st_dev, stat.st_ino) != self.file_id:
             raise stale(self.info, "the file was recreated (new pool UUID)")
         if stat.st_size < self.info.file_size:
             raise stale(self.info, f"the file was truncated to {stat.st_size} bytes")

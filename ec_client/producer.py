@@ -151,17 +151,18 @@ class Producer:
         items = [
             AllocateItem(k, s.shape, s.dtype, s.nbytes) for k, s in zip(tensors, specs, strict=True)
         ]
-        # The movers before the Step, checked after it (PoolEndpoint.still_maps): a mover taken
-        # after could map a file recreated meanwhile and write these extents into it, over
-        # another entry's bytes.
-        movers = {d: self.endpoint.mover(d) for d in {t.device for t in tensors.values()}}
+        before = self.endpoint.file_at_path()  # which file the Step is answered of: see below
         results = self.client.step(engine_id, allocates=items).allocates
         committed: Future[None] = Future()
         ops: list[DeferredOp] = []
         copies: list[Transfer] = []
         try:
             count = sum(r.status is Status.ALLOCATED for r in results)
-            if count and not all(map(self.endpoint.still_maps, movers.values())):
+            devices = {t.device for t in tensors.values()} if count else set()
+            movers = {d: self.endpoint.mover(d) for d in devices}
+            if not all(self.endpoint.answered_of(m, before) for m in movers.values()):
+                # The pool was recreated around the Step: these extents may be of another file
+                # than the movers', where writing them would overwrite another entry's bytes.
                 raise stale(
                     self.endpoint.mapping.info,
                     "the pool was recreated while this put was allocated; nothing was written, "
