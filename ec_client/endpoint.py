@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import grpc
@@ -10,6 +9,7 @@ import torch
 
 from ec_client.client import Client
 from ec_client.errors import EcdError
+from ec_client.layout import file_at
 from ec_client.mapping import PoolMapping
 from ec_client.mover import TensorMover, cuda_device
 from ec_client.slot_locks import SlotPins
@@ -45,11 +45,7 @@ class PoolEndpoint:
     def file_at_path(self) -> tuple[int, int] | None:
         """The file at the pool's path now (device, inode), None if there is none: taken before
         a Step, to tell after it which file the Step was answered of (`answered_of`)."""
-        try:
-            stat = os.stat(self.mapping.info.path)
-        except FileNotFoundError:
-            return None
-        return stat.st_dev, stat.st_ino
+        return file_at(self.mapping.info.path)
 
     def answered_of(self, mover: TensorMover, before: tuple[int, int] | None) -> bool:
         """Whether a Step sent while `before` was at the path (`file_at_path`) was answered of

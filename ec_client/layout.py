@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import re
 import struct
 import sys
@@ -382,6 +383,16 @@ def _slot_tail(ndim: int, n_extents: int, key_len: int) -> struct.Struct | None:
     if ndim > MAX_NDIM or _SLOT_HEAD + 8 * ndim + 8 * n_extents + key_len > SLOT_SIZE:
         return None
     return struct.Struct(f"<{ndim}q{2 * n_extents}I{key_len}s")
+
+
+def file_at(path: str) -> tuple[int, int] | None:
+    """Which file is at `path` now (device, inode), None if none: a pool recreated reuses its
+    path, so the path alone does not say which file a client or a pin holds."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def slot_offset(index: int) -> int:

@@ -32,7 +32,15 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from ec_client.layout import HEADER_SIZE, SLOT_SIZE, Header, LayoutError, read_record, slot_offset
+from ec_client.layout import (
+    HEADER_SIZE,
+    SLOT_SIZE,
+    Header,
+    LayoutError,
+    file_at,
+    read_record,
+    slot_offset,
+)
 from ec_client.types import Extent, TensorSpec
 
 # Linux's open-file-description lock commands (fcntl.h); Python's fcntl module lacks the names.
@@ -125,6 +133,8 @@ class SlotPins:
             raise
         self.pool_uuid = pool_uuid
         self.path = path
+        held = os.fstat(self._fd)
+        self.file_id = (held.st_dev, held.st_ino)  # which file, whatever is at the path now
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
         self._retired = False
@@ -170,15 +180,7 @@ class SlotPins:
     def still_at_path(self) -> bool:
         """Whether the file at the path is still the one these pins opened (not dropped and
         recreated since); False once closed."""
-        with self._lock:
-            if self._fd < 0:
-                return False
-            held = os.fstat(self._fd)
-        try:
-            named = os.stat(self.path)
-        except FileNotFoundError:
-            return False
-        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+        return self._fd >= 0 and file_at(self.path) == self.file_id
 
     def held(self) -> int:
         """Slots this process holds locked."""
