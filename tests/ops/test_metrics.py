@@ -227,6 +227,9 @@ def test_pulls_from_a_peer_and_the_peers_state_are_scraped_as_stats_reports_them
         [allocated] = producer.allocate(POOL, [FULL])
         producer.commit(POOL, [FULL.key])
         wait_until(lambda: consumer.stats().peers[0].keys == 1)
+        # The peer follows this daemon too, through a session here: once it is synced, no
+        # session comes or goes between the scrape and Stats below.
+        wait_until(lambda: producer.stats().peers[0].state == "synced")
         [hit] = consumer.acquire(POOL, [FULL.key])
         assert (allocated.status, hit.status) == (Status.ALLOCATED, Status.HIT)
         consumer.release([hit.lease_id])
