@@ -30,6 +30,7 @@ import os
 import struct
 import threading
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ec_client.layout import (
@@ -53,11 +54,13 @@ def _flock(kind: int, start: int, length: int = 1) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)  # l_pid must be 0 for OFD locks
 
 
-def _set(fd: int, kind: int, slot: int) -> bool:
-    """Take (or drop) a slot's lock byte; False if another description holds a conflicting
+def _set(fd: int, kind: int, slot: int, slots: int = 1) -> bool:
+    """Take (or drop) the lock bytes of `slots` slots from `slot` on (one range: the bytes
+    between them are locked by nobody); False if another description holds a conflicting
     lock."""
+    start = slot_offset(slot)
     try:
-        fcntl.fcntl(fd, F_OFD_SETLK, _flock(kind, slot_offset(slot)))
+        fcntl.fcntl(fd, F_OFD_SETLK, _flock(kind, start, slot_offset(slot + slots - 1) + 1 - start))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -76,8 +79,20 @@ def lock_exclusive(fd: int, slot: int) -> bool:
     return _set(fd, fcntl.F_WRLCK, slot)
 
 
-def unlock(fd: int, slot: int) -> None:
-    _set(fd, fcntl.F_UNLCK, slot)
+def unlock(fd: int, slot: int, slots: int = 1) -> None:
+    """Drop this description's locks on `slots` slots from `slot` on, in one call."""
+    _set(fd, fcntl.F_UNLCK, slot, slots)
+
+
+def runs(slots: Iterable[int]) -> list[tuple[int, int]]:
+    """Distinct slots as (first, count) runs of consecutive ones: what one unlock each drops."""
+    found: list[tuple[int, int]] = []
+    for slot in sorted(set(slots)):
+        if found and found[-1][0] + found[-1][1] == slot:
+            found[-1] = (found[-1][0], found[-1][1] + 1)
+        else:
+            found.append((slot, 1))
+    return found
 
 
 def locked_slots(fd: int, num_slots: int) -> set[int]:
@@ -165,17 +180,27 @@ class SlotPins:
     def unpin(self, slot: int) -> None:
         """Give one pin back; the lock goes with the slot's last. Only once every copy made under
         the pin has landed."""
+        self.unpin_many((slot,))
+
+    def unpin_many(self, slots: Iterable[int]) -> None:
+        """Give one pin back on each of `slots` (a slot named twice gives two back). The locks
+        whose last pin went are dropped one run of consecutive slots at a time: entries
+        committed together hold neighbouring slots, and a step's loads are unlocked together."""
         with self._lock:
-            held = self._held.get(slot)
-            if held is None:  # closed meanwhile: its locks went with the file
-                return
-            held.count -= 1
-            if held.count == 0:
-                del self._held[slot]
-                if self._fd >= 0:
-                    unlock(self._fd, slot)
-                if self._retired and not self._held:
-                    self._close()
+            last: list[int] = []
+            for slot in slots:
+                held = self._held.get(slot)
+                if held is None:  # closed meanwhile: its locks went with the file
+                    continue
+                held.count -= 1
+                if held.count == 0:
+                    del self._held[slot]
+                    last.append(slot)
+            if self._fd >= 0:
+                for first, count in runs(last):
+                    unlock(self._fd, first, count)
+            if self._retired and not self._held:
+                self._close()
 
     def still_at_path(self) -> bool:
         """Whether the file at the path is still the one these pins opened (not dropped and

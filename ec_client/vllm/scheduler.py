@@ -640,8 +640,7 @@ class SchedulerSide:
         """Unlock the lock pins the book is done with (every copy under them landed)."""
         unlocks = self.loads.take_unlocks()
         if unlocks and self._slot_pins is not None:
-            for slot in unlocks:
-                self._slot_pins.unpin(slot)
+            self._slot_pins.unpin_many(unlocks)
 
     def _open_slot_pins(self, client: SchedulerClient) -> SlotPins | None:
         """The lock pins of the pool's current file; None if it cannot be opened (then every

@@ -3,7 +3,8 @@
 Two open file descriptions in one process conflict as two processes would (OFD locks belong to
 the description), so the daemon's side is a PoolFile (its own read-write description) and each
 reader a SlotPins (a read-only one). Proven here: a shared lock refuses the exclusive one and
-only its own byte; pins count per slot; a pin is a miss, and leaves no lock, whenever the slot
+only its own byte; pins count per slot, and giving many back drops exactly the locks whose last
+pin went; a pin is a miss, and leaves no lock, whenever the slot
 does not hold a whole record of the key that fits the pool, or while the exclusive lock is
 held; `locked_slots` lists exactly the locked slots; a retired SlotPins closes with its last pin.
 """
@@ -23,6 +24,7 @@ from ec_client.slot_locks import (
     lock_exclusive,
     lock_shared,
     locked_slots,
+    runs,
     unlock,
 )
 from ec_client.types import Extent, TensorSpec
@@ -102,6 +104,25 @@ def test_pinning_a_slot_twice_and_unpinning_once_keeps_its_lock(
     assert not pool.slot_locked(5)
     assert pool.erase_slot(5)
     assert pins.pin(5, key(5)) is None  # erased: a miss
+
+
+def test_runs_are_the_distinct_slots_in_consecutive_stretches() -> None:
+    assert runs([]) == []
+    assert runs([5, 3, 4, 4, 9, 0, 10]) == [(0, 1), (3, 3), (9, 2)]
+
+
+def test_unpinning_many_drops_exactly_the_locks_whose_last_pin_went(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    for slot in (1, 2, 3, 4, 6):
+        assert pins.pin(slot, key(slot)) is not None
+    assert pins.pin(3, key(3)) is not None  # a second pin of slot 3
+    pins.unpin_many([6, 1, 2, 3, 4])  # slots 1-4 one run, slot 3 keeps its other pin
+    assert pool.locked_slots() == {3}
+    assert pins.held() == 1
+    pins.unpin_many([3, 5])  # a slot not pinned (5) changes nothing
+    assert pool.locked_slots() == set()
+    assert pins.held() == 0
 
 
 def test_a_pin_holds_the_record_against_erasure_until_unpinned(
