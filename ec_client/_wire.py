@@ -148,22 +148,27 @@ def add_allocates(into: Any, items: Sequence[api.AllocateItem]) -> None:
         )
 
 
-def add_commits(into: Any, commits: Sequence[tuple[bytes, int]]) -> None:
+def add_commits(into: Any, commits: Sequence[api.CommitItem]) -> None:
     add = into.add
-    for key, checksum in commits:
+    for key, checksum, allocation in commits:
         added = add()
         added.key = key
         added.checksum = checksum
+        added.allocation = allocation
 
 
-def commit_pairs(
-    keys_: Sequence[api.Key], checksums: Sequence[int] | None
-) -> list[tuple[bytes, int]]:
-    """(key, checksum) of each commit; a checksum of 0 means none."""
+def commit_items(
+    keys_: Sequence[api.Key],
+    checksums: Sequence[int] | None,
+    allocations: Sequence[int] | None = None,
+) -> list[api.CommitItem]:
+    """The commits of keys; a checksum of 0 means none, an allocation of 0 (or none given) the
+    session's PENDING allocation of the key, whichever it is."""
     sums = list(checksums) if checksums is not None else [0] * len(keys_)
-    if len(sums) != len(keys_):
-        raise ValueError(f"{len(keys_)} keys but {len(sums)} checksums")
-    return list(zip(keys(keys_), sums, strict=True))
+    ids = list(allocations) if allocations is not None else [0] * len(keys_)
+    if len(sums) != len(keys_) or len(ids) != len(keys_):
+        raise ValueError(f"{len(keys_)} keys but {len(sums)} checksums and {len(ids)} allocations")
+    return list(zip(keys(keys_), sums, ids, strict=True))
 
 
 def item_results(results: Sequence[pb.ItemResult]) -> list[api.ItemResult]:
@@ -181,7 +186,10 @@ def runs(message: Any) -> tuple[api.Extent, ...]:
 
 
 def allocate_results(results: Sequence[pb.AllocateResult]) -> list[api.AllocateResult]:
-    return [api.AllocateResult(r.key, STATUS[r.status], r.message, runs(r)) for r in results]
+    return [
+        api.AllocateResult(r.key, STATUS[r.status], r.message, runs(r), r.allocation)
+        for r in results
+    ]
 
 
 def acquire_results(results: Sequence[pb.AcquireResult]) -> list[api.AcquireResult]:
@@ -218,13 +226,16 @@ def allocate(engine_id: str, items: Sequence[api.AllocateItem]) -> Call[list[api
 
 
 def commit(
-    engine_id: str, keys_: Sequence[api.Key], checksums: Sequence[int] | None
+    engine_id: str,
+    keys_: Sequence[api.Key],
+    checksums: Sequence[int] | None,
+    allocations: Sequence[int] | None = None,
 ) -> Call[list[api.ItemResult]]:
-    pairs = commit_pairs(keys_, checksums)
+    items = commit_items(keys_, checksums, allocations)
 
     def build(sid: str) -> pb.CommitRequest:
         request = pb.CommitRequest(session_id=sid, engine_id=engine_id)
-        add_commits(request.items, pairs)
+        add_commits(request.items, items)
         return request
 
     return Call("Commit", build, lambda reply: item_results(reply.results))
@@ -281,14 +292,14 @@ def release(lease_ids: Sequence[int]) -> Call[list[api.LeaseResult]]:
 def step(
     engine_id: str,
     releases: Sequence[int] = (),
-    commits: Sequence[tuple[bytes, int]] = (),
+    commits: Sequence[api.CommitItem] = (),
     aborts: Sequence[api.Key] = (),
     acquires: Sequence[api.Key] = (),
     allocates: Sequence[api.AllocateItem] = (),
     misses: int = 0,
     hits: Sequence[bytes] = (),
 ) -> Call[api.StepResult]:
-    """A Step; `commits` as (key, checksum) pairs (commit_pairs); `misses` and `hits`, those the
+    """A Step; `commits` as CommitItems (commit_items); `misses` and `hits`, those the
     client answered itself since its last Step to the pool (StepRequest.misses, .hits)."""
     ids, raw_aborts, raw_acquires = list(releases), keys(aborts), keys(acquires)
 

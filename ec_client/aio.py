@@ -175,9 +175,13 @@ class AsyncClient(BaseClient):
         return await self._run(_wire.allocate(engine_id, items))
 
     async def commit(
-        self, engine_id: str, keys: Sequence[Key], checksums: Sequence[int] | None = None
+        self,
+        engine_id: str,
+        keys: Sequence[Key],
+        checksums: Sequence[int] | None = None,
+        allocations: Sequence[int] | None = None,
     ) -> list[ItemResult]:
-        return await self._run(_wire.commit(engine_id, keys, checksums))
+        return await self._run(_wire.commit(engine_id, keys, checksums, allocations))
 
     async def abort(self, engine_id: str, keys: Sequence[Key]) -> list[ItemResult]:
         return await self._run(_wire.abort(engine_id, keys))
@@ -203,7 +207,7 @@ class AsyncClient(BaseClient):
     ) -> StepResult:
         batch = self.outbox.take(engine_id)
         call = batch.step(
-            engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
+            engine_id, releases, _wire.commit_items(commits, checksums), aborts, acquires, allocates
         )
         return await self._send_batch(batch, call)
 

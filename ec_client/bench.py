@@ -202,7 +202,7 @@ def client_costs(items: int, rounds: int) -> dict[str, float]:
         "Allocate": lambda: _wire.step(
             "pool", allocates=[AllocateItem(k, (rows, width), "bfloat16") for k in keys]
         ),
-        "Commit": lambda: _wire.step("pool", commits=_wire.commit_pairs(keys, None)),
+        "Commit": lambda: _wire.step("pool", commits=_wire.commit_items(keys, None)),
         "Acquire": lambda: _wire.step("pool", acquires=keys),
         "Release": lambda: _wire.step("pool", releases=range(1, items + 1)),
     }

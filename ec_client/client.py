@@ -235,12 +235,20 @@ class Client(BaseClient):
         return self._run(_wire.allocate(engine_id, items))
 
     def commit(
-        self, engine_id: str, keys: Sequence[Key], checksums: Sequence[int] | None = None
+        self,
+        engine_id: str,
+        keys: Sequence[Key],
+        checksums: Sequence[int] | None = None,
+        allocations: Sequence[int] | None = None,
     ) -> list[ItemResult]:
-        """Make PENDING entries READY (call only once their bytes landed). Per item: OK,
-        NOT_FOUND (never allocated, aborted, or the lease ran out), FAILED_PRECONDITION (READY
-        already, or another session's), INVALID_ARGUMENT (bad key)."""
-        return self._run(_wire.commit(engine_id, keys, checksums))
+        """Make PENDING entries READY (call only once their bytes landed). `allocations`: the
+        `AllocateResult.allocation` each key's bytes were written into, so that a key deleted
+        and allocated again meanwhile is not made READY before its new bytes are written
+        (without them, whatever allocation of the key this session has PENDING). Per item: OK,
+        NOT_FOUND (never allocated, aborted, the lease ran out, or allocated again since),
+        FAILED_PRECONDITION (READY already, or another session's), INVALID_ARGUMENT (bad
+        key)."""
+        return self._run(_wire.commit(engine_id, keys, checksums, allocations))
 
     def abort(self, engine_id: str, keys: Sequence[Key]) -> list[ItemResult]:
         """Drop this session's PENDING entries. Per item: as commit."""
@@ -278,7 +286,7 @@ class Client(BaseClient):
         (see `outbox`); the results returned are those of the parts given here."""
         batch = self.outbox.take(engine_id)
         call = batch.step(
-            engine_id, releases, _wire.commit_pairs(commits, checksums), aborts, acquires, allocates
+            engine_id, releases, _wire.commit_items(commits, checksums), aborts, acquires, allocates
         )
         return self._send_batch(batch, call)
 

@@ -43,7 +43,7 @@ import grpc
 
 from ec_client import _wire
 from ec_client.errors import EcdError
-from ec_client.types import AllocateItem, Key, StepResult
+from ec_client.types import AllocateItem, CommitItem, Key, StepResult
 
 log = logging.getLogger("ec_client")
 
@@ -76,13 +76,16 @@ class DeferredOp:
     """One operation deferred to a later Step, with nobody waiting for it: the Commit or Abort
     of the entry `key`, the Release of the lease pin `lease_id`, or the unlock of a lock pin
     (never sent: `on_result` drops the lock). `copy` must land before it is sent; `checksum`,
-    for commits, is computed once it has. `on_result` hears the answer, once."""
+    for commits, is computed once it has. A commit names the `allocation` its bytes were
+    written into (0: whichever the session has PENDING), so that it cannot commit a later
+    allocation of the key. `on_result` hears the answer, once."""
 
     on_result: OnResult
     copy: Copy | None = None
     key: bytes = b""
     lease_id: int = 0
     checksum: Callable[[], int] | None = None
+    allocation: int = 0
 
     def landed(self) -> bool:
         try:
@@ -127,8 +130,8 @@ class OutboxBatch:
     def release_ids(self) -> list[int]:
         return [d.lease_id for d in self.releases]
 
-    def commit_pairs(self) -> list[tuple[bytes, int]]:
-        return [(d.key, d.checksum() if d.checksum else 0) for d in self.commits]
+    def commit_items(self) -> list[CommitItem]:
+        return [(d.key, d.checksum() if d.checksum else 0, d.allocation) for d in self.commits]
 
     def abort_keys(self) -> list[bytes]:
         return [d.key for d in self.aborts]
@@ -171,7 +174,7 @@ class OutboxBatch:
         self,
         engine_id: str,
         releases: Sequence[int] = (),
-        commits: Sequence[tuple[bytes, int]] = (),
+        commits: Sequence[CommitItem] = (),
         aborts: Sequence[Key] = (),
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
@@ -180,7 +183,7 @@ class OutboxBatch:
         return _wire.step(
             engine_id,
             self.release_ids() + list(releases),
-            self.commit_pairs() + list(commits),
+            self.commit_items() + list(commits),
             self.abort_keys() + list(aborts),
             acquires,
             allocates,

@@ -212,7 +212,13 @@ class Producer:
         nbytes: int,
     ) -> DeferredOp:
         checksum = (lambda: mover.checksum(result.extents, nbytes)) if self.checksum else None
-        return DeferredOp(lambda answer: commits.record(key, answer), copy, key, checksum=checksum)
+        return DeferredOp(
+            lambda answer: commits.record(key, answer),
+            copy,
+            key,
+            checksum=checksum,
+            allocation=result.allocation,
+        )
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Commit every put so far now, and wait for the answers (then every entry put as

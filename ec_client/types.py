@@ -162,9 +162,16 @@ class ItemResult:
     message: str
 
 
+# One Commit as it goes on the wire: (key, checksum, allocation); a checksum of 0 means none, an
+# allocation of 0 the session's PENDING allocation of the key, whichever it is.
+CommitItem = tuple[bytes, int, int]
+
+
 @dataclass(slots=True)
 class AllocateResult(ItemResult):
     extents: tuple[Extent, ...]  # ALLOCATED: where to write, in order
+    # ALLOCATED: which allocation this is; a Commit naming it commits it and no later one
+    allocation: int = 0
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +66,9 @@ class Entry:
     # and its blocks are not free until the record is erased.
     recorded: bool = False
     writing: bool = False  # a transfer engine writes its blocks: removal holds them till it ends
+    # Which allocation of the key this is: a Commit naming another (the key removed and
+    # allocated again since) must not make this one READY before its bytes are written.
+    allocation: int = 0
 
     @property
     def blocks(self) -> int:
@@ -151,9 +154,13 @@ class PoolIndex:
         policy: EvictionPolicy,
         clock: Callable[[], float],
         emit: Callable[[EventType, bytes, int, int], None],
+        allocations: Iterator[int] | None = None,
     ) -> None:
         """emit(type, key, nbytes, slot): tells watchers and waiters that a key is being written,
-        became READY or went away (the store adds the pool and the boot epoch)."""
+        became READY or went away (the store adds the pool and the boot epoch). allocations:
+        the IDs of allocations, never one twice (by default 1, 2, ...; a daemon's pools share
+        one sequence that starts anew at random each boot, so that a Commit from before a
+        restart names no allocation made after it)."""
         self.engine_id = engine_id
         self.geometry = geometry
         self.counters = PoolCounters()
@@ -171,6 +178,7 @@ class PoolIndex:
         self._evictable_blocks = 0  # blocks of READY entries with no pins
         self._evictable_entries = 0
         self._commit_seq = 0
+        self._allocations = allocations if allocations is not None else itertools.count(1)
 
     # ---- restore -------------------------------------------------------------------------------
 
@@ -296,21 +304,35 @@ class PoolIndex:
             session_id=session_id,
             producer=producer,
             created_at=self._clock(),
+            allocation=next(self._allocations),
         )
         self._entries[key] = entry
         self._emit(EventType.PENDING, key, spec.nbytes, entry.slot)
         return Outcome(Status.ALLOCATED, entry=entry)
 
     def commit(
-        self, key: bytes, session_id: str, checksum: int, spec: TensorSpec | None = None
+        self,
+        key: bytes,
+        session_id: str,
+        checksum: int,
+        spec: TensorSpec | None = None,
+        allocation: int = 0,
     ) -> Outcome:
         """PENDING -> READY. `spec`: what the entry turned out to hold, when its allocation did
         not know the shape and dtype (a pull knows only the size until the peer answers); the
-        same number of bytes."""
+        same number of bytes. `allocation`: the allocation the bytes were written into (0: the
+        session's PENDING one, whichever it is); another one is NOT_FOUND, and stays PENDING."""
         entry = self._entries.get(key)
         problem = self._not_pending_of(entry, session_id, "commit")
         if problem is not None or entry is None:
             return problem or Outcome(Status.NOT_FOUND)
+        if allocation and allocation != entry.allocation:
+            return Outcome(
+                Status.NOT_FOUND,
+                f"cannot commit allocation {allocation}: the key was removed and allocated again "
+                f"since (allocation {entry.allocation}, PENDING); this commit's bytes are gone "
+                "with the allocation they were written into",
+            )
         if spec is not None:
             if spec.nbytes != entry.spec.nbytes:
                 return Outcome(

@@ -19,8 +19,10 @@ answers, where peers read the pool, travels in the pool's PoolInfo.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +127,10 @@ class PoolRegistry:
         self._listener = listener
         self._pools: dict[str, Pool] = {}
         self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
+        # Allocation IDs, shared by the pools, from a random start: a client's Commit retried
+        # after a restart names an allocation of the daemon before, never one of this daemon
+        # (40 random bits, then 2**24 allocations before a boot's IDs could meet another's).
+        self._allocations = itertools.count((secrets.randbits(40) << 24) + 1)
 
     def adopt_all(self) -> None:
         """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries."""
@@ -276,7 +282,7 @@ class PoolRegistry:
             self._publish(WatchEvent(type, engine_id, key, nbytes, self._boot_epoch, slot=slot))
 
         policy = POLICIES[self.settings.eviction]()
-        return PoolIndex(engine_id, geometry, file, policy, self._clock, emit)
+        return PoolIndex(engine_id, geometry, file, policy, self._clock, emit, self._allocations)
 
     def get(self, engine_id: str) -> Pool:
         """The pool; NOT_FOUND, saying why, when it is not served."""

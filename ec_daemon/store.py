@@ -218,7 +218,7 @@ class Store:
         return self._allocate(session, self._pools.get(engine_id), items)
 
     def commit(
-        self, session_id: str, engine_id: str, items: Sequence[tuple[bytes, int]]
+        self, session_id: str, engine_id: str, items: Sequence[api.CommitItem]
     ) -> list[api.ItemResult]:
         session = self._sessions.touch(session_id, PRODUCE)
         return self._commit(session, self._pools.get(engine_id), items)
@@ -258,7 +258,7 @@ class Store:
         session_id: str,
         engine_id: str,
         releases: Sequence[int],
-        commits: Sequence[tuple[bytes, int]],
+        commits: Sequence[api.CommitItem],
         aborts: Sequence[bytes],
         acquires: Sequence[bytes],
         allocates: Sequence[tuple[bytes, api.TensorSpec]],
@@ -309,10 +309,13 @@ class Store:
         for key, spec in items:
             outcome = index.allocate(key, spec, session.id, session.name)
             extents: tuple[api.Extent, ...] = ()
+            allocation = 0
             if outcome.status is api.Status.ALLOCATED and outcome.entry is not None:
                 session.pending.add((pool.engine_id, key))
-                extents = outcome.entry.extents
-            results.append(api.AllocateResult(key, outcome.status, outcome.message, extents))
+                extents, allocation = outcome.entry.extents, outcome.entry.allocation
+            results.append(
+                api.AllocateResult(key, outcome.status, outcome.message, extents, allocation)
+            )
         evicted = index.counters.evictions - evictions_before
         if evicted:  # one line per batch, never one per entry
             log.info(
@@ -322,11 +325,11 @@ class Store:
         return results
 
     def _commit(
-        self, session: Session, pool: Pool, items: Sequence[tuple[bytes, int]]
+        self, session: Session, pool: Pool, items: Sequence[api.CommitItem]
     ) -> list[api.ItemResult]:
         results = []
-        for key, checksum in items:
-            outcome = pool.index.commit(key, session.id, checksum)
+        for key, checksum, allocation in items:
+            outcome = pool.index.commit(key, session.id, checksum, allocation=allocation)
             if outcome.status is api.Status.OK:
                 session.pending.discard((pool.engine_id, key))
             results.append(item_result(key, outcome))

@@ -48,9 +48,10 @@ def checked_specs(items: Sequence[pb.AllocateItem]) -> list[tuple[bytes, api.Ten
     ]
 
 
-def checked_commits(items: Sequence[pb.CommitItem]) -> list[tuple[bytes, int] | str]:
+def checked_commits(items: Sequence[pb.CommitItem]) -> list[api.CommitItem | str]:
+    """(key, checksum, allocation) per item, or what is wrong with its key."""
     return [
-        (item.key, item.checksum) if isinstance(key, bytes) else key
+        (item.key, item.checksum, item.allocation) if isinstance(key, bytes) else key
         for item, key in zip(items, checked_keys([i.key for i in items]), strict=True)
     ]
 
@@ -105,6 +106,7 @@ def put_extents(
 def put_allocate_result(into: pb.AllocateResult, r: api.AllocateResult, packed: bool) -> None:
     into.key, into.status, into.message = r.key, STATUS_PB[r.status], r.message
     put_extents(into, r.extents, packed)
+    into.allocation = r.allocation
 
 
 def put_acquire_result(into: pb.AcquireResult, r: api.AcquireResult, packed: bool) -> None:

@@ -7,7 +7,9 @@ the caller sends what it owes and asks).
     ordered     Allocate answered ALLOCATED: the next step's metadata orders the copy into the
                 PENDING entry's extents (the worker copies the output it kept)
     copying     the order went out; the saving rank copies
-    landed      that rank reported the copy done: commit at once (update_connector_output)
+    landed      that rank reported the copy done: commit at once (update_connector_output),
+                naming the allocation the bytes went into (the key may have been deleted and
+                allocated again since: a Commit by key alone would make that one READY)
     failed      the copy failed or never happened: abort with the next Step
 
 Allocate answering EXISTS (already cached), PENDING (another engine is writing it), NO_SPACE or an
@@ -38,7 +40,8 @@ class SaveBook:
         self._ordered: dict[str, SaveOrder] = {}
         self._cancelled: set[str] = set()
         self._copying: set[str] = set()
-        self._landed: list[str] = []
+        self._allocations: dict[str, int] = {}  # ordered or copying: the allocation's ID
+        self._landed: dict[str, int] = {}  # key -> allocation
         self._failed: list[str] = []
 
     def plan(self, key: str, spec: TensorSpec) -> None:
@@ -69,6 +72,7 @@ class SaveBook:
                 continue  # voided meanwhile
             if result.status is Status.ALLOCATED:
                 self._ordered[key] = SaveOrder(result.extents, spec)
+                self._allocations[key] = result.allocation
                 continue
             if result.status.is_error:
                 log.warning("ecd refused to allocate %s: %s", key, result.message)
@@ -96,29 +100,29 @@ class SaveBook:
         """The saving rank's report. Keys not being copied (a report from before a restart, or a
         repeated one) change nothing."""
         for key in saved:
-            self._finish(key, self._landed)
+            if key in self._copying:
+                self._copying.discard(key)
+                self._landed[key] = self._allocations.pop(key)
         for key in failed:
-            self._finish(key, self._failed)
+            if key in self._copying:
+                self._copying.discard(key)
+                self._allocations.pop(key)
+                self._failed.append(key)
 
-    def _finish(self, key: str, outcome: list[str]) -> None:
-        if key in self._copying:
-            self._copying.discard(key)
-            outcome.append(key)
-
-    def take_landed(self) -> list[str]:
-        """The commits owed, for the caller to send: no longer owed here."""
-        landed, self._landed = self._landed, []
-        return landed
+    def take_landed(self) -> list[tuple[str, int]]:
+        """The commits owed, (key, allocation), for the caller to send: no longer owed here."""
+        landed, self._landed = self._landed, {}
+        return list(landed.items())
 
     def take_failed(self) -> list[str]:
         """The aborts owed, for the caller to send: no longer owed here."""
         failed, self._failed = self._failed, []
         return failed
 
-    def requeue(self, landed: Iterable[str] = (), failed: Iterable[str] = ()) -> None:
+    def requeue(self, landed: Iterable[tuple[str, int]] = (), failed: Iterable[str] = ()) -> None:
         """Outbox again: a Commit or Abort did not reach the daemon (or, `failed`, an entry an
         answer from before a new session allocated for nobody): sent with the next Step."""
-        self._landed.extend(landed)
+        self._landed.update(landed)
         self._failed.extend(failed)
 
     def void(self) -> None:
@@ -128,6 +132,7 @@ class SaveBook:
         self._allocating.clear()
         self._ordered.clear()
         self._copying.clear()
+        self._allocations.clear()
         self._landed.clear()
         self._failed.clear()
 

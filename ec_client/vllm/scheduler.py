@@ -482,8 +482,12 @@ class SchedulerSide:
             for lease_id in self.loads.take_releases()
         ]
         commits = [
-            DeferredOp(functools.partial(self._committed, generation, key), key=key.encode())
-            for key in self.saves.take_landed()
+            DeferredOp(
+                functools.partial(self._committed, generation, key, allocation),
+                key=key.encode(),
+                allocation=allocation,
+            )
+            for key, allocation in self.saves.take_landed()
         ]
         aborts = [
             DeferredOp(functools.partial(self._aborted, generation, key), key=key.encode())
@@ -575,11 +579,19 @@ class SchedulerSide:
             self._log_refused("release", lease_id, answer)
 
     def _committed(
-        self, generation: tuple[str, str], key: str, answer: ItemResult | EcdError
+        self,
+        generation: tuple[str, str],
+        key: str,
+        allocation: int,
+        answer: ItemResult | EcdError,
     ) -> None:
         if isinstance(answer, EcdError):
             self._not_delivered(
-                generation, "commit", key, answer, lambda: self.saves.requeue(landed=[key])
+                generation,
+                "commit",
+                key,
+                answer,
+                lambda: self.saves.requeue(landed=[(key, allocation)]),
             )
         elif answer.status.is_error:
             log.warning("ecd refused to commit %s: %s", key, answer.message)

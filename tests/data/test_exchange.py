@@ -129,6 +129,29 @@ def test_concurrent_producers_of_one_key_store_it_once(daemon: Daemon) -> None:
     assert set(outcomes) <= {"committing", "exists", "pending"}
 
 
+def test_a_puts_late_commit_never_makes_a_later_allocation_of_its_key_ready(
+    daemon: Daemon,
+) -> None:
+    """A put's Commit waits to ride on a later call; meanwhile the key is deleted and the same
+    session allocates it again (its next put, not written yet). The late Commit names the first
+    allocation: it must not make the second READY before its bytes are written."""
+    with (
+        daemon.client(name="encoder", linger_s=60.0) as c,  # the Commit waits for the flush
+        daemon.client(name="admin") as admin,
+    ):
+        c.open_pool(POOL, BLOCK, CAPACITY)
+        admin.open_pool(POOL)
+        producer = Producer(c, POOL)
+        assert producer.put("k", torch.ones(2 * BLOCK, dtype=torch.uint8)) is PutStatus.COMMITTING
+        assert [r.status for r in admin.delete(POOL, ["k"])] == [Status.OK]
+        [again] = c.allocate(POOL, [AllocateItem("k", (2 * BLOCK,), "uint8")])
+        assert again.status is Status.ALLOCATED  # the next put of k: its bytes not written yet
+        with pytest.raises(EcdError, match="allocated again"):
+            producer.flush()  # the first put was not stored: its allocation is gone
+        assert admin.lookup(POOL, ["k"])[0].state is EntryState.PENDING
+        assert Consumer(admin, POOL).get("k") is None
+
+
 def test_a_waiting_consumer_gets_the_tensor_as_soon_as_it_is_committed(daemon: Daemon) -> None:
     with daemon.client(name="encoder") as c:
         c.open_pool(POOL, BLOCK, CAPACITY)

@@ -26,7 +26,7 @@ from ec_client import mapping as mapping_module
 from ec_client.cuda_runtime import cuda_runtime
 from ec_client.mover import byte_view, spec_of
 from ec_client.outbox import OutboxBatch
-from ec_client.types import Extent, StepResult
+from ec_client.types import CommitItem, Extent, StepResult
 
 POOL = "gpu"
 BLOCK = 7168
@@ -99,7 +99,7 @@ def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
     mapping = mapping_of(client)
     allocated: list[Extent] = []
     at_commit: list[torch.Tensor] = []
-    real_step, real_commit_pairs = client.step, OutboxBatch.commit_pairs
+    real_step, real_commit_items = client.step, OutboxBatch.commit_items
 
     def step(*args: Any, **kwargs: Any) -> StepResult:  # the put's Allocate rides in a Step
         result = real_step(*args, **kwargs)
@@ -107,14 +107,14 @@ def test_a_commit_is_sent_only_once_the_pool_holds_the_tensors_bytes(
             allocated.extend(answer.extents)
         return result
 
-    def commit_pairs(batch: OutboxBatch) -> list[tuple[bytes, int]]:  # a Step carrying a Commit
-        pairs = real_commit_pairs(batch)
-        if pairs:
+    def commit_items(batch: OutboxBatch) -> list[CommitItem]:  # a Step carrying a Commit
+        items = real_commit_items(batch)
+        if items:
             at_commit.append(torch.cat([mapping.region(x).clone() for x in allocated])[: 16 * MiB])
-        return pairs
+        return items
 
     monkeypatch.setattr(client, "step", step)
-    monkeypatch.setattr(OutboxBatch, "commit_pairs", commit_pairs)
+    monkeypatch.setattr(OutboxBatch, "commit_items", commit_items)
     producer = Producer(client, POOL)
     ready(producer)
     torch.cuda._sleep(SLEEP)

@@ -54,6 +54,25 @@ def test_one_batch_carries_many_items_with_their_own_statuses(daemon: Daemon) ->
         assert_blocks_accounted(c, POOL)
 
 
+def test_a_commit_naming_an_allocation_removed_since_leaves_the_keys_new_one_pending(
+    daemon: Daemon,
+) -> None:
+    item = AllocateItem("k", (4 * BLOCK,), "uint8")
+    with daemon.client(name="encoder") as c, daemon.client(name="admin") as admin:
+        c.open_pool(POOL, BLOCK, 1024 * BLOCK)
+        [first] = c.allocate(POOL, [item])
+        assert [r.status for r in admin.delete(POOL, ["k"])] == [Status.OK]
+        [second] = c.allocate(POOL, [item])
+        assert first.allocation and second.allocation and first.allocation != second.allocation
+        [late] = c.commit(POOL, ["k"], allocations=[first.allocation])
+        assert late.status is Status.NOT_FOUND and "allocated again" in late.message
+        assert c.lookup(POOL, ["k"])[0].state is EntryState.PENDING
+        [ok] = c.commit(POOL, ["k"], allocations=[second.allocation])
+        assert ok.status is Status.OK
+        assert c.lookup(POOL, ["k"])[0].state is EntryState.READY
+        assert_blocks_accounted(c, POOL)
+
+
 def test_stats_report_pools_entries_and_counters(daemon: Daemon) -> None:
     with daemon.client() as c:
         c.open_pool(POOL, BLOCK, 64 * BLOCK)

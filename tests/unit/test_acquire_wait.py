@@ -88,7 +88,7 @@ async def test_an_acquire_waits_for_a_key_not_allocated_yet_and_hits_at_its_comm
     assert await waiting(asked)
     store.allocate(producer, "p", [(b"k", spec(BLOCK))])
     assert await waiting(asked)
-    store.commit(producer, "p", [(b"k", 0)])
+    store.commit(producer, "p", [(b"k", 0, 0)])
     assert statuses(await asyncio.wait_for(asked, 5)) == ["ITEM_HIT"]
 
 
@@ -102,7 +102,7 @@ async def test_a_key_aborted_while_waited_for_is_waited_for_again(
     store.abort(first, "p", [b"k"])
     assert await waiting(asked)
     store.allocate(second, "p", [(b"k", spec(BLOCK))])
-    store.commit(second, "p", [(b"k", 0)])
+    store.commit(second, "p", [(b"k", 0, 0)])
     assert statuses(await asyncio.wait_for(asked, 5)) == ["ITEM_HIT"]
 
 
@@ -120,7 +120,7 @@ async def test_a_wait_ended_by_the_daemons_shutdown_is_unavailable_and_pins_noth
 ) -> None:
     consumer, producer = session(store, "decoder"), session(store, "encoder")
     store.allocate(producer, "p", [(b"k", spec(BLOCK))])
-    store.commit(producer, "p", [(b"k", 0)])
+    store.commit(producer, "p", [(b"k", 0, 0)])
     asked = acquire(service, consumer, [b"k", b"absent"], LONG_MS)
     assert await waiting(asked)
     hub.end_waits()

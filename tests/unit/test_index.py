@@ -125,6 +125,37 @@ def test_single_flight_answers_pending_to_others_and_the_same_extents_to_the_pro
     assert again.status is Status.ALLOCATED and again.entry is first.entry
 
 
+def test_a_commit_of_an_earlier_allocation_of_a_key_allocated_again_is_not_found() -> None:
+    index, journal, _ = make_index()
+    first = index.allocate(b"k", spec(BLOCK), "s", "producer").entry
+    index.delete(b"k")  # an operator drops it while its producer is still writing
+    second = index.allocate(b"k", spec(BLOCK), "s", "producer").entry
+    assert first is not None and second is not None
+    assert first.allocation != second.allocation
+    # The first put's commit, late: the second allocation's bytes are not written yet.
+    late = index.commit(b"k", "s", 0, allocation=first.allocation)
+    assert late.status is Status.NOT_FOUND and "allocated again" in late.message
+    assert index.state(b"k") is EntryState.PENDING and journal.ops == []
+    assert index.commit(b"k", "s", 0, allocation=second.allocation).status is Status.OK
+
+
+def test_a_retried_allocate_answers_the_same_allocation_and_a_commit_by_key_alone_any() -> None:
+    index, _, _ = make_index()
+    first = index.allocate(b"k", spec(BLOCK), "s", "producer").entry
+    again = index.allocate(b"k", spec(BLOCK), "s", "producer").entry
+    assert first is not None and again is first
+    assert index.commit(b"k", "s", 0).status is Status.OK  # allocation 0: the one PENDING
+
+
+def test_allocation_ids_come_from_the_sequence_the_index_is_given() -> None:
+    journal = FakeJournal()
+    index = PoolIndex(
+        "p", Geometry(BLOCK, 8, 8), journal, LRUPolicy(), FakeClock(), Sink(journal), iter([7, 9])
+    )
+    ids = [index.allocate(k, spec(BLOCK), "s", "p").entry for k in (b"a", b"b")]
+    assert [e.allocation for e in ids if e is not None] == [7, 9]
+
+
 def test_allocating_a_ready_key_answers_exists() -> None:
     index, _, _ = make_index()
     put(index, b"k", 1)
@@ -294,12 +325,14 @@ def test_a_restored_index_holds_what_was_committed_and_goes_on_from_there() -> N
     for key in (b"a", b"c", b"d"):
         before, after = index.get(key), restored.get(key)
         assert before is not None and after is not None
-        # Every field, as the entry was committed, but for its producer's (gone with the old
-        # daemon) and the times (the restart's).
+        # Every field, as the entry was committed, but for its producer's and its allocation's
+        # (gone with the old daemon: a READY entry is committed by nobody) and the times (the
+        # restart's).
         assert dataclasses.asdict(after) == {
             **dataclasses.asdict(before),
             "session_id": "",
             "producer": "(restored)",
+            "allocation": 0,
             "created_at": restored._clock(),
             "committed_at": restored._clock(),
         }

@@ -194,7 +194,7 @@ def test_the_background_sends_what_a_quiet_pool_is_owed() -> None:
     o.commits(POOL, [answers.op("a", copy, key=b"a")])
     assert sender.sent.wait(5)
     [(engine_id, batch)] = sender.batches
-    assert engine_id == POOL and batch.commit_pairs() == [(b"a", 0)]
+    assert engine_id == POOL and batch.commit_items() == [(b"a", 0, 0)]
     assert answers.got["a"].status is Status.OK
     o.close()
 

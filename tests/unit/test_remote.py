@@ -148,7 +148,7 @@ class Pair:
         with open(info.path, "r+b") as f:
             f.seek(info.data_offset + allocated.extents[0].start * BLOCK)
             f.write(data)
-        assert store.commit(producer, POOL, [(key, checksum)])[0].status is Status.OK
+        assert store.commit(producer, POOL, [(key, checksum, 0)])[0].status is Status.OK
         store.close_session(producer)
         self.directory.apply(
             PEER, WatchEvent(EventType.COMMITTED, POOL, key, len(data), self.peer.store.boot_epoch)

@@ -1,6 +1,7 @@
 """SaveBook alone (the vLLM scheduler side's saves): planned -> allocating (an intent the worker
 keeps the output for) -> ordered or cancelled -> copying -> landed or failed; only the saving
-rank's report moves a save forward."""
+rank's report moves a save forward; a landed save is committed naming the allocation it was
+copied into."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from ec_client.vllm.saves import SaveBook
 SPEC = TensorSpec((4, 8), "float16", 64)
 
 
+def allocation_of(key: str) -> int:
+    """The allocation ID the daemon answers for `key` in these tests."""
+    return 1000 + len(key)
+
+
 def allocated(key: str) -> AllocateResult:
-    return AllocateResult(key.encode(), Status.ALLOCATED, "", (Extent(3, 1),))
+    return AllocateResult(key.encode(), Status.ALLOCATED, "", (Extent(3, 1),), allocation_of(key))
 
 
 def answered(key: str, status: Status) -> AllocateResult:
@@ -82,7 +88,7 @@ def test_a_key_planned_twice_is_saved_once() -> None:
 def test_a_reported_copy_is_committed_and_a_failed_one_aborted() -> None:
     book = copying_book("ok", "bad")
     book.report(saved=["ok"], failed=["bad"])
-    assert book.take_landed() == ["ok"]
+    assert book.take_landed() == [("ok", allocation_of("ok"))]
     assert book.take_failed() == ["bad"]
     assert not book.busy()
 
@@ -92,14 +98,14 @@ def test_a_report_of_a_key_not_being_copied_changes_nothing() -> None:
     book.report(saved=["other"], failed=[])
     book.report(saved=["k"], failed=[])
     book.report(saved=["k"], failed=[])  # repeated
-    assert book.take_landed() == ["k"]
+    assert book.take_landed() == [("k", allocation_of("k"))]
 
 
 def test_a_commit_that_did_not_reach_the_daemon_is_sent_again() -> None:
     book = copying_book("k")
     book.report(saved=["k"], failed=[])
     book.requeue(landed=book.take_landed())
-    assert book.take_landed() == ["k"]
+    assert book.take_landed() == [("k", allocation_of("k"))]
 
 
 def test_voiding_forgets_every_unfinished_save_and_cancels_every_intent_and_order() -> None:

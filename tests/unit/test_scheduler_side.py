@@ -87,7 +87,7 @@ class Sent:
     """One Step as the fake daemon received it."""
 
     releases: list[int]
-    commits: list[bytes]
+    commits: list[tuple[bytes, int]]  # (key, the allocation it names)
     aborts: list[bytes]
     acquires: list[str]
     allocates: list[str]
@@ -97,8 +97,8 @@ class Sent:
 class FakeClient:
     """A client of a fake daemon: the real Outbox (its thread sends every Step), each Step recorded
     and answered here: releases, commits, aborts OK; an acquire a HIT with the next lease ID if
-    the test put its key in `cached`, else a MISS; an allocate ALLOCATED. With `error` set, every
-    Step fails with it."""
+    the test put its key in `cached`, else a MISS; an allocate ALLOCATED, as allocation 1000,
+    1001, ... in the order asked (`allocations`). With `error` set, every Step fails with it."""
 
     def __init__(self) -> None:
         self.session_id = "session-1"
@@ -112,6 +112,7 @@ class FakeClient:
         self.sent: list[Sent] = []
         self.closed = False
         self._next_lease = 100
+        self.allocations: dict[str, int] = {}  # key -> the allocation answered for it, last
         self.before_answer: Callable[[], None] = lambda: None  # as the daemon reads a Step
         self.outbox = Outbox(self._send, linger_s=60.0)  # nothing goes alone during a test
 
@@ -126,7 +127,7 @@ class FakeClient:
         self.sent.append(
             Sent(
                 batch.release_ids(),
-                [key for key, _ in batch.commit_pairs()],
+                [(key, allocation) for key, _, allocation in batch.commit_items()],
                 batch.abort_keys(),
                 [str(k) for k in acquires],
                 [str(item.key) for item in allocates],
@@ -142,11 +143,14 @@ class FakeClient:
                 [ItemResult(d.key, Status.OK, "") for d in batch.commits],
                 [ItemResult(d.key, Status.OK, "") for d in batch.aborts],
                 [self._acquire(str(k)) for k in acquires],
-                [
-                    AllocateResult(str(i.key).encode(), Status.ALLOCATED, "", (Extent(0, 1),))
-                    for i in allocates
-                ],
+                [self._allocate(str(i.key)) for i in allocates],
             )
+        )
+
+    def _allocate(self, key: str) -> AllocateResult:
+        self.allocations[key] = 1000 + len(self.allocations)
+        return AllocateResult(
+            key.encode(), Status.ALLOCATED, "", (Extent(0, 1),), self.allocations[key]
         )
 
     def _acquire(self, key: str) -> AcquireResult:
@@ -296,7 +300,8 @@ def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_
     assert [s.allocates for s in client.sent] == [["img-a"]]
     report(side, saved=["img-a"])
     client.flush(5)  # no build_connector_meta between: the report's own Step
-    assert [s.commits for s in client.sent[1:]] == [[b"img-a"]]
+    # naming the allocation the bytes were copied into, not whichever of the key is PENDING
+    assert [s.commits for s in client.sent[1:]] == [[(b"img-a", client.allocations["img-a"])]]
     assert client.fake_view.has(b"img-a")
 
 
@@ -333,12 +338,13 @@ def test_a_step_that_did_not_reach_the_daemon_owes_its_releases_and_commits_agai
     client.error = UNAVAILABLE
     report(side, saved=["img-b"], loaded=[(transfer_id, WorkerRank(0, 0))])
     client.flush(5)
-    assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [b"img-b"])
+    commit = (b"img-b", client.allocations["img-b"])
+    assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [commit])
     client.error = None  # the daemon is back
     assert side.has_pending_push_work()  # owed again
     side.build_connector_meta()
     client.flush(5)
-    assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [b"img-b"])
+    assert (client.sent[-1].releases, client.sent[-1].commits) == ([lease_id], [commit])
     assert client.fake_view.has(b"img-b") and not side.has_pending_push_work()
 
 

@@ -196,7 +196,7 @@ def test_a_step_carrying_deferred_ops_answers_each_and_returns_the_callers() -> 
         boot_epoch="epoch-1",
         commits=[pb.ItemResult(key=k, status=pb.ITEM_OK) for k in (b"owed", b"mine")],
     )
-    call = batch.step("p", commits=[(b"mine", 0)])
+    call = batch.step("p", commits=[(b"mine", 0, 0)])
     result = ScriptedDaemon(state, reply).run(state.step(batch, call))
     assert [r.key for r in heard] == [b"owed"]
     assert [r.key for r in result.commits] == [b"mine"]

@@ -47,7 +47,7 @@ def present(store: Store, keys: list[bytes]) -> list[bool]:
 
 def put(store: Store, sid: str, key: bytes, blocks: int) -> None:
     assert statuses(store.allocate(sid, "p", [(key, spec(blocks * BLOCK))])) == [Status.ALLOCATED]
-    assert statuses(store.commit(sid, "p", [(key, 0)])) == [Status.OK]
+    assert statuses(store.commit(sid, "p", [(key, 0, 0)])) == [Status.OK]
 
 
 # ---- pools ---------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_a_committed_entry_is_visible_with_its_spec_and_extents(store: Store) ->
     sid = session(store)
     [allocated] = store.allocate(sid, "p", [(b"k", spec(3 * BLOCK))])
     assert store.lookup("p", [b"k"])[0].state is EntryState.PENDING
-    store.commit(sid, "p", [(b"k", 7)])
+    store.commit(sid, "p", [(b"k", 7, 0)])
     found = entry(store, b"k")
     assert found is not None and found.state is EntryState.READY
     assert found.checksum == 7 and found.extents == allocated.extents
@@ -163,7 +163,7 @@ def test_a_retried_allocate_of_the_same_session_returns_the_same_extents(store: 
 def test_only_the_producing_session_may_commit(store: Store) -> None:
     a, b = session(store, "a"), session(store, "b")
     store.allocate(a, "p", [(b"k", spec(BLOCK))])
-    [outcome] = store.commit(b, "p", [(b"k", 0)])
+    [outcome] = store.commit(b, "p", [(b"k", 0, 0)])
     assert outcome.status is Status.FAILED_PRECONDITION
     assert "another session" in outcome.message
 
@@ -171,7 +171,7 @@ def test_only_the_producing_session_may_commit(store: Store) -> None:
 def test_double_commit_is_a_per_item_failed_precondition(store: Store) -> None:
     sid = session(store)
     put(store, sid, b"k", 1)
-    [outcome] = store.commit(sid, "p", [(b"k", 0)])
+    [outcome] = store.commit(sid, "p", [(b"k", 0, 0)])
     assert outcome.status is Status.FAILED_PRECONDITION
     assert "READY" in outcome.message
 
@@ -180,7 +180,7 @@ def test_commit_after_abort_is_not_found_and_the_blocks_are_free(store: Store) -
     sid = session(store)
     store.allocate(sid, "p", [(b"k", spec(4 * BLOCK))])
     assert statuses(store.abort(sid, "p", [b"k"])) == [Status.OK]
-    assert statuses(store.commit(sid, "p", [(b"k", 0)])) == [Status.NOT_FOUND]
+    assert statuses(store.commit(sid, "p", [(b"k", 0, 0)])) == [Status.NOT_FOUND]
     assert pool_stats(store).free_blocks == 16
     store.check()
 

@@ -83,7 +83,7 @@ class StoreMachine(RuleBasedStateMachine):
         if commit:
             for key in [k for k, (owner, _) in self.pending.items() if owner == sid]:
                 self.pending.pop(key)
-                assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [Status.OK]
+                assert [o.status for o in self.store.commit(sid, "p", [(key, 1, 0)])] == [Status.OK]
 
     def _allocate_one(self, sid: str, key: bytes, blocks: int, nbytes: int) -> None:
         [outcome] = self.store.allocate(sid, "p", [(key, spec(nbytes))])
@@ -100,7 +100,7 @@ class StoreMachine(RuleBasedStateMachine):
     def commit(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pending)))
         sid, _ = self.pending.pop(key)
-        assert [o.status for o in self.store.commit(sid, "p", [(key, 1)])] == [Status.OK]
+        assert [o.status for o in self.store.commit(sid, "p", [(key, 1, 0)])] == [Status.OK]
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())

@@ -234,18 +234,20 @@ class AllocateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
-    __slots__ = ("key", "status", "message", "extents", "runs")
+    __slots__ = ("key", "status", "message", "extents", "runs", "allocation")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     status: ItemStatus
     message: str
     extents: _containers.RepeatedCompositeFieldContainer[Extent]
     runs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., message: _Optional[str] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
+    allocation: int
+    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., message: _Optional[str] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., runs: _Optional[_Iterable[int]] = ..., allocation: _Optional[int] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("boot_epoch", "results")
@@ -256,12 +258,14 @@ class AllocateReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class CommitItem(_message.Message):
-    __slots__ = ("key", "checksum")
+    __slots__ = ("key", "checksum", "allocation")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    allocation: int
+    def __init__(self, key: _Optional[bytes] = ..., checksum: _Optional[int] = ..., allocation: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "engine_id", "items")

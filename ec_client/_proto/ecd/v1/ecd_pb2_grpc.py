@@ -199,8 +199,9 @@ class EncoderCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Per item: ITEM_OK, ITEM_NOT_FOUND (never allocated, aborted, or the producer's lease ran
-        out), ITEM_FAILED_PRECONDITION (not PENDING, or another session's), ITEM_INVALID_ARGUMENT.
+        """Per item: ITEM_OK, ITEM_NOT_FOUND (never allocated, aborted, the producer's lease ran out,
+        or the key allocated again since the allocation the item names), ITEM_FAILED_PRECONDITION
+        (not PENDING, or another session's), ITEM_INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
