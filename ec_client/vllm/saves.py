@@ -100,14 +100,19 @@ class SaveBook:
         """The saving rank's report. Keys not being copied (a report from before a restart, or a
         repeated one) change nothing."""
         for key in saved:
-            if key in self._copying:
-                self._copying.discard(key)
-                self._landed[key] = self._allocations.pop(key)
+            allocation = self._finish(key)
+            if allocation is not None:
+                self._landed[key] = allocation
         for key in failed:
-            if key in self._copying:
-                self._copying.discard(key)
-                self._allocations.pop(key)
+            if self._finish(key) is not None:
                 self._failed.append(key)
+
+    def _finish(self, key: str) -> int | None:
+        """The copy of `key` is over: its allocation, or None if it was not being copied."""
+        if key not in self._copying:
+            return None
+        self._copying.discard(key)
+        return self._allocations.pop(key)
 
     def take_landed(self) -> list[tuple[str, int]]:
         """The commits owed, (key, allocation), for the caller to send: no longer owed here."""
