@@ -100,6 +100,11 @@ class PoolCounters:
     remote_reads: int = 0  # transfer-engine reads started for pulls
 
 
+# How many slots a commit tries for its record while readers hold them locked (the entry's own,
+# then free ones): a reader locks a free slot for the moment of one read, so a second try nearly
+# always succeeds; a bound keeps a reader that locks many from making every commit try them all.
+MAX_SLOT_TRIES = 8
+
 # Upper bounds (seconds) of the buckets of remote hits' latency: from an 8 MiB read over RDMA to
 # a pull that used up a long timeout.
 REMOTE_SECONDS_BOUNDS = (
@@ -130,7 +135,10 @@ def _commit_seq(slot_and_fields: tuple[int, RecordFields]) -> int:
 class SlotJournal(Protocol):
     """Where READY entries are recorded so they survive a daemon restart (the pool file)."""
 
-    def write_slot(self, slot: int, record: SlotRecord) -> None: ...
+    def write_slot(self, slot: int, record: SlotRecord) -> bool:
+        """Write the record, unless a reader holds the slot's lock pin (then False, and the
+        slot is left as it was)."""
+        ...
 
     def erase_slot(self, slot: int) -> bool:
         """Erase the slot's record, unless a reader holds its lock pin (then False)."""
@@ -333,32 +341,35 @@ class PoolIndex:
                 f"since (allocation {entry.allocation}, PENDING); this commit's bytes are gone "
                 "with the allocation they were written into",
             )
-        if spec is not None:
-            if spec.nbytes != entry.spec.nbytes:
-                return Outcome(
-                    Status.FAILED_PRECONDITION,
-                    f"cannot commit {spec.nbytes} bytes into an entry of {entry.spec.nbytes}",
-                )
-            entry.spec = spec
+        if spec is not None and spec.nbytes != entry.spec.nbytes:
+            return Outcome(
+                Status.FAILED_PRECONDITION,
+                f"cannot commit {spec.nbytes} bytes into an entry of {entry.spec.nbytes}",
+            )
+        spec = spec or entry.spec
+        record = SlotRecord(
+            key=key,
+            dtype=spec.dtype,
+            shape=spec.shape,
+            nbytes=spec.nbytes,
+            checksum=checksum,
+            commit_seq=self._commit_seq + 1,
+            extents=tuple((e.start, e.count) for e in entry.extents),
+        )
+        # The slot record is written before the entry becomes visible: anything a consumer can
+        # see after a restart was READY before it.
+        if not self._write_record(entry, record):
+            return Outcome(
+                Status.RESOURCE_EXHAUSTED,
+                f"readers hold lock pins on the entry's slot and on {MAX_SLOT_TRIES - 1} free "
+                "slots, so its record cannot be written; it stays PENDING: retry the commit",
+            )
+        entry.spec = spec
         self._commit_seq += 1
         entry.state = EntryState.READY
         entry.checksum = checksum
         entry.committed_at = self._clock()
         entry.commit_seq = self._commit_seq
-        # The slot record is written before the entry becomes visible: anything a consumer can
-        # see after a restart was READY before it.
-        self._journal.write_slot(
-            entry.slot,
-            SlotRecord(
-                key=key,
-                dtype=entry.spec.dtype,
-                shape=entry.spec.shape,
-                nbytes=entry.spec.nbytes,
-                checksum=checksum,
-                commit_seq=entry.commit_seq,
-                extents=tuple((e.start, e.count) for e in entry.extents),
-            ),
-        )
         entry.recorded = True
         self._policy.on_ready(key)
         self._set_evictable(entry, True)
@@ -617,6 +628,25 @@ class PoolIndex:
             self._held.add(entry)
         else:
             self._release_space(entry)
+
+    def _write_record(self, entry: Entry, record: SlotRecord) -> bool:
+        """Write the entry's slot record, into another free slot if a reader holds its own
+        locked (False when MAX_SLOT_TRIES slots were). A reader whose view of the pool is stale
+        locks a free slot (the entry it wants was evicted from there) for the moment of one
+        read, and a record written meanwhile could be read half-written: the new READY mark
+        over the old record's CRC and body, whole and valid, naming blocks that are someone
+        else's now. The journal writes a record only under the slot's exclusive lock, so no
+        reader reads one being written; the entry's slot is where its record lies, named by its
+        COMMITTED event, so it may change until then."""
+        tried = [entry.slot]
+        while not self._journal.write_slot(tried[-1], record):
+            if len(tried) == MAX_SLOT_TRIES or not self._free_slots:
+                self._free_slots.extend(tried[1:])
+                return False
+            tried.append(self._free_slots.pop())
+        self._free_slots.extend(tried[:-1])  # the entry's own slot too, if it moved
+        entry.slot = tried[-1]
+        return True
 
     def _release_space(self, entry: Entry) -> None:
         self._allocator.free(entry.extents)

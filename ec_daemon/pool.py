@@ -145,15 +145,25 @@ class PoolFile:
         if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
             raise LayoutError(f"{self.path} was replaced by another file")
 
-    def write_slot(self, slot: int, record: SlotRecord) -> None:
-        # One pwrite of the whole record, its READY mark included. It cannot be torn by a
-        # SIGKILL: the record lies within one page (slots are 512 bytes, aligned, and divide the
-        # page size), and the kernel finishes copying a write into a page before the process can
-        # die. A daemon crash leaves the old record or the new one, never a mix; the pool file is
-        # in tmpfs, so there is no power loss to survive. Anything else that leaves a record
-        # half-written (another process writing the table) fails the record's CRC, and the
-        # record is then ignored at adoption.
-        os.pwrite(self._fd, record.pack(), slot_offset(slot))
+    def write_slot(self, slot: int, record: SlotRecord) -> bool:
+        """Write the slot's record, unless a reader holds a lock pin on it (then False, and
+        nothing is written). docs/design.md §5: a record is written under the slot's exclusive
+        lock, as it is erased, so that no reader reads one half-written (a read is not atomic
+        against a write: it could find the new READY mark over the old record's body)."""
+        if not lock_exclusive(self._fd, slot):
+            return False
+        try:
+            # One pwrite of the whole record, its READY mark included. It cannot be torn by a
+            # SIGKILL: the record lies within one page (slots are 512 bytes, aligned, and divide
+            # the page size), and the kernel finishes copying a write into a page before the
+            # process can die. A daemon crash leaves the old record or the new one, never a mix;
+            # the pool file is in tmpfs, so there is no power loss to survive. Anything else that
+            # leaves a record half-written (another process writing the table) fails the
+            # record's CRC, and the record is then ignored at adoption.
+            os.pwrite(self._fd, record.pack(), slot_offset(slot))
+        finally:
+            unlock(self._fd, slot)
+        return True
 
     def erase_slot(self, slot: int) -> bool:
         """Erase the slot's record, unless a reader holds a lock pin on it (then False, and the

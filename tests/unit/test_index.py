@@ -11,7 +11,7 @@ from core_testing import FakeClock, spec
 from ec_client.layout import Geometry, RecordFields, SlotRecord, read_record
 from ec_client.types import EntryState, EventType, Extent, Status
 from ec_daemon.eviction import FIFOPolicy, LRUPolicy
-from ec_daemon.index import PoolIndex
+from ec_daemon.index import MAX_SLOT_TRIES, PoolIndex
 
 BLOCK = 1024
 
@@ -25,9 +25,12 @@ class FakeJournal:
         self.records: dict[int, SlotRecord] = {}
         self.locked: set[int] = set()
 
-    def write_slot(self, slot: int, record: SlotRecord) -> None:
+    def write_slot(self, slot: int, record: SlotRecord) -> bool:
+        if slot in self.locked:
+            return False
         self.ops.append(("write", slot))
         self.records[slot] = record
+        return True
 
     def erase_slot(self, slot: int) -> bool:
         if slot in self.locked:
@@ -55,10 +58,12 @@ class Sink:
     def __init__(self, journal: FakeJournal) -> None:
         self.journal = journal
         self.events: list[tuple[EventType, bytes]] = []
+        self.slots: list[int] = []
         self.journaled_at_event: list[bool] = []
 
     def __call__(self, type: EventType, key: bytes, nbytes: int, slot: int) -> None:
         self.events.append((type, key))
+        self.slots.append(slot)
         self.journaled_at_event.append(any(r.key == key for r in self.journal.records.values()))
 
 
@@ -114,6 +119,31 @@ def test_a_removed_entry_is_erased_from_the_journal_before_its_blocks_are_reused
     put(index, b"old", 2)
     index.allocate(b"new", spec(2 * BLOCK), "s", "producer")  # evicts old, reuses its blocks
     assert journal.ops == [("write", 0), ("erase", 0)]
+    index.check()
+
+
+def test_a_commit_whose_slot_a_reader_holds_locked_records_the_entry_in_a_free_one() -> None:
+    index, journal, sink = make_index()
+    allocated = index.allocate(b"k", spec(BLOCK), "s", "producer").entry
+    assert allocated is not None
+    first = allocated.slot
+    journal.locked.add(first)  # a reader probing the slot with a stale view
+    assert index.commit(b"k", "s", 0).status is Status.OK
+    [(slot, record)] = journal.records.items()
+    assert slot != first and record.key == b"k" and allocated.slot == slot
+    assert sink.slots[-1] == slot  # the COMMITTED event names where the record is
+    index.check()  # the slot it left is free again, the one it took is the entry's
+
+
+def test_a_commit_whose_slots_readers_all_hold_locked_stays_pending_saying_why() -> None:
+    index, journal, _ = make_index(slots=MAX_SLOT_TRIES + 1)
+    index.allocate(b"k", spec(BLOCK), "s", "producer")
+    journal.locked.update(range(MAX_SLOT_TRIES + 1))
+    outcome = index.commit(b"k", "s", 0)
+    assert outcome.status is Status.RESOURCE_EXHAUSTED and "lock pins" in outcome.message
+    assert index.state(b"k") is EntryState.PENDING and journal.records == {}
+    journal.locked.clear()  # the readers let go: the commit goes through when retried
+    assert index.commit(b"k", "s", 0).status is Status.OK
     index.check()
 
 

@@ -4,9 +4,10 @@ Two open file descriptions in one process conflict as two processes would (OFD l
 the description), so the daemon's side is a PoolFile (its own read-write description) and each
 reader a SlotPins (a read-only one). Proven here: a shared lock refuses the exclusive one and
 only its own byte; pins count per slot, and giving many back drops exactly the locks whose last
-pin went; a pin is a miss, and leaves no lock, whenever the slot
-does not hold a whole record of the key that fits the pool, or while the exclusive lock is
-held; `locked_slots` lists exactly the locked slots; a retired SlotPins closes with its last pin.
+pin went; a pin is a miss, and leaves no lock, whenever the slot does not hold a whole record of
+the key that fits the pool, or while the exclusive lock is held; the daemon writes no record
+into a slot a reader holds locked; `locked_slots` lists exactly the locked slots; a retired
+SlotPins closes with its last pin.
 """
 
 from __future__ import annotations
@@ -86,6 +87,22 @@ def test_a_shared_lock_refuses_the_exclusive_one_and_a_free_byte_grants_it(pool:
     finally:
         for fd in (reader, other_reader, daemon):
             os.close(fd)
+
+
+def test_the_daemon_writes_no_record_into_a_slot_a_reader_holds_locked(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    assert pool.erase_slot(6)  # free, as a stale view still takes it for k6's
+    reader = os.open(pool.path, os.O_RDONLY)
+    try:
+        assert lock_shared(reader, 6)  # the reader probing it
+        assert not pool.write_slot(6, record(b"new", start=30))
+        unlock(reader, 6)
+    finally:
+        os.close(reader)
+    assert pins.pin(6, b"new") is None  # nothing was written
+    assert pool.write_slot(6, record(b"new", start=30))  # once it let go
+    assert pins.pin(6, b"new") == pinned(record(b"new", start=30))
 
 
 def test_pinning_a_slot_twice_and_unpinning_once_keeps_its_lock(
