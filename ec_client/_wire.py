@@ -326,6 +326,7 @@ def step(
             item_results(reply.aborts),
             acquire_results(reply.acquires),
             allocate_results(reply.allocates),
+            reply.pool_uuid,
         ),
     )
 

@@ -30,7 +30,7 @@ import struct
 import sys
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAGIC = b"ECDPOOL1"
@@ -308,10 +308,7 @@ def read_record(slot: SlotBytes, offset: int = 0) -> RecordFields | None:
     """The fields of the record in a slot (the slot at `offset` of a slot table) if its mark
     says READY and its CRC verifies, else None (a slot cut short included): what
     SlotRecord.unpack makes a SlotRecord of."""
-    if len(slot) - offset < _SLOT_HEAD:
-        return None
-    records = _read_records(slot, (offset,), 1)
-    return records[0][1] if records else None
+    return _record_at(slot, offset, len(slot))
 
 
 def ready_slots(table: SlotBytes) -> list[int]:
@@ -338,40 +335,44 @@ def _read_records(
     buf: SlotBytes, indexes: Iterable[int], stride: int, base: int = 0
 ) -> list[tuple[int, RecordFields]]:
     """The whole records at `index * stride` in `buf` for each index (each with a record
-    head's bytes from there), with their indexes plus `base`: read_record of each, in one
-    loop. A restart reads 100,000 records: each call, unpack and slice less per record is a
-    share of its wait (docs/performance.md, *A warm restart*)."""
+    head's bytes from there), with their indexes plus `base`: read_record of each."""
     records: list[tuple[int, RecordFields]] = []
-    append, unpack_head, size = records.append, _SLOT_HEAD_FIELDS.unpack_from, len(buf)
-    crc32, dtypes, tail_of, crc_from = zlib.crc32, DTYPE_BY_CODE, _slot_tail, _SLOT_MARK_CRC.size
+    append, record_at, size = records.append, _record_at, len(buf)
     for index in indexes:
-        offset = index * stride
-        mark, crc, commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = unpack_head(
-            buf, offset
-        )
-        tail = tail_of(ndim, n_extents, key_len)
-        dtype = dtypes.get(dtype_code)
-        start = offset + _SLOT_HEAD
-        end = start + tail.size if tail is not None else 0
-        if (
-            mark == SLOT_READY_MARK
-            and tail is not None
-            and dtype is not None
-            and end <= size
-            and crc == crc32(buf[offset + crc_from : end])
-        ):
-            values = tail.unpack_from(buf, start)  # shape, extents, key
-            fields = (
-                values[-1],
-                dtype,
-                values[:ndim],
-                nbytes,
-                checksum,
-                commit_seq,
-                values[ndim:-1],
-            )
+        fields = record_at(buf, index * stride, size)
+        if fields is not None:
             append((base + index, fields))
     return records
+
+
+def _record_at(
+    buf: SlotBytes,
+    offset: int,
+    size: int,
+    unpack_head: Callable[[SlotBytes, int], tuple[int, ...]] = _SLOT_HEAD_FIELDS.unpack_from,
+    crc32: Callable[[SlotBytes], int] = zlib.crc32,
+) -> RecordFields | None:
+    """The record at `offset` of `buf` (`size` bytes long), or None. Called once per READY slot
+    at a restart (100,000 in a large pool) and once per lock pin on the vLLM scheduler thread:
+    its constants are bound as defaults, looked up once (docs/performance.md, *A warm
+    restart*)."""
+    if size - offset < _SLOT_HEAD:
+        return None
+    mark, crc, commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = unpack_head(
+        buf, offset
+    )
+    if mark != SLOT_READY_MARK:
+        return None
+    tail = _slot_tail(ndim, n_extents, key_len)
+    dtype = DTYPE_BY_CODE.get(dtype_code)
+    start = offset + _SLOT_HEAD
+    if tail is None or dtype is None:
+        return None
+    end = start + tail.size
+    if end > size or crc != crc32(buf[offset + _SLOT_MARK_CRC.size : end]):
+        return None
+    values = tail.unpack_from(buf, start)  # shape, extents, key
+    return (values[-1], dtype, values[:ndim], nbytes, checksum, commit_seq, values[ndim:-1])
 
 
 # Bounded: a slot table written over by someone else could name any sizes.

@@ -43,7 +43,7 @@ import grpc
 
 from ec_client import _wire
 from ec_client.errors import EcdError
-from ec_client.types import AllocateItem, CommitItem, Key, StepResult
+from ec_client.types import MAX_HITS_PER_STEP, AllocateItem, CommitItem, Key, StepResult
 
 log = logging.getLogger("ec_client")
 
@@ -109,6 +109,14 @@ class Answered:
         self.misses += other.misses
         self.hits += other.hits
 
+    def take(self) -> Answered:
+        """What one Step carries, taken out: the misses and the first MAX_HITS_PER_STEP hits
+        (the rest wait for the next Step)."""
+        taken = Answered(self.misses, self.hits[:MAX_HITS_PER_STEP])
+        self.misses = 0
+        del self.hits[:MAX_HITS_PER_STEP]
+        return taken
+
 
 @dataclass
 class OutboxBatch:
@@ -153,6 +161,7 @@ class OutboxBatch:
             result.aborts[len(self.aborts) :],
             result.acquires,
             result.allocates,
+            result.pool_uuid,
         )
 
     def fail(self, error: EcdError) -> None:
@@ -222,9 +231,13 @@ class _Pool:
         return self.ops() or bool(self.answered)
 
     def due_at(self, linger_s: float) -> float:
-        """When the background thread sends what is owed, if no Step goes before."""
+        """When the background thread sends what is owed, if no Step goes before: hits that
+        fill a Step go at once (a busy engine reads thousands a second under lock pins, more
+        than one Step may carry)."""
         if self.ops():
             return self.last_step + linger_s
+        if len(self.answered.hits) >= MAX_HITS_PER_STEP:
+            return self.last_step
         return self.last_step + max(linger_s, ANSWERED_LINGER_S)
 
 
@@ -368,10 +381,9 @@ class Outbox:
                 _split(pool.aborts, wait),  # and those of commits whose copy failed, as found
                 lambda on_done: self._batch_done(pool, on_done),
                 _split(pool.unlocks, wait),
-                pool.answered,
+                pool.answered.take(),
                 lambda answered: self._returned(pool, answered),
             )
-            pool.answered = Answered()
             pool.in_transit.update(d.key for d in batch.commits)
         return self._landed(batch)
 

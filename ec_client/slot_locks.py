@@ -47,20 +47,18 @@ from ec_client.types import Extent, TensorSpec
 # Linux's open-file-description lock commands (fcntl.h); Python's fcntl module lacks the names.
 F_OFD_GETLK = 36
 F_OFD_SETLK = 37
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-
-
-def _flock(kind: int, start: int, length: int = 1) -> bytes:
-    return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)  # l_pid must be 0 for OFD locks
+# struct flock: l_type, l_whence, l_start, l_len, l_pid (which must be 0 for OFD locks)
+_FLOCK = struct.Struct("hhqqi4x")
 
 
 def _set(fd: int, kind: int, slot: int, slots: int = 1) -> bool:
     """Take (or drop) the lock bytes of `slots` slots from `slot` on (one range: the bytes
     between them are locked by nobody); False if another description holds a conflicting
     lock."""
-    start = slot_offset(slot)
+    start = HEADER_SIZE + slot * SLOT_SIZE  # slot_offset, inline: a lock pin's cost
+    length = (slots - 1) * SLOT_SIZE + 1
     try:
-        fcntl.fcntl(fd, F_OFD_SETLK, _flock(kind, start, slot_offset(slot + slots - 1) + 1 - start))
+        fcntl.fcntl(fd, F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -101,7 +99,8 @@ def locked_slots(fd: int, num_slots: int) -> set[int]:
     found: set[int] = set()
     start, end = slot_offset(0), slot_offset(num_slots)
     while start < end:
-        answer = fcntl.fcntl(fd, F_OFD_GETLK, _flock(fcntl.F_WRLCK, start, end - start))
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, end - start, 0)
+        answer = fcntl.fcntl(fd, F_OFD_GETLK, query)
         kind, _, at, length, _ = _FLOCK.unpack(answer)
         if kind == fcntl.F_UNLCK:
             break
@@ -153,11 +152,17 @@ class SlotPins:
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
         self._retired = False
+        g = self.header.geometry  # what a pin checks a record against, looked up once
+        self._num_slots, self._num_blocks, self._block_size = (
+            g.num_slots,
+            g.num_blocks,
+            g.block_size_bytes,
+        )
 
     def pin(self, slot: int, key: bytes) -> PinnedEntry | None:
         """Pin the entry `key` in `slot`; what its record says (extents, spec, checksum), or
         None when the slot does not hold it now (a miss)."""
-        if not 0 <= slot < self.header.geometry.num_slots:
+        if not 0 <= slot < self._num_slots:
             return None
         with self._lock:
             if self._retired or self._fd < 0:
@@ -233,20 +238,18 @@ class SlotPins:
         """The entry `key` if the slot holds a whole record of it that fits the pool; anything
         else is a miss. Read with pread, not through a mapping: a pool file truncated by
         someone else is then a miss here, not a SIGBUS (vLLM's scheduler process maps no pool)."""
-        fields = read_record(os.pread(self._fd, SLOT_SIZE, slot_offset(slot)))
+        fields = read_record(os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE))
         if fields is None or fields[0] != key:
             return None
         _, dtype, shape, nbytes, checksum, _, flat = fields
-        g = self.header.geometry
+        blocks, num_blocks = -(-nbytes // self._block_size), self._num_blocks
         if len(flat) == 2:  # one extent, as nearly every entry has: a hit's cost, kept short
             start, count = flat
-            if count != -(-nbytes // g.block_size_bytes) or start + count > g.num_blocks:
+            if count != blocks or start + count > num_blocks:
                 return None
             extents: tuple[Extent, ...] = (Extent(start, count),)
         else:
             extents = tuple(map(Extent, flat[0::2], flat[1::2]))
-            if sum(e.count for e in extents) != -(-nbytes // g.block_size_bytes) or any(
-                e.end > g.num_blocks for e in extents
-            ):
+            if sum(e.count for e in extents) != blocks or any(e.end > num_blocks for e in extents):
                 return None
         return PinnedEntry(key, extents, TensorSpec(shape, dtype, nbytes), checksum)

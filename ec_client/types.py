@@ -194,6 +194,12 @@ class LeaseResult:
     message: str
 
 
+# StepRequest.hits carries at most this many keys, whatever the daemon's --max-batch (a limit of
+# the protocol, so that a client needs no word from the daemon to keep to it): a client owing
+# more sends the rest in its next Step.
+MAX_HITS_PER_STEP = 4096
+
+
 @dataclass(frozen=True)
 class StepResult:
     """A Step's answers, part by part, each in the order of its items."""
@@ -203,6 +209,9 @@ class StepResult:
     aborts: list[ItemResult]
     acquires: list[AcquireResult]
     allocates: list[AllocateResult]
+    # The pool file whose blocks the acquires' and allocates' extents name (PoolInfo.pool_uuid);
+    # "" when the daemon could not say (the pool recreated while the Step ran).
+    pool_uuid: str = ""
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ never sinking the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -397,9 +398,9 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             request.aborts,
             request.acquires,
             request.allocates,
-            request.hits,
         ):
             validate.batch(len(part), self.limits)
+        validate.hits(len(request.hits))
         commits, aborts = wire.checked_commits(request.commits), wire.checked_keys(request.aborts)
         acquires, allocates = (
             wire.checked_keys(request.acquires),
@@ -417,11 +418,15 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         )
         if self.remote is not None:  # acquires only peers can answer: pulled, and waited for
             result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
+            if not self.store.has_pool(engine_id) or (
+                self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
+            ):  # recreated during the pulls: the answers may name either file
+                result = dataclasses.replace(result, pool_uuid="")
         # Counted last, with nothing left to fail or wait for: a Step that raises left them to
         # the client's next one, so they are counted once.
         self.store.count_misses(engine_id, request.misses)
         self.store.touch(engine_id, request.hits)
-        reply = pb.StepReply(boot_epoch=self.epoch)
+        reply = pb.StepReply(boot_epoch=self.epoch, pool_uuid=result.pool_uuid)
         for lease in result.releases:
             wire.put_lease_result(reply.releases.add(), lease)
         commit_keys = [i.key for i in request.commits]

@@ -277,7 +277,9 @@ class Store:
         aborted = self._abort(session, pool, aborts)
         acquired = self._acquire(session, pool, acquires, count_misses)
         allocated = self._allocate(session, pool, allocates)
-        return api.StepResult(released, committed, aborted, acquired, allocated)
+        return api.StepResult(
+            released, committed, aborted, acquired, allocated, str(pool.file.header.pool_uuid)
+        )
 
     def count_misses(self, engine_id: str, misses: int) -> None:
         """Misses answered elsewhere than by a pin: by a client from its view of the pool

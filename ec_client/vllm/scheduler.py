@@ -111,6 +111,9 @@ CALL_TIMEOUT_S = 10.0
 # hits and misses answered here (they wait ANSWERED_LINGER_S anyway) and keeps Outbox's thread from
 # sending an op alone just before the step_soon that would have carried it.
 LINGER_S = 1.0
+# The most output sizes whose spec is kept (`_save_spec`): images come in few sizes, but nothing
+# bounds how many.
+MAX_SAVE_SPECS = 4096
 # While the daemon was never reached, how often the connector tries again.
 CONNECT_RETRY_FIRST_S = 0.5
 CONNECT_RETRY_MAX_S = 5.0
@@ -249,6 +252,9 @@ class SchedulerSide:
         self._undelivered: deque[tuple[tuple[str, str], Callable[[], None]]] = deque()
         self._unavailable: set[str] = set()
         self._no_width: set[str] = set()  # modalities already warned about
+        # The specs of outputs to save, by (modality, rows): a spec is never changed, so the
+        # outputs of one size share one (built once, not per output on the scheduler thread).
+        self._save_specs: dict[tuple[str, int], TensorSpec] = {}
         self._hits: list[bytes] = []  # lock pins taken this step: hits owed to the daemon
         self._misses = 0  # misses the view answered this step: owed too, with the hits
         # Set once, when the daemon is first reached: the view last, so that a synced view
@@ -545,11 +551,14 @@ class SchedulerSide:
         """Whether the extents of an answer are of the file this generation's workers map. The
         client learns of a recreated pool only when it reopens it, so an answer of the same
         generation may still come from the new file (the pool recreated before the daemon read
-        the Step). It came from ours if the path still holds the file our lock pins opened: a
-        pool's file, once replaced, never comes back. Without lock pins there is nothing to
-        check against (the answer is taken)."""
+        the Step). The daemon says which file it answered from (StepResult.pool_uuid). Where it
+        could not, the answer came from ours if the path still holds the file our lock pins
+        opened: a pool's file, once replaced, never comes back. Without lock pins there is
+        nothing to check against (the answer is taken)."""
         if not (result.acquires or result.allocates) or self._slot_pins is None:
             return True
+        if result.pool_uuid:  # no stat of the path on the scheduler thread (tens of us)
+            return result.pool_uuid == self._slot_pins.pool_uuid
         return self._slot_pins.still_at_path()
 
     def _void_answer(self, result: StepResult) -> None:
@@ -720,6 +729,10 @@ class SchedulerSide:
         return len(spec.shape) == 2 and spec.dtype == self.config.dtype
 
     def _save_spec(self, feature: MultiModalFeatureSpec) -> TensorSpec | None:
+        rows = feature.mm_position.get_num_embeds()
+        spec = self._save_specs.get((feature.modality, rows))
+        if spec is not None:  # one per modality and size: images of one size share it
+            return spec
         try:
             width = get_encoder_output_width(self._vllm_config, feature.modality)
         except ValueError as error:
@@ -727,5 +740,8 @@ class SchedulerSide:
                 self._no_width.add(feature.modality)
                 log.warning("not saving %s outputs: %s", feature.modality, error)
             return None
-        shape = (feature.mm_position.get_num_embeds(), width)
-        return TensorSpec(shape, self.config.dtype, tensor_nbytes(shape, self.config.dtype))
+        shape = (rows, width)
+        spec = TensorSpec(shape, self.config.dtype, tensor_nbytes(shape, self.config.dtype))
+        if len(self._save_specs) < MAX_SAVE_SPECS:
+            self._save_specs[(feature.modality, rows)] = spec
+        return spec

@@ -15,6 +15,7 @@ from ecd_testing import Daemon, assert_blocks_accounted, running_daemon
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_client.types import MAX_HITS_PER_STEP
 
 POOL = "bad-input"
 BLOCK = 1024
@@ -219,9 +220,27 @@ CASES = [
         EXHAUSTED,
         "over the limit",
     ),
+    (
+        "hits over the protocol's limit",
+        lambda w: step_hits(w, MAX_HITS_PER_STEP + 1),
+        EXHAUSTED,
+        "send the rest in the next Step",
+    ),
     ("wait too long", lambda w: acquire(w, [b"k"], wait_ms=10**9), INVALID, "wait_ms"),
     ("bad key in an acquire", lambda w: acquire(w, [b""]), INVALID, "empty key"),
 ]
+
+
+def step_hits(w: Wire, count: int) -> pb.StepReply:
+    """A Step carrying `count` hits answered under lock pins (keys the pool need not hold)."""
+    hits = [b"h%d" % i for i in range(count)]
+    return w.stub.Step(pb.StepRequest(session_id=w.session, engine_id=POOL, hits=hits))
+
+
+def test_a_steps_hits_are_bounded_by_the_protocol_not_by_max_batch(wire: Wire) -> None:
+    """A busy engine's hits under lock pins fill Steps whatever --max-batch says."""
+    assert MAX_HITS_PER_STEP > MAX_BATCH
+    step_hits(wire, MAX_HITS_PER_STEP)  # answered, not refused
 
 
 def outcome(call: object) -> tuple[grpc.StatusCode, str]:

@@ -25,6 +25,7 @@ from ecd_testing import wait_until
 from ec_client.errors import EcdError
 from ec_client.outbox import Answered, DeferredOp, Outbox, OutboxBatch
 from ec_client.types import (
+    MAX_HITS_PER_STEP,
     AcquireResult,
     AllocateItem,
     ItemResult,
@@ -399,6 +400,19 @@ def test_hits_read_under_lock_pins_ride_on_the_pools_next_step() -> None:
     assert batch.answered.hits == [b"a", b"b", b"a"]  # each read is a hit
     assert list(batch.step(POOL).build("sid").hits) == [b"a", b"b", b"a"]  # StepRequest.hits
     assert not o.take(POOL).answered
+    o.close()
+
+
+def test_a_step_carries_at_most_the_protocols_hits_and_the_rest_go_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)
+    o, sender = owed(linger_s=60.0)
+    keys = [b"k%d" % i for i in range(MAX_HITS_PER_STEP + 10)]
+    o.hits(POOL, keys)  # a busy engine's hits, more than one Step may carry
+    wait_until(lambda: len(sender.batches) == 1)  # due at once, not after the linger
+    assert sender.batches[0][1].answered.hits == keys[:MAX_HITS_PER_STEP]
+    assert o.take(POOL).answered.hits == keys[MAX_HITS_PER_STEP:]  # owed to the next Step
     o.close()
 
 

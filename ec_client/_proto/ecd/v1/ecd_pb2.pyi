@@ -402,20 +402,22 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., misses: _Optional[int] = ..., hits: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("boot_epoch", "releases", "commits", "aborts", "acquires", "allocates")
+    __slots__ = ("boot_epoch", "releases", "commits", "aborts", "acquires", "allocates", "pool_uuid")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATES_FIELD_NUMBER: _ClassVar[int]
+    POOL_UUID_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     releases: _containers.RepeatedCompositeFieldContainer[LeaseResult]
     commits: _containers.RepeatedCompositeFieldContainer[ItemResult]
     aborts: _containers.RepeatedCompositeFieldContainer[ItemResult]
     acquires: _containers.RepeatedCompositeFieldContainer[AcquireResult]
     allocates: _containers.RepeatedCompositeFieldContainer[AllocateResult]
-    def __init__(self, boot_epoch: _Optional[str] = ..., releases: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., acquires: _Optional[_Iterable[_Union[AcquireResult, _Mapping]]] = ..., allocates: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
+    pool_uuid: str
+    def __init__(self, boot_epoch: _Optional[str] = ..., releases: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ..., acquires: _Optional[_Iterable[_Union[AcquireResult, _Mapping]]] = ..., allocates: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ..., pool_uuid: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("engine_id", "keys")
