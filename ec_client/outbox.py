@@ -22,7 +22,10 @@ What a client answered itself, with no round trip, is owed too (`Answered`): the
 answered from its view of the pool, as a count (StepRequest.misses), and the hits it read under
 lock pins, as keys (StepRequest.hits), so that the daemon's counters hold every hit and miss and
 its LRU order every hit. They ride on the next Step to the pool, or go alone once it has been
-quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwhile). A Step that
+quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwhile). Handing
+them over wakes nobody (a wake costs the caller tens of microseconds, on the vLLM scheduler
+thread at every step): the background thread looks at least every ANSWERED_LINGER_S. A Step
+carries at most MAX_HITS_PER_STEP of them; a full Step's worth goes at once. A Step that
 does not reach the daemon (UNAVAILABLE, CANCELLED) gives them back to the next one; one the daemon
 refused drops them, logged.
 """
@@ -293,12 +296,15 @@ class Outbox:
             self._answered(engine_id, Answered(hits=list(keys)))
 
     def _answered(self, engine_id: str, answered: Answered) -> None:
+        """Owed with no wake of the background thread, unless they fill a Step: they wait
+        ANSWERED_LINGER_S for a Step to ride on anyway, and the thread looks that often while
+        it has nothing else to wait for (`_run`). A wake costs the caller tens of microseconds,
+        on the vLLM scheduler thread at every step that reads hits under lock pins."""
         with self._lock:
             pool = self._pool(engine_id)
-            first = not pool.owing()
             pool.answered.add(answered)
-        if first:  # the background thread learns of a due time; later ones change nothing
-            self._owe(lambda: None)
+            full = len(pool.answered.hits) >= MAX_HITS_PER_STEP
+        self._owe(lambda: None, wake=full)
 
     def _returned(self, pool: _Pool, answered: Answered) -> None:
         with self._lock:
@@ -445,13 +451,14 @@ class Outbox:
 
     # ---- the background thread ----------------------------------------------------------------
 
-    def _owe(self, add: Callable[[], None]) -> None:
+    def _owe(self, add: Callable[[], None], wake: bool = True) -> None:
         with self._lock:
             add()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ecd-outbox", daemon=True)
                 self._thread.start()
-            self._lock.notify_all()
+            elif wake:
+                self._lock.notify_all()
 
     def _run(self) -> None:
         """Send the Steps asked for, in order, and what is owed to pools quiet for linger_s,
@@ -475,7 +482,9 @@ class Outbox:
                     due = [e for e, at in owing.items() if at <= now]
                     if due:
                         break
-                    self._lock.wait(min(owing.values()) - now if owing else None)
+                    # Hits and misses are handed over with no wake (`_answered`): look at least
+                    # this often.
+                    self._lock.wait(min([*owing.values(), now + ANSWERED_LINGER_S]) - now)
                 self._sending = due
             try:
                 if ask is not None:
