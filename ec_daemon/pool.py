@@ -55,6 +55,20 @@ def _read_slot_table(fd: int, num_slots: int) -> list[tuple[int, RecordFields]]:
     return records
 
 
+def creation_interrupted(path: Path) -> bool:
+    """Whether the pool file at `path` was never finished: its magic, written last by `create`,
+    is not there (a file shorter than it, or zeros where it goes: the file is zero-filled as it
+    is allocated). Such a file was never served, so it never held an entry: a daemon killed
+    while creating a pool leaves one, and it is no one's data to keep for inspection. False
+    for a file that cannot be read (adoption says why)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(MAGIC))
+    except OSError:
+        return False
+    return head == bytes(len(head))
+
+
 class PoolFile:
     def __init__(self, path: Path, header: Header, fd: int) -> None:
         self.path = path

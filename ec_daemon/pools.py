@@ -41,7 +41,7 @@ from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.eviction import POLICIES
 from ec_daemon.index import PoolIndex
-from ec_daemon.pool import PoolFile
+from ec_daemon.pool import PoolFile, creation_interrupted
 
 log = logging.getLogger("ecd.pools")
 
@@ -141,6 +141,15 @@ class PoolRegistry:
                     "file in shm_dir is not a pool ecd could have made (bad engine_id); "
                     "left in place",
                     extra={"path": str(path)},
+                )
+                continue
+            if creation_interrupted(path):
+                path.unlink(missing_ok=True)
+                log.warning(
+                    "pool file removed: its creation was interrupted (the daemon stopped before "
+                    "its header was whole), so it never held an entry; the pool is created anew "
+                    "at its next OpenPool",
+                    extra={"engine_id": engine_id, "path": str(path)},
                 )
                 continue
             try:

@@ -8,6 +8,7 @@ READY (bit-identical) or gone, never partial; PENDING entries are gone and their
 
 from __future__ import annotations
 
+import pathlib
 import time
 from collections.abc import Iterator
 
@@ -156,3 +157,33 @@ def test_a_daemon_killed_during_commits_keeps_every_acknowledged_entry_after_res
             record_tally(f"{split} applied, reply lost (all READY)", landed == in_flight)
         for batch in chunks(sorted(mine), 1024):
             assert {r.status for r in c.delete(POOL, batch)} <= {Status.OK}
+
+
+@pytest.mark.fault_kind("daemon killed while creating a pool")
+@pytest.mark.parametrize("left", ["empty", "allocated", "header without its magic"])
+def test_a_pool_whose_creation_a_killed_daemon_left_unfinished_is_created_anew(left: str) -> None:
+    """PoolFile.create writes the magic last: a daemon killed before it leaves a file with none
+    (created, allocated, or its header written). That file never held an entry; the restarted
+    daemon removes it rather than refuse the pool until an operator does (the lock-pin churn
+    test with the daemon killed met it: its pools are dropped and created again all along)."""
+    with running_daemon("--max-bytes", "64MiB") as daemon:
+        with daemon.client() as c:
+            info = c.open_pool("early", BLOCK, BASE_CAPACITY)
+            c.open_pool("kept", BLOCK, BASE_CAPACITY)
+            Producer(c, "kept").put("img", make_tensor("img", 3 * BLOCK))
+            c.flush()
+        daemon.kill()
+        path = pathlib.Path(info.path)
+        size = 0 if left == "empty" else path.stat().st_size
+        header = path.read_bytes()[:4096] if left.startswith("header") else b""
+        path.unlink()
+        with open(path, "wb") as file:  # what the kill left at that point of the creation
+            file.truncate(size)
+            file.write(bytes(8) + header[8:])
+        daemon.start()
+        with daemon.client() as c:
+            fresh = c.open_pool("early", BLOCK, BASE_CAPACITY)
+            assert fresh.created and fresh.pool_uuid != info.pool_uuid
+            c.open_pool("kept", BLOCK, BASE_CAPACITY)
+            assert set(ready_keys(c, "kept")) == {b"img"}  # the others were left alone
+        assert "its creation was interrupted" in daemon.log()
