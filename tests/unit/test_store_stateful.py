@@ -7,11 +7,14 @@
 - every READY entry's recorded bytes length matches what its producer allocated;
 - an entry a reader holds a lock pin on (a real shared lock on its slot, docs/design.md §5) keeps
   its record in the file and its blocks, which no other entry is given, until it is unlocked,
-  however it is removed meanwhile (evicted, deleted, its pool's space needed).
+  however it is removed meanwhile (evicted, deleted, its pool's space needed);
+- a slot a reader with a stale view holds locked (free, or an entry's) is neither written nor
+  erased meanwhile: a commit records its entry in another slot (or, with none, stays PENDING).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from core_testing import FakeClock, make_store, open_pool, spec
@@ -30,7 +33,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_client.slot_locks import PinnedEntry, SlotPins
+from ec_client.layout import SLOT_SIZE, slot_offset
+from ec_client.slot_locks import PinnedEntry, SlotPins, lock_shared, unlock
 from ec_client.types import EntryState, EventType, Extent, Role, Status
 
 BLOCK = 512
@@ -53,6 +57,9 @@ class StoreMachine(RuleBasedStateMachine):
         )
         info = open_pool(self.store, "p", BLOCK, BLOCKS * BLOCK)
         self.reader = SlotPins(info.path, info.pool_uuid)  # another process's, as it were
+        self.prober = os.open(info.path, os.O_RDONLY)  # a reader with a stale view, probing
+        self.probe: tuple[int, bytes] | None = None  # the slot it holds locked, its bytes then
+        self.num_slots = slots
         self.locks: list[tuple[int, PinnedEntry]] = []  # lock pins held: (slot, what they hold)
         self.pending: dict[bytes, tuple[str, tuple[Extent, ...]]] = {}  # key -> (session, extents)
         self.pins: dict[int, tuple[str, bytes]] = {}  # lease -> (session, key)
@@ -62,6 +69,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.reader.close()
+        os.close(self.prober)
         self.store.close()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
@@ -99,8 +107,12 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pending)))
-        sid, _ = self.pending.pop(key)
-        assert [o.status for o in self.store.commit(sid, "p", [(key, 1, 0)])] == [Status.OK]
+        sid, extents = self.pending.pop(key)
+        [outcome] = self.store.commit(sid, "p", [(key, 1, 0)])
+        if outcome.status is Status.RESOURCE_EXHAUSTED and self.probe is not None:
+            self.pending[key] = (sid, extents)  # no slot to record it in but the probed one
+            return
+        assert outcome.status is Status.OK
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
@@ -137,6 +149,21 @@ class StoreMachine(RuleBasedStateMachine):
         if record is not None:
             assert record.key == key
             self.locks.append((slot, record))
+
+    @precondition(lambda self: self.probe is None)
+    @rule(slot=st.integers(0, 31))
+    def probe_a_slot(self, slot: int) -> None:
+        """A reader whose view is out of date holds a slot's lock for the moment of one read
+        (here, for a few steps): whatever the slot holds, free or an entry's record."""
+        if slot < self.num_slots and lock_shared(self.prober, slot):
+            self.probe = (slot, os.pread(self.prober, SLOT_SIZE, slot_offset(slot)))
+
+    @precondition(lambda self: self.probe is not None)
+    @rule()
+    def probe_done(self) -> None:
+        assert self.probe is not None
+        unlock(self.prober, self.probe[0])
+        self.probe = None
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
@@ -211,6 +238,12 @@ class StoreMachine(RuleBasedStateMachine):
             for entry in listed:
                 if entry.extents != record.extents:
                     assert not mine & {b for e in entry.extents for b in range(e.start, e.end)}
+
+    @invariant()
+    def no_record_is_written_or_erased_under_a_readers_lock(self) -> None:
+        if self.probe is not None:
+            slot, then = self.probe
+            assert os.pread(self.prober, SLOT_SIZE, slot_offset(slot)) == then
 
     @invariant()
     def pinned_entries_stay_until_released(self) -> None:
