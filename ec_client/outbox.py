@@ -303,8 +303,7 @@ class Outbox:
         with self._lock:
             pool = self._pool(engine_id)
             pool.answered.add(answered)
-            full = len(pool.answered.hits) >= MAX_HITS_PER_STEP
-        self._owe(lambda: None, wake=full)
+            self._wake(notify=len(pool.answered.hits) >= MAX_HITS_PER_STEP)
 
     def _returned(self, pool: _Pool, answered: Answered) -> None:
         with self._lock:
@@ -451,14 +450,19 @@ class Outbox:
 
     # ---- the background thread ----------------------------------------------------------------
 
-    def _owe(self, add: Callable[[], None], wake: bool = True) -> None:
+    def _owe(self, add: Callable[[], None]) -> None:
         with self._lock:
             add()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ecd-outbox", daemon=True)
-                self._thread.start()
-            elif wake:
-                self._lock.notify_all()
+            self._wake(notify=True)
+
+    def _wake(self, notify: bool) -> None:
+        """Start the background thread if it is not running yet, else wake it if `notify`.
+        Under the lock."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ecd-outbox", daemon=True)
+            self._thread.start()
+        elif notify:
+            self._lock.notify_all()
 
     def _run(self) -> None:
         """Send the Steps asked for, in order, and what is owed to pools quiet for linger_s,

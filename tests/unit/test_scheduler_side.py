@@ -114,6 +114,7 @@ class FakeClient:
         self._next_lease = 100
         self.allocations: dict[str, int] = {}  # key -> the allocation answered for it, last
         self.before_answer: Callable[[], None] = lambda: None  # as the daemon reads a Step
+        self.answered_of = ""  # the pool file a Step's answer names (StepReply.pool_uuid)
         self.outbox = Outbox(self._send, linger_s=60.0)  # nothing goes alone during a test
 
     def _send(
@@ -144,6 +145,7 @@ class FakeClient:
                 [ItemResult(d.key, Status.OK, "") for d in batch.aborts],
                 [self._acquire(str(k)) for k in acquires],
                 [self._allocate(str(i.key)) for i in allocates],
+                self.answered_of,
             )
         )
 
@@ -429,11 +431,13 @@ def test_an_answer_from_before_a_new_session_gives_back_what_it_took(client: Fak
     assert client.sent[-1].releases == [first_lease] and client.sent[-1].acquires == []
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["the answer names its file", "it does not"])
 def test_an_answer_from_a_pool_recreated_before_the_daemon_read_the_step_pins_nothing(
-    client: FakeClient, tmp_path: Path
+    client: FakeClient, tmp_path: Path, named: bool
 ) -> None:
     # The client learns of a recreated pool only when it reopens it: until then an answer of
-    # the same session may come from the new file, whose extents the workers do not map.
+    # the same session may come from the new file, whose extents the workers do not map. The
+    # daemon names the file it answered of; where it cannot, the path's file is looked at.
     geometry = Geometry(WIDTH * 2, num_blocks=64, num_slots=8)
     pool = PoolFile.create(tmp_path, "pool", geometry, "model", 0o600, None)
     pool.close()
@@ -445,7 +449,10 @@ def test_an_answer_from_a_pool_recreated_before_the_daemon_read_the_step_pins_no
     def recreated() -> None:  # once, as the daemon reads the first Step
         client.before_answer = lambda: None
         pool.path.unlink()
-        PoolFile.create(tmp_path, "pool", geometry, "model", 0o600, None).close()
+        new = PoolFile.create(tmp_path, "pool", geometry, "model", 0o600, None)
+        new.close()
+        if named:
+            client.answered_of = str(new.header.pool_uuid)
 
     client.before_answer = recreated
     client.fake_view.ready[b"img-a"] = None  # pinned by an Acquire

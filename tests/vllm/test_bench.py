@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from ecd_testing import REPO, Daemon
 
@@ -30,3 +31,16 @@ def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
     assert figures["ecd"]["held_steps"] == 0  # cached requests are lock-pinned at once
     assert figures["ecd"]["rpcs"] >= 1 and figures["eccpu"]["scheduler_us"] > 0
     assert all(figures[c][t] > 0 for c in ("ecd", "eccpu") for t in TTFT)
+
+
+def test_with_no_daemon_it_says_where_it_looked_and_how_to_start_one(tmp_path: Path) -> None:
+    address = f"unix://{tmp_path}/ecd.sock"
+    done = subprocess.run(
+        [sys.executable, "-m", "ec_client.vllm.bench", "--address", address, *ARGS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert done.returncode != 0 and done.stdout == ""
+    assert f"ecd is not reachable at {address}: start it" in done.stderr
