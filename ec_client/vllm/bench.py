@@ -25,7 +25,8 @@ events, a moment after the commits), as it has in an engine whose images were sa
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
 With `--json`, one line: {"ecd": {"scheduler_us", "held_steps", "held_requests", "rpcs",
 "ttft_cached_ms", "ttft_new_ms"}, "eccpu": {"scheduler_us", "ttft_cached_ms", "ttft_new_ms"}}
-for the burst at the first `--step-ms` (medians over `--runs`).
+for the burst at the first `--step-ms` (medians over `--runs`; the contenders take turns, run by
+run, so that a machine's drift moves both sides of a ratio alike).
 """
 
 from __future__ import annotations
@@ -255,14 +256,20 @@ def main(argv: list[str] | None = None) -> None:
     patterns = args.patterns.split(",")
     contenders = ["ECDaemonConnector"] + ([] if args.no_eccpu else ["ECCPUConnector"])
     results: dict[tuple[str, str, float], Outcome] = {}
+    warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
     for name in contenders:
-        warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
         one_run(name, warm, "burst", args.address)
-        for step_ms in step_times:
-            workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
-            for pattern in patterns:
-                runs = [one_run(name, workload, pattern, args.address) for _ in range(args.runs)]
-                results[(name, pattern, step_ms)] = median_outcome(runs)
+    for step_ms in step_times:
+        workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
+        for pattern in patterns:
+            # The contenders take turns, run by run: a machine that slows down or speeds up
+            # meanwhile (a noisy VM does, by tens of percent) moves both sides of the ratio.
+            runs: dict[str, list[Outcome]] = {name: [] for name in contenders}
+            for _ in range(args.runs):
+                for name in contenders:
+                    runs[name].append(one_run(name, workload, pattern, args.address))
+            for name in contenders:
+                results[(name, pattern, step_ms)] = median_outcome(runs[name])
     if args.json:
         print(json.dumps(summary(results, step_times[0])))
         return
