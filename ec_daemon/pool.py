@@ -26,6 +26,7 @@ from ec_client.layout import (
     SlotRecord,
     pool_file_name,
     read_slot_table,
+    ready_slots,
     slot_offset,
 )
 from ec_client.slot_locks import lock_exclusive, locked_slots, unlock
@@ -58,15 +59,24 @@ def _read_slot_table(fd: int, num_slots: int) -> list[tuple[int, RecordFields]]:
 def creation_interrupted(path: Path) -> bool:
     """Whether the pool file at `path` was never finished: its magic, written last by `create`,
     is not there (a file shorter than it, or zeros where it goes: the file is zero-filled as it
-    is allocated). Such a file was never served, so it never held an entry: a daemon killed
-    while creating a pool leaves one, and it is no one's data to keep for inspection. False
+    is allocated), and nothing else was written but the header `create` writes before the magic.
+    Such a file was never served, so it never held an entry: a daemon killed while creating a
+    pool leaves one, and it is no one's data to keep for inspection. A file whose magic was
+    zeroed by someone else while it held entries has records in its slot table: not this. False
     for a file that cannot be read (adoption says why)."""
     try:
         with open(path, "rb") as file:
-            head = file.read(len(MAGIC))
-    except OSError:
+            head = file.read(HEADER_SIZE)
+            if any(head[: len(MAGIC)]):
+                return False
+            if not any(head):
+                return True  # created, perhaps allocated, nothing written yet
+            geometry = Header.unpack(MAGIC + head[len(MAGIC) :]).geometry  # all but the magic
+            file.seek(geometry.slot_table_offset)
+            table = file.read(geometry.num_slots * SLOT_SIZE)
+    except (OSError, LayoutError):
         return False
-    return head == bytes(len(head))
+    return len(table) == geometry.num_slots * SLOT_SIZE and not ready_slots(table)
 
 
 class PoolFile:

@@ -26,7 +26,7 @@ from workload_testing import (
     trial_rng,
 )
 
-from ec_client import Client, Producer, PutStatus, Status
+from ec_client import Client, EcdError, Producer, PutStatus, Status
 
 POOL = "commits"
 BASE = "base"  # a fragmented pool of READY entries that must survive every restart
@@ -187,3 +187,19 @@ def test_a_pool_whose_creation_a_killed_daemon_left_unfinished_is_created_anew(l
             c.open_pool("kept", BLOCK, BASE_CAPACITY)
             assert set(ready_keys(c, "kept")) == {b"img"}  # the others were left alone
         assert "its creation was interrupted" in daemon.log()
+
+
+def test_a_pool_holding_entries_whose_magic_was_zeroed_is_refused_and_kept() -> None:
+    """Not an unfinished creation: the records in its slot table say it was served."""
+    with running_daemon("--max-bytes", "64MiB") as daemon:
+        with daemon.client() as c:
+            info = c.open_pool("victim", BLOCK, BASE_CAPACITY)
+            Producer(c, "victim").put("img", make_tensor("img", 3 * BLOCK))
+            c.flush()
+        daemon.kill()
+        with open(info.path, "r+b") as file:
+            file.write(bytes(8))
+        daemon.start()
+        with daemon.client() as c, pytest.raises(EcdError, match="refused"):
+            c.open_pool("victim", BLOCK, BASE_CAPACITY)
+        assert pathlib.Path(info.path).exists()  # kept for inspection
