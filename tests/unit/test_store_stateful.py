@@ -90,8 +90,7 @@ class StoreMachine(RuleBasedStateMachine):
             self._allocate_one(sid, key, blocks, (blocks - 1) * BLOCK + extra + 1)
         if commit:
             for key in [k for k, (owner, _) in self.pending.items() if owner == sid]:
-                self.pending.pop(key)
-                assert [o.status for o in self.store.commit(sid, "p", [(key, 1, 0)])] == [Status.OK]
+                self._commit(key)
 
     def _allocate_one(self, sid: str, key: bytes, blocks: int, nbytes: int) -> None:
         [outcome] = self.store.allocate(sid, "p", [(key, spec(nbytes))])
@@ -106,7 +105,9 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.pending)))
+        self._commit(data.draw(st.sampled_from(sorted(self.pending))))
+
+    def _commit(self, key: bytes) -> None:
         sid, extents = self.pending.pop(key)
         [outcome] = self.store.commit(sid, "p", [(key, 1, 0)])
         if outcome.status is Status.RESOURCE_EXHAUSTED and self.probe is not None:
