@@ -174,30 +174,29 @@ class PoolFile:
         nothing is written). docs/design.md §5: a record is written under the slot's exclusive
         lock, as it is erased, so that no reader reads one half-written (a read is not atomic
         against a write: it could find the new READY mark over the old record's body)."""
-        if not lock_exclusive(self._fd, slot):
-            return False
-        try:
-            # One pwrite of the whole record, its READY mark included. It cannot be torn by a
-            # SIGKILL: the record lies within one page (slots are 512 bytes, aligned, and divide
-            # the page size), and the kernel finishes copying a write into a page before the
-            # process can die. A daemon crash leaves the old record or the new one, never a mix;
-            # the pool file is in tmpfs, so there is no power loss to survive. Anything else that
-            # leaves a record half-written (another process writing the table) fails the
-            # record's CRC, and the record is then ignored at adoption.
-            os.pwrite(self._fd, record.pack(), slot_offset(slot))
-        finally:
-            unlock(self._fd, slot)
-        return True
+        # One pwrite of the whole record, its READY mark included. It cannot be torn by a
+        # SIGKILL: the record lies within one page (slots are 512 bytes, aligned, and divide the
+        # page size), and the kernel finishes copying a write into a page before the process can
+        # die. A daemon crash leaves the old record or the new one, never a mix; the pool file is
+        # in tmpfs, so there is no power loss to survive. Anything else that leaves a record
+        # half-written (another process writing the table) fails the record's CRC, and the
+        # record is then ignored at adoption.
+        return self._write_locked(slot, record.pack())
 
     def erase_slot(self, slot: int) -> bool:
         """Erase the slot's record, unless a reader holds a lock pin on it (then False, and the
         record stays). docs/design.md §5: the record is erased under the slot's exclusive lock,
         so a reader that locks after it finds a free mark, and one that locked before keeps the
         entry whole."""
+        return self._write_locked(slot, _MARK.pack(SLOT_FREE_MARK))
+
+    def _write_locked(self, slot: int, data: bytes) -> bool:
+        """Write `data` at the slot under its exclusive lock, as every change to a record is
+        made; False (nothing written) while a reader holds a lock on it."""
         if not lock_exclusive(self._fd, slot):
             return False
         try:
-            os.pwrite(self._fd, _MARK.pack(SLOT_FREE_MARK), slot_offset(slot))
+            os.pwrite(self._fd, data, slot_offset(slot))
         finally:
             unlock(self._fd, slot)
         return True
