@@ -348,18 +348,6 @@ class Outbox:
         self._owe(add)
         return ask.future
 
-    def owing(self, engine_id: str) -> bool:
-        """Whether anything is owed to the pool, or a Step to it is asked for or on its way from
-        the background thread (the hits and misses the client answered do not count: they wait
-        for a Step to ride on, and need none of their own)."""
-        with self._lock:
-            pool = self._pools.get(engine_id)
-            return (
-                engine_id in self._sending
-                or any(ask.engine_id == engine_id for ask in self._asks)
-                or (pool is not None and bool(pool.ops() or pool.in_transit))
-            )
-
     def commits_owed(self, engine_id: str) -> dict[bytes, bool]:
         """The keys whose Commit is still owed to the pool (PENDING until it goes), each with
         whether its copy has landed (so that it can ride on the next Step)."""

@@ -23,8 +23,9 @@ first pass; ecd's measured pass starts once its ready view heard their slots (th
 events, a moment after the commits), as it has in an engine whose images were saved earlier.
 
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
-With `--json`, one line: {"ecd": {"scheduler_us", "held_steps", "held_requests", "rpcs",
-"ttft_cached_ms", "ttft_new_ms"}, "eccpu": {"scheduler_us", "ttft_cached_ms", "ttft_new_ms"}}
+With `--json`, one line: {"ecd": {"scheduler_us", "steps", "held_steps", "held_requests", "rpcs",
+"ttft_cached_ms", "ttft_new_ms"}, "eccpu": {"scheduler_us", "steps", "ttft_cached_ms",
+"ttft_new_ms"}}
 for the burst at the first `--step-ms` (medians over `--runs`; the contenders take turns, run by
 run, so that a machine's drift moves both sides of a ratio alike).
 """
@@ -147,6 +148,7 @@ class Outcome:
     """One run, as the connector's share of the requests' time sees it."""
 
     scheduler_us: float  # all steps together
+    steps: int  # the engine's steps, from the arrivals until nothing was held or owed
     held_steps: int  # the most steps any request was held back
     held_requests: int  # requests held back at least one step
     rpcs: int
@@ -168,6 +170,7 @@ def outcome(costs: list[StepCost], cached: set[str], step_s: float) -> Outcome:
     new = [t for r, t in ttft.items() if r not in cached]
     return Outcome(
         scheduler_us=sum(c.micros for c in costs),
+        steps=len(costs),
         held_steps=max(held, default=0),
         held_requests=sum(1 for h in held if h),
         rpcs=sum(sum(c.rpcs.values()) for c in costs),
@@ -279,12 +282,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rows} x {args.width} bf16 each; medians of {args.runs} runs"
     )
     print(
-        f"{'connector':18} {'pattern':8} {'step ms':>7} {'sched us':>9} "
+        f"{'connector':18} {'pattern':8} {'step ms':>7} {'sched us':>9} {'steps':>5} "
         f"{'held':>4} {'held req':>8} {'RPCs':>5} {'TTFT cached ms':>14} {'TTFT new ms':>11}"
     )
     for (name, pattern, step_ms), o in results.items():
         print(
-            f"{name:18} {pattern:8} {step_ms:7.0f} {o.scheduler_us:9.0f} "
+            f"{name:18} {pattern:8} {step_ms:7.0f} {o.scheduler_us:9.0f} {o.steps:5.0f} "
             f"{o.held_steps:4.0f} {o.held_requests:8.0f} {o.rpcs:5.0f} "
             f"{o.ttft_cached_ms:14.2f} {o.ttft_new_ms:11.2f}"
         )
@@ -296,6 +299,7 @@ def summary(results: dict[tuple[str, str, float], Outcome], step_ms: float) -> d
     line: dict[str, Any] = {
         "ecd": {
             "scheduler_us": round(ecd.scheduler_us),
+            "steps": ecd.steps,
             "held_steps": ecd.held_steps,
             "held_requests": ecd.held_requests,
             "rpcs": ecd.rpcs,
@@ -304,7 +308,11 @@ def summary(results: dict[tuple[str, str, float], Outcome], step_ms: float) -> d
     }
     eccpu = results.get(("ECCPUConnector", "burst", step_ms))
     if eccpu is not None:
-        line["eccpu"] = {"scheduler_us": round(eccpu.scheduler_us), **ttft(eccpu)}
+        line["eccpu"] = {
+            "scheduler_us": round(eccpu.scheduler_us),
+            "steps": eccpu.steps,
+            **ttft(eccpu),
+        }
     return line
 
 

@@ -67,7 +67,7 @@ LOCK_MISSED = LockMissed()
 Lock = Callable[[str], LockPin | LockMissed | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Pin:
     """A pin this engine holds on one READY entry, so it cannot be evicted: a lease (lease_id)
     or a lock on its slot (slot).
@@ -84,7 +84,7 @@ class Pin:
     transfers: set[int] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(slots=True)
 class Dispatch:
     """One copy of a pinned entry ordered to the workers, under a transfer ID never reused.
     Done when as many distinct ranks as the LoadBook needs reported it; `requests` are the

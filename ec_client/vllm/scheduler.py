@@ -353,11 +353,13 @@ class SchedulerSide:
         if self.config.is_consumer and self.loads.dispatch(request.request_id, key):
             return
         self.loads.scheduled(request.request_id, key)
-        if self.config.is_consumer and self.view.synced and not self._ready(key):
+        if self._ready(key):
+            return
+        if self.config.is_consumer and self.view.synced:
             # A miss the view answered (nothing was asked of the daemon): its count rides on
             # the next Step, for the daemon's miss counters (see _step_soon).
             self._misses += 1
-        if self.config.is_producer and not self._ready(key):
+        if self.config.is_producer:
             spec = self._save_spec(feature)
             if spec is not None:
                 self.saves.plan(key, spec)
@@ -406,16 +408,18 @@ class SchedulerSide:
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """Keep the engine stepping while something is owed to the daemon, on its way, or not
-        yet reported by the workers. Not while the daemon is away: nothing could be sent, and
-        an idle engine would spin; whatever is owed goes with the first step after it is
-        back."""
-        # Asked before the answers are taken: an op's answer arrives before its Step stops
-        # counting as on its way, so none can slip between the two.
-        on_its_way = self.client is not None and self.client.outbox.owing(self.config.pool)
-        self._take_answers()
+        """Keep the engine stepping while this side has work for the scheduler thread: copies
+        the workers have not reported yet, pins and allocations asked whose answers are still
+        to be read (they order the loads and saves of a step to come), and what is owed again
+        (an op whose Step did not reach the daemon, a lease pin to release). Not for what is
+        merely on its way to the daemon (commits, releases, hits): Outbox's thread delivers it
+        and hears its answer alone, and a step kept for it would cost the engine a whole empty
+        iteration. An op whose Step fails after the engine went idle is owed again and goes with
+        the engine's next step. Not while the daemon is away either: nothing could be sent, and
+        an idle engine would spin; whatever is owed goes with the first step after it is back."""
+        self._take_answers()  # ops owed again are in the books from here on
         busy = self.loads.busy() or self.saves.busy() or self._asked
-        return self.view.synced and bool(on_its_way or busy)
+        return self.view.synced and bool(busy)
 
     def shutdown(self) -> None:
         """Commit the saves whose copies landed and release what the workers are done with,
@@ -477,7 +481,8 @@ class SchedulerSide:
             aborts=aborts,
             answered=answered,
         )
-        self._asked.append((future, asked))
+        if asked.acquires or asked.allocates:  # an answer to read; ops hear their own
+            self._asked.append((future, asked))
 
     def _ops(self) -> tuple[list[DeferredOp], list[DeferredOp], list[DeferredOp]]:
         """What the books owe, as ops (no longer owed there): releases of lease pins, commits

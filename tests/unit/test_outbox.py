@@ -315,27 +315,6 @@ def test_a_step_asked_soon_that_failed_hands_its_error_to_the_asker_and_its_ops(
     o.close()
 
 
-def test_a_pool_is_owing_while_a_step_asked_for_it_is_on_its_way() -> None:
-    o, sender = owed()
-    sender.hold = True
-    future = o.step_soon(POOL, acquires=[b"x"])
-    assert sender.sent.wait(5)
-    assert o.owing(POOL) and not o.owing("other")
-    sender.release.set()
-    future.result(5)
-    assert not o.owing(POOL)
-    o.close()
-
-
-def test_a_pool_is_owing_while_an_op_waits_but_not_for_the_hits_it_answered() -> None:
-    o, _ = owed()
-    o.hits(POOL, [b"a"])
-    assert not o.owing(POOL)
-    o.releases(POOL, [Answers().op("pin", lease_id=1)])
-    assert o.owing(POOL)
-    o.close()
-
-
 def test_a_step_asked_while_the_thread_decides_to_wait_out_a_linger_goes_at_once() -> None:
     # The clock the thread reads as it decides stands in for another thread that asks a Step
     # at that very moment; the thread must not then wait out the hits' linger (a minute).

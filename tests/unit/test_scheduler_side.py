@@ -5,7 +5,8 @@ end-to-end tests (tests/vllm) drive the same calls against a real daemon and rea
 
 Proves: a miss the view answered is owed, not sent; an item READY whose slot is not known is
 pinned by one background Step and its request admitted at the next call; a lease pin is released
-once every loading rank reported; a landed save is committed at once and READY in the view; what a
+once every loading rank reported; a landed save is committed at once and READY in the view, and
+its commit on its way keeps the engine stepping no longer; what a
 Step that did not reach the daemon carried is owed again, what the daemon refused is not; while
 the daemon was never reached nothing is sent and every request is admitted, and once it is
 reached the cache is used; a new session voids lease pins and fails the loads under them.
@@ -14,6 +15,7 @@ reached the cache is used; a new session voids lease pins and fails the loads un
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -303,6 +305,19 @@ def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_
     report(side, saved=["img-a"])
     client.flush(5)  # no build_connector_meta between: the report's own Step
     # naming the allocation the bytes were copied into, not whichever of the key is PENDING
+    assert [s.commits for s in client.sent[1:]] == [[(b"img-a", client.allocations["img-a"])]]
+    assert client.fake_view.has(b"img-a")
+
+
+def test_a_commit_on_its_way_keeps_the_engine_stepping_no_longer(client: FakeClient) -> None:
+    side = scheduler(client, role="ec_producer")
+    save_ordered(side, client, "img-a")
+    answering = threading.Event()
+    client.before_answer = lambda: answering.wait(5)  # the daemon has not read the Step yet
+    report(side, saved=["img-a"])
+    assert not side.has_pending_push_work()  # Outbox's thread delivers it: no empty step
+    answering.set()
+    client.flush(5)
     assert [s.commits for s in client.sent[1:]] == [[(b"img-a", client.allocations["img-a"])]]
     assert client.fake_view.has(b"img-a")
 

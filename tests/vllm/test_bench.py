@@ -26,8 +26,11 @@ def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
     [line] = done.stdout.splitlines()
     figures = json.loads(line)
     assert set(figures) == {"ecd", "eccpu"}
-    assert set(figures["ecd"]) == {"scheduler_us", "held_steps", "held_requests", "rpcs"} | TTFT
-    assert set(figures["eccpu"]) == {"scheduler_us"} | TTFT
+    ecd_keys = {"scheduler_us", "steps", "held_steps", "held_requests", "rpcs"}
+    assert set(figures["ecd"]) == ecd_keys | TTFT
+    assert set(figures["eccpu"]) == {"scheduler_us", "steps"} | TTFT
+    assert figures["eccpu"]["steps"] == 1  # its saves and loads land within the burst's step
+    assert figures["ecd"]["steps"] >= 2  # a save is ordered a step after its encode (intents)
     assert figures["ecd"]["held_steps"] == 0  # cached requests are lock-pinned at once
     assert figures["ecd"]["rpcs"] >= 1 and figures["eccpu"]["scheduler_us"] > 0
     assert all(figures[c][t] > 0 for c in ("ecd", "eccpu") for t in TTFT)
