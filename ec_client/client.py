@@ -283,8 +283,9 @@ class Client(BaseClient):
         that order (releases and aborts free space first; commits are visible to the acquires;
         the acquires pin their entries before the allocations could evict them). Each part's
         results are what its own call answers. It also carries what this client owes the pool
-        (see `outbox`); the results returned are those of the parts given here."""
-        batch = self.outbox.take(engine_id)
+        (see `outbox`; a Commit of a key it acquires that another Step carries is answered
+        first); the results returned are those of the parts given here."""
+        batch = self.outbox.take(engine_id, reading=acquires)
         call = batch.step(
             engine_id, releases, _wire.commit_items(commits, checksums), aborts, acquires, allocates
         )

@@ -46,7 +46,14 @@ import grpc
 
 from ec_client import _wire
 from ec_client.errors import EcdError
-from ec_client.types import MAX_HITS_PER_STEP, AllocateItem, CommitItem, Key, StepResult
+from ec_client.types import (
+    MAX_HITS_PER_STEP,
+    AllocateItem,
+    CommitItem,
+    Key,
+    StepResult,
+    key_bytes,
+)
 
 log = logging.getLogger("ec_client")
 
@@ -362,11 +369,19 @@ class Outbox:
 
     # ---- paying ------------------------------------------------------------------------------
 
-    def take(self, engine_id: str, wait: bool = False) -> OutboxBatch:
+    def take(self, engine_id: str, wait: bool = False, reading: Sequence[Key] = ()) -> OutboxBatch:
         """What a Step to this pool should carry now: every op whose copy landed (with wait,
-        every op, once its copy has landed). The caller sends it and resolves it."""
+        every op, once its copy has landed). The caller sends it and resolves it.
+
+        reading: the keys the caller's Step acquires. A Commit of one of them that another
+        Step carries right now (the background thread's) is waited for first: the daemon may
+        take the caller's Step before that one, and a client reads its own writes."""
         with self._lock:
             pool = self._pool(engine_id)
+            if pool.in_transit and reading:
+                keys = {key_bytes(k) for k in reading}
+                while not pool.in_transit.isdisjoint(keys):
+                    self._lock.wait()  # `_batch_done` notifies
             pool.last_step = self._clock()
             batch = OutboxBatch(
                 _split(pool.releases, wait),

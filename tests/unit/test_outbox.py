@@ -222,6 +222,30 @@ def test_a_commit_counts_as_owed_until_its_answer_came() -> None:
     o.close()
 
 
+def test_a_step_acquiring_a_key_waits_for_the_commit_of_it_another_step_carries() -> None:
+    o, _ = owed()
+    o.commits(POOL, [Answers().op("a", key=b"a")])
+    carrying = o.take(POOL)  # the background thread's Step, on its way
+    taken: list[OutboxBatch] = []
+    reader = threading.Thread(target=lambda: taken.append(o.take(POOL, reading=["a"])))
+    reader.start()
+    reader.join(0.1)
+    assert reader.is_alive()  # its Acquire could reach the daemon ahead of the Commit
+    carrying.resolve(answer(carrying))
+    reader.join(5)
+    assert len(taken) == 1 and not taken[0].commits
+    o.close()
+
+
+def test_a_step_acquiring_other_keys_does_not_wait_for_a_commit_on_its_way() -> None:
+    o, _ = owed()
+    o.commits(POOL, [Answers().op("a", key=b"a")])
+    carrying = o.take(POOL)
+    assert not o.take(POOL, reading=["b"])  # at once: nothing owed, nothing of its keys in transit
+    carrying.resolve(answer(carrying))
+    o.close()
+
+
 def test_flush_sends_everything_owed_and_returns_once_answered() -> None:
     o, sender = owed()
     answers, copy = Answers(), FakeCopy()
