@@ -26,6 +26,10 @@ any rule of its own. The rules:
 - A reply whose boot epoch differs from the session's: the daemon restarted; do the same.
 - A reopen happens once however many callers noticed: `Reopen` carries the generation the
   caller saw, and the driver skips it when the session moved on meanwhile.
+- A call its driver gives up on (the caller's asyncio task cancelled, anything raised that is not
+  the daemon's answer) is closed (`interrupted`): a Step's ops then hear CANCELLED, as for a Step
+  that may or may not have reached the daemon, so that what can be owed again is, and none of
+  them waits for an answer that will never come.
 """
 
 from __future__ import annotations
@@ -123,6 +127,14 @@ def cut_off_at_shutdown(error: EcdError) -> bool:
     return error.code == grpc.StatusCode.CANCELLED or error.reason == "shutting_down"
 
 
+def interrupted() -> EcdError:
+    """What the ops of a Step hear when its driver gave up on it before the answer came."""
+    return EcdError(
+        grpc.StatusCode.CANCELLED,
+        "the Step was interrupted before its answer came: it may or may not have taken effect",
+    )
+
+
 def not_opened(engine_id: str) -> EcdError:
     return EcdError(
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -201,6 +213,9 @@ class SessionState:
             result = yield from self.call(call)
         except EcdError as error:
             batch.fail(error)
+            raise
+        except GeneratorExit:  # the driver gave up on the call (see `interrupted`)
+            batch.fail(interrupted())
             raise
         return batch.resolve(result)
 

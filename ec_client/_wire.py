@@ -300,21 +300,24 @@ def step(
     hits: Sequence[bytes] = (),
 ) -> Call[api.StepResult]:
     """A Step; `commits` as CommitItems (commit_items); `misses` and `hits`, those the
-    client answered itself since its last Step to the pool (StepRequest.misses, .hits)."""
-    ids, raw_aborts, raw_acquires = list(releases), keys(aborts), keys(acquires)
+    client answered itself since its last Step to the pool (StepRequest.misses, .hits).
+
+    Built here, not when sent (only its session is filled in then): items that cannot be
+    encoded raise now, before anything was sent, so that what the Step was to carry for the
+    client's outbox is given back whole (OutboxBatch.step)."""
+    request = pb.StepRequest(
+        engine_id=engine_id,
+        releases=releases,
+        aborts=keys(aborts),
+        acquires=keys(acquires),
+        misses=misses,
+        hits=hits,
+    )
+    add_commits(request.commits, commits)
+    add_allocates(request.allocates, allocates)
 
     def build(sid: str) -> pb.StepRequest:
-        request = pb.StepRequest(
-            session_id=sid,
-            engine_id=engine_id,
-            releases=ids,
-            aborts=raw_aborts,
-            acquires=raw_acquires,
-            misses=misses,
-            hits=hits,
-        )
-        add_commits(request.commits, commits)
-        add_allocates(request.allocates, allocates)
+        request.session_id = sid
         return request
 
     return Call(

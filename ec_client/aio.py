@@ -205,10 +205,9 @@ class AsyncClient(BaseClient):
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
     ) -> StepResult:
+        own_commits = _wire.commit_items(commits, checksums)  # refused before anything is taken
         batch = self.outbox.take(engine_id)
-        call = batch.step(
-            engine_id, releases, _wire.commit_items(commits, checksums), aborts, acquires, allocates
-        )
+        call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates)
         return await self._send_batch(batch, call)
 
     async def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
@@ -295,6 +294,9 @@ class AsyncClient(BaseClient):
                 reply = await self._do(step)
             except EcdError as exc:
                 error = exc
+            except BaseException:
+                plan.close()  # a Step's ops hear that it was interrupted (_session.interrupted)
+                raise
         result: T = step.value
         return result
 

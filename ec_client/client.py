@@ -285,10 +285,9 @@ class Client(BaseClient):
         results are what its own call answers. It also carries what this client owes the pool
         (see `outbox`; a Commit of a key it acquires that another Step carries is answered
         first); the results returned are those of the parts given here."""
+        own_commits = _wire.commit_items(commits, checksums)  # refused before anything is taken
         batch = self.outbox.take(engine_id, reading=acquires)
-        call = batch.step(
-            engine_id, releases, _wire.commit_items(commits, checksums), aborts, acquires, allocates
-        )
+        call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates)
         return self._send_batch(batch, call)
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:
@@ -382,6 +381,9 @@ class Client(BaseClient):
                 reply = self._do(step)
             except EcdError as exc:
                 error = exc
+            except BaseException:
+                plan.close()  # a Step's ops hear that it was interrupted (_session.interrupted)
+                raise
         result: T = step.value
         return result
 

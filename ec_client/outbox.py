@@ -132,7 +132,8 @@ class Answered:
 class OutboxBatch:
     """The part of one Step that comes from the outbox: its ops, in the order of the Step's
     parts, and the hits and misses answered since the pool's last Step. `on_done` is told once the
-    Step is answered (or failed), so the keys it commits stop counting as in transit."""
+    Step is answered (or failed), so the keys it commits stop counting as in transit; `give_back`
+    once it is known that the Step never went: what it carried is owed again."""
 
     releases: list[DeferredOp] = field(default_factory=list)
     commits: list[DeferredOp] = field(default_factory=list)
@@ -141,6 +142,7 @@ class OutboxBatch:
     unlocks: list[DeferredOp] = field(default_factory=list)  # lock pins: dropped here, never sent
     answered: Answered = field(default_factory=Answered)  # since the pool's last Step
     returned: Callable[[Answered], None] = lambda answered: None  # a failed Step's, owed again
+    give_back: Callable[[OutboxBatch], None] = lambda batch: None  # a Step that never went
 
     def __bool__(self) -> bool:
         return bool(self.releases or self.commits or self.aborts or self.answered)
@@ -161,10 +163,12 @@ class OutboxBatch:
             (self.commits, result.commits),
             (self.aborts, result.aborts),
         )
-        for ops, answers in parts:
-            for op, answer in zip(ops, answers, strict=False):
-                op.on_result(answer)
-        self.on_done(self)
+        try:
+            for ops, answers in parts:
+                for op, answer in zip(ops, answers, strict=False):
+                    op.on_result(answer)
+        finally:  # an op's handler that raises must not keep its keys in transit for ever
+            self.on_done(self)
         return StepResult(
             result.releases[len(self.releases) :],
             result.commits[len(self.commits) :],
@@ -185,9 +189,11 @@ class OutboxBatch:
                 len(answered.hits),
                 error,
             )
-        for op in self.releases + self.commits + self.aborts:
-            op.on_result(error)
-        self.on_done(self)
+        try:
+            for op in self.releases + self.commits + self.aborts:
+                op.on_result(error)
+        finally:
+            self.on_done(self)
 
     def step(
         self,
@@ -198,17 +204,23 @@ class OutboxBatch:
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
     ) -> _wire.Call[StepResult]:
-        """A Step carrying this batch, each part ahead of the caller's own items."""
-        return _wire.step(
-            engine_id,
-            self.release_ids() + list(releases),
-            self.commit_items() + list(commits),
-            self.abort_keys() + list(aborts),
-            acquires,
-            allocates,
-            self.answered.misses,
-            self.answered.hits,
-        )
+        """A Step carrying this batch, each part ahead of the caller's own items. If the
+        caller's items cannot make a Step (a key, shape or dtype that cannot be encoded), that
+        error is raised and the batch given back: nothing went, so nothing it carried is lost."""
+        try:
+            return _wire.step(
+                engine_id,
+                self.release_ids() + list(releases),
+                self.commit_items() + list(commits),
+                self.abort_keys() + list(aborts),
+                acquires,
+                allocates,
+                self.answered.misses,
+                self.answered.hits,
+            )
+        except BaseException:
+            self.give_back(self)
+            raise
 
 
 @dataclass
@@ -391,6 +403,7 @@ class Outbox:
                 _split(pool.unlocks, wait),
                 pool.answered.take(),
                 lambda answered: self._returned(pool, answered),
+                lambda given: self._given_back(pool, given),
             )
             pool.in_transit.update(d.key for d in batch.commits)
         return self._landed(batch)
@@ -421,6 +434,19 @@ class Outbox:
         with self._lock:
             # aborts too: a commit whose copy failed left as an abort
             pool.in_transit.difference_update(d.key for d in batch.commits + batch.aborts)
+            self._lock.notify_all()
+
+    def _given_back(self, pool: _Pool, batch: OutboxBatch) -> None:
+        """A batch whose Step never went: its ops are owed again, ahead of those owed since
+        (in the order they were owed), and its keys are no longer in transit."""
+        with self._lock:
+            pool.releases[:0] = batch.releases
+            pool.commits[:0] = batch.commits
+            pool.aborts[:0] = batch.aborts
+            pool.answered.add(batch.answered)
+            pool.in_transit.difference_update(d.key for d in batch.commits + batch.aborts)
+            batch.releases, batch.commits, batch.aborts = [], [], []
+            batch.answered = Answered()
             self._lock.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> None:

@@ -7,7 +7,9 @@ the rest of a Step's answers go back to the caller; the background thread sends 
 is owed, and leaves a busy pool's ops to its next Step; a commit is reported owed until its
 answer came; flush sends everything and waits, or says it ran out of time; a Step asked soon goes
 from the background in the order asked, with what is owed ahead of its asks (and what was handed
-over with it), its future holding the asker's answers or the error.
+over with it), its future holding the asker's answers or the error; a Step refused for its
+caller's own items gives its batch back, owed again ahead of what was owed since; a Step's keys
+stop being in transit once it is answered, even when an op's handler raises.
 """
 
 from __future__ import annotations
@@ -243,6 +245,39 @@ def test_a_step_acquiring_other_keys_does_not_wait_for_a_commit_on_its_way() -> 
     carrying = o.take(POOL)
     assert not o.take(POOL, reading=["b"])  # at once: nothing owed, nothing of its keys in transit
     carrying.resolve(answer(carrying))
+    o.close()
+
+
+def test_a_step_refused_for_its_callers_items_gives_the_batch_back_ahead_of_later_ops() -> None:
+    o, _ = owed()
+    answers = Answers()
+    o.commits(POOL, [answers.op("a", key=b"a")])
+    o.misses(POOL, 2)
+    batch = o.take(POOL)
+    o.commits(POOL, [answers.op("b", key=b"b")])
+    with pytest.raises(TypeError):
+        batch.step(POOL, acquires=[12345])  # type: ignore[list-item]
+    again = o.take(POOL, reading=["a"])  # at once: "a" is no longer on its way
+    assert [d.key for d in again.commits] == [b"a", b"b"]
+    assert again.answered.misses == 2 and answers.got == {}
+    o.close()
+
+
+def test_a_steps_keys_stop_being_in_transit_even_when_an_ops_handler_raises() -> None:
+    o, _ = owed()
+
+    def broken(answer: object) -> None:
+        raise RuntimeError("a bug in whoever owed it")
+
+    o.commits(POOL, [DeferredOp(on_result=broken, key=b"a")])
+    carrying = o.take(POOL)
+    with pytest.raises(RuntimeError):
+        carrying.resolve(answer(carrying))
+    taken: list[OutboxBatch] = []
+    reader = threading.Thread(target=lambda: taken.append(o.take(POOL, reading=["a"])))
+    reader.start()
+    reader.join(5)
+    assert taken, "a get of the key would wait for ever"
     o.close()
 
 

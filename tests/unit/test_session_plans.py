@@ -7,7 +7,7 @@ reopened, with its pools, and the call retried once; a reply from a restarted da
 session and still answers; a call the daemon cut off at shutdown is retried when it is safe and
 otherwise raised saying it may have taken effect; a pool that cannot be reopened is skipped;
 two callers that notice one restart reopen it once; a Step carrying what the client owes
-hands each op its answer, or the error.
+hands each op its answer, or the error, or, when its driver gives up on it, CANCELLED.
 """
 
 from __future__ import annotations
@@ -209,3 +209,15 @@ def test_a_step_that_fails_tells_every_debt_and_raises() -> None:
     with pytest.raises(EcdError) as raised:
         ScriptedDaemon(state, UNAVAILABLE).run(state.step(batch, batch.step("p")))
     assert heard == [raised.value]
+
+
+def test_a_step_its_driver_gives_up_on_tells_every_op_it_was_interrupted() -> None:
+    state = opened()
+    heard: list[object] = []
+    batch = OutboxBatch(commits=[DeferredOp(on_result=heard.append, key=b"owed")])
+    plan = state.step(batch, batch.step("p"))
+    assert isinstance(advance(plan, None, None), Send)  # on its way
+    plan.close()  # e.g. the caller's asyncio task was cancelled while it waited
+    [error] = heard
+    assert isinstance(error, EcdError) and error.code is grpc.StatusCode.CANCELLED
+    assert "may or may not have taken effect" in error.message
