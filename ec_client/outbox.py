@@ -439,15 +439,12 @@ class Outbox:
     def _given_back(self, pool: _Pool, batch: OutboxBatch) -> None:
         """A batch whose Step never went: its ops are owed again, ahead of those owed since
         (in the order they were owed), and its keys are no longer in transit."""
-        with self._lock:
+        with self._lock:  # one hold (the Condition's lock is reentrant): no take sees it half back
             pool.releases[:0] = batch.releases
             pool.commits[:0] = batch.commits
             pool.aborts[:0] = batch.aborts
-            pool.answered.add(batch.answered)
-            pool.in_transit.difference_update(d.key for d in batch.commits + batch.aborts)
-            batch.releases, batch.commits, batch.aborts = [], [], []
-            batch.answered = Answered()
-            self._lock.notify_all()
+            self._returned(pool, batch.answered)
+            self._batch_done(pool, batch)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything owed now, from the caller's thread, and wait for what the background
