@@ -18,6 +18,11 @@ future with the caller's part of the answer.
 Each op carries `on_result`, called once with its answer (an ItemResult / LeaseResult) or with the
 EcdError that kept it from the daemon.
 
+A Step of the background thread that fails with anything but an EcdError is a bug somewhere (a
+closed channel, an item the wire cannot encode, an op's handler): it is logged, what it carried
+hears INTERNAL (not owed again, to fail again at once for ever) and its asker too, and the thread
+goes on to the next Step: it stops only when the outbox is closed.
+
 What a client answered itself, with no round trip, is owed too (`Answered`): the misses it
 answered from its view of the pool, as a count (StepRequest.misses), and the hits it read under
 lock pins, as keys (StepRequest.hits), so that the daemon's counters hold every hit and miss and
@@ -37,7 +42,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -143,6 +148,7 @@ class OutboxBatch:
     answered: Answered = field(default_factory=Answered)  # since the pool's last Step
     returned: Callable[[Answered], None] = lambda answered: None  # a failed Step's, owed again
     give_back: Callable[[OutboxBatch], None] = lambda batch: None  # a Step that never went
+    settled: bool = field(default=False, init=False)  # resolved or failed: every op heard
 
     def __bool__(self) -> bool:
         return bool(self.releases or self.commits or self.aborts or self.answered)
@@ -164,11 +170,13 @@ class OutboxBatch:
             (self.aborts, result.aborts),
         )
         try:
-            for ops, answers in parts:
-                for op, answer in zip(ops, answers, strict=False):
-                    op.on_result(answer)
+            _tell_each(
+                (op, answer)
+                for ops, answers in parts
+                for op, answer in zip(ops, answers, strict=False)
+            )
         finally:  # an op's handler that raises must not keep its keys in transit for ever
-            self.on_done(self)
+            self._settle()
         return StepResult(
             result.releases[len(self.releases) :],
             result.commits[len(self.commits) :],
@@ -190,10 +198,13 @@ class OutboxBatch:
                 error,
             )
         try:
-            for op in self.releases + self.commits + self.aborts:
-                op.on_result(error)
+            _tell_each((op, error) for op in self.releases + self.commits + self.aborts)
         finally:
-            self.on_done(self)
+            self._settle()
+
+    def _settle(self) -> None:
+        self.settled = True
+        self.on_done(self)
 
     def step(
         self,
@@ -206,7 +217,8 @@ class OutboxBatch:
     ) -> _wire.Call[StepResult]:
         """A Step carrying this batch, each part ahead of the caller's own items. If the
         caller's items cannot make a Step (a key, shape or dtype that cannot be encoded), that
-        error is raised and the batch given back: nothing went, so nothing it carried is lost."""
+        error is raised and the batch given back: nothing went, so nothing it carried is lost
+        (the background thread's batches are not given back: see `Outbox._step`)."""
         try:
             return _wire.step(
                 engine_id,
@@ -381,9 +393,20 @@ class Outbox:
 
     # ---- paying ------------------------------------------------------------------------------
 
-    def take(self, engine_id: str, wait: bool = False, reading: Sequence[Key] = ()) -> OutboxBatch:
+    def take(
+        self,
+        engine_id: str,
+        wait: bool = False,
+        reading: Sequence[Key] = (),
+        *,
+        give_back: bool = True,
+    ) -> OutboxBatch:
         """What a Step to this pool should carry now: every op whose copy landed (with wait,
         every op, once its copy has landed). The caller sends it and resolves it.
+
+        give_back: whether the batch is owed again if its Step cannot be built (a caller's
+        Step: its own items were at fault, `OutboxBatch.step`); the background thread's is
+        failed instead (`_step`).
 
         reading: the keys the caller's Step acquires. A Commit of one of them that another
         Step carries right now (the background thread's) is waited for first: the daemon may
@@ -403,7 +426,9 @@ class Outbox:
                 _split(pool.unlocks, wait),
                 pool.answered.take(),
                 lambda answered: self._returned(pool, answered),
-                lambda given: self._given_back(pool, given),
+                (lambda given: self._given_back(pool, given))
+                if give_back
+                else (lambda given: None),
             )
             pool.in_transit.update(d.key for d in batch.commits)
         return self._landed(batch)
@@ -521,7 +546,8 @@ class Outbox:
                     self._send_asked(ask)
                 else:
                     for engine_id in due:
-                        self._send_alone(engine_id, self.take(engine_id, wait=True))
+                        with contextlib.suppress(EcdError):  # each op heard of it
+                            self._step(engine_id, wait=True)
             finally:
                 with self._lock:
                     self._sending = []
@@ -531,18 +557,49 @@ class Outbox:
         """A step_soon's Step: what is owed to the pool now (ops whose copy landed: the asks
         wait for no copy), then the asks."""
         try:
-            batch = self.take(ask.engine_id)
-            if batch or ask.acquires or ask.allocates:
-                result = self._send(ask.engine_id, batch, ask.acquires, ask.allocates)
-            else:
-                result = StepResult([], [], [], [], [])
-        except Exception as error:  # the EcdError, or an on_result bug: the asker hears of it
+            result = self._step(ask.engine_id, ask.acquires, ask.allocates)
+        except EcdError as error:
             ask.future.set_exception(error)
         else:
             ask.future.set_result(result)
 
+    def _step(
+        self,
+        engine_id: str,
+        acquires: Sequence[Key] = (),
+        allocates: Sequence[AllocateItem] = (),
+        wait: bool = False,
+    ) -> StepResult:
+        """A Step of the background thread: what is owed to the pool (with wait, once every
+        copy landed), then the acquires and allocates, unless there is nothing to send. Raises
+        EcdErrors only, so that the thread goes on: the one each op heard, or, for anything
+        else (a bug), an INTERNAL one, logged, that the ops which heard nothing yet hear too.
+        The batch is not given back: it would fail again at every turn of the thread."""
+        batch: OutboxBatch | None = None
+        try:
+            batch = self.take(engine_id, wait=wait, give_back=False)
+            if not (batch or acquires or allocates):
+                return StepResult([], [], [], [], [])
+            return self._send(engine_id, batch, acquires, allocates)
+        except EcdError:
+            raise
+        except Exception as exc:
+            log.exception("ecd: the outbox thread's Step to pool %s failed", engine_id)
+            error = EcdError(
+                grpc.StatusCode.INTERNAL,
+                f"not sent: the client's outbox failed to send its Step to pool {engine_id} "
+                f"({type(exc).__name__}: {exc}), a bug (see the ec_client log)",
+            )
+            if batch is not None and not batch.settled:
+                try:
+                    batch.fail(error)
+                except Exception:  # every op heard it all the same (`_tell_each`)
+                    log.exception("ecd: an op's handler raised as it heard: %s", error)
+            raise error from exc
+
     def _send_alone(self, engine_id: str, batch: OutboxBatch) -> None:
-        """A Step of the batch alone, if it carries anything."""
+        """A Step of the batch alone, if it carries anything (flush's: what it raises, the
+        caller hears)."""
         if batch:
             with contextlib.suppress(EcdError):  # each op heard of it
                 self._send(engine_id, batch, (), ())
@@ -561,6 +618,19 @@ def _closed() -> EcdError:
 def _ignore(answer: object) -> None:
     """For ops whose outcome nobody needs (the abort of a failed copy: if it does not reach
     the daemon, the producer's lease aborts the entry all the same)."""
+
+
+def _tell_each(answers: Iterable[tuple[DeferredOp, object]]) -> None:
+    """Each op its answer, even after one's handler raised (a bug there must not keep the
+    others from theirs); the first handler's error is raised once all have heard."""
+    raised: Exception | None = None
+    for op, answer in answers:
+        try:
+            op.on_result(answer)
+        except Exception as exc:
+            raised = raised or exc
+    if raised is not None:
+        raise raised
 
 
 def _split(ops: list[DeferredOp], all_of_them: bool) -> list[DeferredOp]:

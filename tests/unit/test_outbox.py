@@ -9,11 +9,15 @@ answer came; flush sends everything and waits, or says it ran out of time; a Ste
 from the background in the order asked, with what is owed ahead of its asks (and what was handed
 over with it), its future holding the asker's answers or the error; a Step refused for its
 caller's own items gives its batch back, owed again ahead of what was owed since; a Step's keys
-stop being in transit once it is answered, even when an op's handler raises.
+stop being in transit once it is answered, even when an op's handler raises; a Step of the
+background thread that fails with a bug (not an EcdError: a closed channel, an item the wire
+cannot encode, an op's handler) is logged, its ops and its asker hear INTERNAL once and it is not
+sent again, and the thread goes on sending the Steps after it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -64,20 +68,24 @@ class FakeCopy:
 
 
 class Answers:
-    """Records what each op was told."""
+    """Records what each op was told (`got`), and who was told, in order, once per telling."""
 
     def __init__(self) -> None:
         self.got: dict[str, Any] = {}
+        self.told: list[str] = []
 
     def op(self, name: str, copy: FakeCopy | None = None, **fields: Any) -> DeferredOp:
-        return DeferredOp(
-            on_result=lambda answer: self.got.__setitem__(name, answer), copy=copy, **fields
-        )
+        def heard(answer: Any) -> None:
+            self.got[name] = answer
+            self.told.append(name)
+
+        return DeferredOp(on_result=heard, copy=copy, **fields)
 
 
 class Sender:
     """Outbox's send: records batches (and asks), and answers them as a daemon would, or holds
-    them, or fails them with `error`."""
+    them, or fails them with `error`, or raises `bug` (once, telling nothing: a sender with a
+    bug). With `build`, it builds the Step first, as the client's sender does."""
 
     def __init__(self) -> None:
         self.batches: list[tuple[str, OutboxBatch]] = []
@@ -86,6 +94,8 @@ class Sender:
         self.hold = False
         self.release = threading.Event()  # lets a held Step be answered
         self.error: EcdError | None = None
+        self.bug: Exception | None = None
+        self.build = False
 
     def __call__(
         self,
@@ -97,6 +107,11 @@ class Sender:
         self.batches.append((engine_id, batch))
         self.asks.append((acquires, allocates))
         self.sent.set()
+        if self.build:
+            batch.step(engine_id, acquires=acquires, allocates=allocates)
+        if self.bug is not None:
+            bug, self.bug = self.bug, None
+            raise bug
         if self.hold:
             assert self.release.wait(5), "the test never let the held Step be answered"
         if self.error is not None:
@@ -521,4 +536,115 @@ def test_a_new_pools_misses_wait_the_misses_linger_too(monkeypatch: pytest.Monke
     o = Outbox(sender, 0.01)  # no Step to the pool yet
     o.misses(POOL, 1)
     assert not sender.sent.wait(0.2)
+    o.close()
+
+
+CLOSED_CHANNEL = "Cannot invoke RPC on closed channel!"  # what grpc raises, a ValueError
+
+
+def broken(answer: object) -> None:
+    raise RuntimeError("a bug in whoever owed it")
+
+
+def test_a_step_that_raised_a_bug_does_not_stop_the_background_thread() -> None:
+    o, sender = owed(linger_s=0.01)
+    sender.bug = ValueError(CLOSED_CHANNEL)
+    o.commits(POOL, [Answers().op("a", key=b"a")])
+    assert sender.sent.wait(5)
+    assert [r.key for r in o.step_soon(POOL, acquires=[b"x"]).result(5).acquires] == [b"x"]
+    o.close()
+
+
+def test_the_ops_of_a_step_that_raised_a_bug_hear_internal_once_and_are_not_sent_again() -> None:
+    o, sender = owed(linger_s=0.01)
+    sender.bug = ValueError(CLOSED_CHANNEL)
+    answers = Answers()
+    o.commits(POOL, [answers.op("a", key=b"a"), answers.op("b", key=b"b")])
+    wait_until(lambda: len(answers.told) == 2)
+    time.sleep(0.1)  # ten lingers: time enough to send them again
+    assert sorted(answers.told) == ["a", "b"] and len(sender.batches) == 1
+    error = answers.got["a"]
+    assert isinstance(error, EcdError) and error.code is grpc.StatusCode.INTERNAL
+    assert f"ValueError: {CLOSED_CHANNEL}" in error.message and "not sent" in error.message
+    assert answers.got["b"] is error and o.commits_owed(POOL) == {}  # nothing in transit
+    o.close()
+
+
+def test_ops_the_wire_cannot_encode_hear_internal_once_and_are_not_sent_again() -> None:
+    o, sender = owed(linger_s=0.01)
+    sender.build = True  # the Step cannot be built: given back, it would fail again at once
+    answers = Answers()
+    o.aborts(POOL, [answers.op("a", key=b"a"), answers.op("bad", key=12345)])
+    wait_until(lambda: len(answers.told) == 2)
+    time.sleep(0.1)
+    assert sorted(answers.told) == ["a", "bad"] and len(sender.batches) == 1
+    error = answers.got["bad"]
+    assert isinstance(error, EcdError) and error.code is grpc.StatusCode.INTERNAL
+    assert "TypeError" in error.message and answers.got["a"] is error
+    assert not o.take(POOL)  # not owed again
+    o.close()
+
+
+def test_a_step_asked_soon_that_raised_a_bug_hands_internal_to_the_asker_and_its_ops() -> None:
+    o, sender = owed()
+    sender.build = True
+    answers = Answers()
+    o.commits(POOL, [answers.op("a", key=b"a")])
+    future = o.step_soon(POOL, acquires=[12345])  # type: ignore[list-item]
+    with pytest.raises(EcdError, match="TypeError") as raised:
+        future.result(5)
+    assert raised.value.code is grpc.StatusCode.INTERNAL
+    assert answers.told == ["a"] and answers.got["a"] is raised.value
+    assert o.commits_owed(POOL) == {}  # not owed again, not in transit
+    o.close()
+
+
+def test_a_step_that_raised_a_bug_is_logged_once_with_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    o, sender = owed()
+    sender.bug = ValueError(CLOSED_CHANNEL)
+    with pytest.raises(EcdError):
+        o.step_soon(POOL, acquires=[b"x"]).result(5)
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.name == "ec_client" and record.exc_info is not None
+    assert record.exc_info[1] is not None and str(record.exc_info[1]) == CLOSED_CHANNEL
+    o.close()
+
+
+def test_an_op_whose_handler_raises_does_not_keep_the_others_of_its_step_from_their_answers() -> (
+    None
+):
+    o, _ = owed(linger_s=0.01)
+    answers = Answers()
+    o.commits(POOL, [DeferredOp(on_result=broken, key=b"a"), answers.op("b", key=b"b")])
+    wait_until(lambda: bool(answers.told))
+    assert answers.told == ["b"] and answers.got["b"].status is Status.OK
+    o.close()
+
+
+def test_a_handler_that_raises_as_its_op_is_taken_does_not_stop_the_background_thread() -> None:
+    o, _ = owed(linger_s=0.01)
+    dropped = threading.Event()
+
+    def drop(answer: object) -> None:
+        dropped.set()
+        broken(answer)
+
+    o.unlocks(POOL, [DeferredOp(on_result=drop)])  # dropped as the thread takes it
+    assert dropped.wait(5)
+    assert [r.key for r in o.step_soon(POOL, acquires=[b"x"]).result(5).acquires] == [b"x"]
+    o.close()
+
+
+def test_an_op_whose_handler_raises_as_it_hears_of_a_bug_does_not_keep_the_others_from_it() -> None:
+    o, sender = owed()
+    sender.bug = ValueError(CLOSED_CHANNEL)
+    answers = Answers()
+    future = o.step_soon(
+        POOL, commits=[DeferredOp(on_result=broken, key=b"a"), answers.op("b", key=b"b")]
+    )
+    with pytest.raises(EcdError, match="closed channel") as raised:
+        future.result(5)
+    assert answers.told == ["b"] and answers.got["b"] is raised.value
     o.close()
