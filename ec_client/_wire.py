@@ -100,7 +100,7 @@ def close_session() -> Call[tuple[int, int]]:
 
 
 def open_pool(
-    engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+    engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str, ephemeral: bool
 ) -> Call[api.PoolInfo]:
     def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
         return mirror(api.PoolInfo, reply.pool, created=reply.created)
@@ -113,6 +113,7 @@ def open_pool(
             block_size_bytes=block_size_bytes,
             capacity_bytes=capacity_bytes,
             compat_key=compat_key,
+            ephemeral=ephemeral,
         ),
         parse,
         safe_to_retry=True,

@@ -162,8 +162,9 @@ class AsyncClient(BaseClient):
         block_size_bytes: int = 0,
         capacity_bytes: int = 0,
         compat_key: str = "",
+        ephemeral: bool = False,
     ) -> PoolInfo:
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
+        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
         return await self._drive(self._state.open_pool(call))
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:

@@ -206,17 +206,22 @@ class Client(BaseClient):
         block_size_bytes: int = 0,
         capacity_bytes: int = 0,
         compat_key: str = "",
+        ephemeral: bool = False,
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
         With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
         compat_key: a consumer need not know them. The client remembers the call and makes it
         again after a daemon restart.
 
+        `ephemeral`: the pool lives only as long as the sessions that opened it; the daemon drops
+        it when the last of them ends, closed or killed (its lease runs out). For a name nobody
+        else knows, whose pool would otherwise outlive a client killed before it dropped it.
+
         Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
         not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
         file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
         directory is full)."""
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key)
+        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
         return self._drive(self._state.open_pool(call))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:

@@ -212,6 +212,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 request.block_size_bytes,
                 request.capacity_bytes,
                 request.compat_key,
+                request.ephemeral,
             )
         except CoreError as exc:
             peer_has_it = (

@@ -43,6 +43,7 @@ class Session:
     expires_at: float
     pending: set[tuple[str, bytes]] = field(default_factory=set)  # (engine_id, key) it allocated
     leases: dict[int, Lease] = field(default_factory=dict)
+    pools: set[str] = field(default_factory=set)  # engine_ids it opened: an ephemeral one's holders
 
 
 class SessionTable:

@@ -95,6 +95,9 @@ class Store:
         self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch, pool_listener)
         self._peers = peers
         self._pulls = itertools.count(1)
+        # Pools that live only as long as the sessions that opened them (OpenPool's ephemeral):
+        # in memory only, so a restarted daemon learns them again from the clients' reopens.
+        self._ephemeral: set[str] = set()
         self._clock = clock
         self._started = clock()
 
@@ -135,7 +138,21 @@ class Store:
         session.pending.clear()
         session.leases.clear()
         self._sessions.remove(session)
+        self._drop_unheld(session.pools)
         return SessionEnd(session.id, session.name, session.pid, aborted, released)
+
+    def _drop_unheld(self, engine_ids: set[str]) -> None:
+        """Drop, forced, each of these pools that is ephemeral and that no live session opened:
+        its last holder ended."""
+        held = {engine_id for session in self._sessions.all() for engine_id in session.pools}
+        for engine_id in sorted(engine_ids & (self._ephemeral - held)):
+            pool = self._pools.find(engine_id)
+            if pool is not None:
+                entries = self._drop(pool)
+                log.info(
+                    "ephemeral pool dropped: the last session that opened it ended",
+                    extra={"engine_id": engine_id, "entries": entries},
+                )
 
     # ---- pools ---------------------------------------------------------------------------------
 
@@ -150,10 +167,15 @@ class Store:
         block_size_bytes: int,
         capacity_bytes: int,
         compat_key: str,
+        ephemeral: bool = False,
     ) -> api.PoolInfo:
-        """Attach to the pool of this engine_id or create it."""
-        self._sessions.touch(session_id)
+        """Attach to the pool of this engine_id or create it. The session holds it from now on;
+        `ephemeral` makes it go when the last session holding it ends."""
+        session = self._sessions.touch(session_id)
         pool, created = self._pools.open(engine_id, block_size_bytes, capacity_bytes, compat_key)
+        session.pools.add(engine_id)
+        if ephemeral:
+            self._ephemeral.add(engine_id)
         return pool.info(created)
 
     def has_pool(self, engine_id: str) -> bool:
@@ -178,9 +200,14 @@ class Store:
                 f"{stats.pins} pins outstanding and {stats.entries_locked} entries being read "
                 "under lock pins; wait, or drop with force",
             )
+        dropped = self._drop(pool)
+        log.info("pool dropped", extra={"engine_id": engine_id, "entries": dropped})
+        return dropped
+
+    def _drop(self, pool: Pool) -> int:
+        """Forget the pool and delete its file (readers keep the pages they mapped)."""
         dropped = self._forget(pool)
         pool.file.unlink()
-        log.info("pool dropped", extra={"engine_id": engine_id, "entries": dropped})
         return dropped
 
     def verify_pools(self) -> list[str]:
@@ -205,6 +232,8 @@ class Store:
             del session.leases[lease.id]
         for session in self._sessions.all():
             session.pending = {(e, k) for e, k in session.pending if e != engine_id}
+            session.pools.discard(engine_id)  # a pool made anew under this name is not held
+        self._ephemeral.discard(engine_id)
         dropped = pool.index.drop_all()
         self._pools.remove(pool)
         return dropped
@@ -536,6 +565,7 @@ class Store:
                 assert entry is not None and entry.session_id == session.id
             for lease in session.leases.values():
                 assert lease.entry.pins > 0
+            assert session.pools <= pools.keys(), "a session holds a pool that is gone"
         leases = sum(len(s.leases) for s in self._sessions.all())
         pins = sum(p.index.pins() for p in pools.values())
         assert pins == leases, f"{pins} pins but {leases} leases: a pin outlived its session"

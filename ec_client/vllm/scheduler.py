@@ -162,7 +162,12 @@ class SchedulerClient(Protocol):
     def target(self) -> str: ...
 
     def open_pool(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+        self,
+        engine_id: str,
+        block_size_bytes: int,
+        capacity_bytes: int,
+        compat_key: str,
+        ephemeral: bool = False,
     ) -> PoolInfo: ...
 
     def pool_info(self, engine_id: str) -> PoolInfo: ...
@@ -281,7 +286,10 @@ class SchedulerSide:
         c = self.config
         client = self._new_client()
         try:
-            client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
+            # A private pool (per-run name) goes with our session, however the engine ends.
+            client.open_pool(
+                c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key, c.pool_is_private
+            )
         except EcdError as error:
             client.close()
             if error.code is grpc.StatusCode.FAILED_PRECONDITION:

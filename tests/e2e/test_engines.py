@@ -183,3 +183,24 @@ def test_h_an_engine_of_another_model_or_dtype_is_refused_the_pool(
         engines.start("ec_consumer", **spec)
 
     assert pool_stats(daemon).hits == 0
+
+
+def test_i_an_engine_killed_leaves_no_private_pool_behind(engines: Engines, daemon: Daemon) -> None:
+    """An engine with no ecd_pool has a per-run pool nobody else can name: SIGKILLed (the OOM
+    killer, a pod evicted) before it could drop it, the daemon drops it within one lease, file
+    and budget, instead of keeping it until an operator runs `ecd drop`."""
+    engine = engines.start("ec_both", pool=None)
+    assert engine.generate(1).encoded == 1
+    with daemon.client() as c:
+        [private] = [p.engine_id for p in c.stats().pools if p.engine_id.endswith("_dp0")]
+    files = list(daemon.shm_dir.glob(f"*{private}*"))
+    assert files
+    engine.kill()
+    lease_s = 10.0  # the daemon's default --lease-ttl
+
+    def gone() -> bool:
+        with daemon.client() as c:
+            return private not in {p.engine_id for p in c.stats().pools}
+
+    wait_until(gone, timeout_s=lease_s + 5)
+    assert not any(f.exists() for f in files)

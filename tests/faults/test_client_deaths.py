@@ -25,6 +25,7 @@ from workload_testing import (
 )
 
 from ec_client import AllocateItem, Client, EntryState, Producer, PutStatus, Status
+from ec_client.layout import pool_file_name
 
 POOL = "faults"
 BLOCK = 4096
@@ -297,3 +298,44 @@ def test_a_dead_producers_blocks_are_free_one_lease_after_its_death_whatever_the
         # Not before the lease: the client renews every TTL/3, so its lease had at least 2/3 of
         # a TTL left when it died.
         assert seconds >= lease_ttl * 2 / 3 - 0.1
+
+
+# ---- a client killed holding an ephemeral pool -------------------------------------------------
+
+EPHEMERAL_OWNER = """
+c = Client(ADDRESS, name="engine")
+c.open_pool(EPHEMERAL, BLOCK, EPHEMERAL_CAPACITY, ephemeral=True)
+Producer(c, EPHEMERAL).put("k", torch.ones(BLOCK, dtype=torch.uint8))
+c.flush()
+say("opened")
+time.sleep(3600)
+"""
+EPHEMERAL_CAPACITY = 96 << 20  # with the shared pool's 128 MiB, two would not fit the budget
+
+
+@pytest.mark.fault_kind("client killed holding an ephemeral pool")
+def test_a_client_killed_holding_an_ephemeral_pool_leaks_neither_its_file_nor_its_budget(
+    shared: Daemon, interpreters: Interpreters
+) -> None:
+    """vLLM's per-run pool: an engine OOM-killed before it could drop it must not keep its file in
+    /dev/shm and its capacity in the budget, run after run."""
+    with survivor(shared) as c:
+        for run in range(2):
+            name = f"ephemeral-{run}"
+            victim = interpreters.take().run(
+                EPHEMERAL_OWNER,
+                **pool_of(shared),
+                EPHEMERAL=name,
+                EPHEMERAL_CAPACITY=EPHEMERAL_CAPACITY,
+            )
+            victim.expect("opened")
+            path = shared.shm_dir / pool_file_name(name)
+            assert path.exists() and name in {p.engine_id for p in c.stats().pools}
+            killed_at = victim.kill()
+            wait_until(lambda gone=path: not gone.exists(), GIVE_BACK_DEADLINE, "its file to go")
+            record_figure(
+                f"client death -> ephemeral pool dropped, lease {LEASE_TTL:g} s",
+                time.monotonic() - killed_at,
+            )
+            assert name not in {p.engine_id for p in c.stats().pools}
+        assert_intact(c, POOL)  # the shared pool lost nothing

@@ -113,6 +113,7 @@ class FakeClient:
         self.error: EcdError | None = None
         self.sent: list[Sent] = []
         self.closed = False
+        self.ephemeral: bool | None = None  # as the pool was opened
         self._next_lease = 100
         self.allocations: dict[str, int] = {}  # key -> the allocation answered for it, last
         self.before_answer: Callable[[], None] = lambda: None  # as the daemon reads a Step
@@ -169,8 +170,14 @@ class FakeClient:
     # ---- what SchedulerSide calls ----
 
     def open_pool(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+        self,
+        engine_id: str,
+        block_size_bytes: int,
+        capacity_bytes: int,
+        compat_key: str,
+        ephemeral: bool = False,
     ) -> PoolInfo:
+        self.ephemeral = ephemeral
         return self.info
 
     def pool_info(self, engine_id: str) -> PoolInfo:
@@ -250,6 +257,23 @@ def save_ordered(side: SchedulerSide, client: FakeClient, key: str, request_id: 
     side.build_connector_meta()
     client.flush(5)
     assert key in side.build_connector_meta().saves
+
+
+def test_a_private_pool_is_opened_ephemeral_so_that_an_engine_killed_leaks_it_not(
+    client: FakeClient,
+) -> None:
+    scheduler(client)  # no ecd_pool: a per-run name nobody else knows
+    assert client.ephemeral is True
+
+
+def test_a_named_pool_is_not_opened_ephemeral_it_outlives_the_engine(client: FakeClient) -> None:
+    vllm_config = offline_config(
+        {"ecd_address": "unix:///fake/ecd.sock", "ec_cpu_bytes": 1 << 20, "ecd_pool": "shared"},
+        instance_id=f"test-{uuid.uuid4().hex[:8]}",
+        width=WIDTH,
+    )
+    SchedulerSide(vllm_config, ConnectorConfig.from_vllm(vllm_config), connect=lambda: client)
+    assert client.ephemeral is False
 
 
 def test_a_miss_the_view_answers_is_owed_to_the_daemon_with_the_next_step_and_nothing_is_sent(

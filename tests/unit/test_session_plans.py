@@ -90,7 +90,7 @@ def opened(connect_timeout_s: float = 5.0) -> SessionState:
     state = SessionState(options)
     daemon = ScriptedDaemon(state, session(), pool_reply())
     daemon.run(state.open())
-    daemon.run(state.open_pool(_wire.open_pool("p", 4096, 16 * 4096, "")))
+    daemon.run(state.open_pool(_wire.open_pool("p", 4096, 16 * 4096, "", False)))
     return state
 
 

@@ -126,6 +126,73 @@ def test_drop_pool_refuses_while_pins_are_held_unless_forced(store: Store, shm_d
     store.check()
 
 
+# ---- ephemeral pools -----------------------------------------------------------------------------
+
+
+def test_an_ephemeral_pool_is_dropped_when_the_session_that_opened_it_closes(
+    store: Store, shm_dir: Path
+) -> None:
+    sid = session(store)
+    store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    put_e = store.allocate(sid, "e", [(b"k", spec(BLOCK))])
+    assert statuses(put_e) == [Status.ALLOCATED]
+    store.close_session(sid)
+    assert not store.has_pool("e")
+    assert not (shm_dir / pool_file_name("e")).exists()
+    store.check()
+
+
+def test_an_ephemeral_pool_is_dropped_when_its_last_session_expires(
+    store: Store, clock: FakeClock, shm_dir: Path
+) -> None:
+    sid = session(store)
+    store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    clock.advance(11)  # killed: no KeepAlive, the lease runs out
+    store.expire_sessions()
+    assert not store.has_pool("e")
+    assert not (shm_dir / pool_file_name("e")).exists()
+
+
+def test_an_ephemeral_pool_stays_while_another_session_that_opened_it_lives(
+    store: Store,
+) -> None:
+    engine, worker = session(store, "engine"), session(store, "worker")
+    store.open_pool(worker, "e", BLOCK, 4 * BLOCK, "")  # attached first, without the flag
+    store.open_pool(engine, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    store.close_session(worker)
+    assert store.has_pool("e")
+    store.close_session(engine)
+    assert not store.has_pool("e")
+
+
+def test_a_pool_not_opened_ephemeral_outlives_its_sessions(store: Store) -> None:
+    sid = session(store)
+    store.open_pool(sid, "named", BLOCK, 4 * BLOCK, "")
+    store.close_session(sid)
+    assert store.has_pool("named")
+
+
+def test_dropping_an_ephemeral_pool_gives_its_capacity_back_to_the_budget(
+    shm_dir: Path, clock: FakeClock
+) -> None:
+    store = make_store(shm_dir, clock, max_bytes=8 << 20)
+    for run in range(3):  # each would not fit beside the one before
+        sid = session(store)
+        store.open_pool(sid, f"run-{run}", BLOCK, 6 << 20, "", ephemeral=True)
+        clock.advance(11)
+        store.expire_sessions()
+
+
+def test_a_pool_made_anew_under_an_ephemeral_name_is_not_ephemeral(store: Store) -> None:
+    sid = session(store)
+    store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    store.drop_pool("e", force=True)
+    store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "")
+    store.close_session(sid)
+    assert store.has_pool("e")
+    store.check()
+
+
 # ---- single flight and states --------------------------------------------------------------------
 
 

@@ -150,18 +150,20 @@ class CloseSessionReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., aborted: _Optional[int] = ..., released: _Optional[int] = ...) -> None: ...
 
 class OpenPoolRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key")
+    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     block_size_bytes: int
     capacity_bytes: int
     compat_key: str
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base")
