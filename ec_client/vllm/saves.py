@@ -12,6 +12,11 @@ the caller sends what it owes and asks).
                 allocated again since: a Commit by key alone would make that one READY)
     failed      the copy failed or never happened: abort with the next Step
 
+A key whose Commit or Abort was sent and not answered yet is not planned again (it is encoded,
+not saved): an Allocate of it could reach the daemon before that op (the op's Step failed and it
+is owed again, or a daemon came back between two Steps), and an Abort arriving after the new
+Allocate would free the blocks a worker is then ordered to copy into, for another entry to take.
+
 Allocate answering EXISTS (already cached), PENDING (another engine is writing it), NO_SPACE or an
 error, or its Step failing, *cancels* the intent: the next metadata tells the worker to drop the
 output it kept. A key is in at most one state. Only the saving rank's report moves a key out of
@@ -43,11 +48,16 @@ class SaveBook:
         self._allocations: dict[str, int] = {}  # ordered or copying: the allocation's ID
         self._landed: dict[str, int] = {}  # key -> allocation
         self._failed: list[str] = []
+        # Commits and aborts taken (sent) whose answer has not been heard: kept across `void`,
+        # since their Step may still reach the daemon's new session.
+        self._unanswered: set[str] = set()
 
     def plan(self, key: str, spec: TensorSpec) -> None:
         if key in self._planned or key in self._allocating or key in self._ordered:
             return
-        if key in self._copying or key in self._landed:
+        if key in self._copying or key in self._landed or key in self._unanswered:
+            return
+        if key in self._failed:
             return
         self._planned[key] = spec
 
@@ -115,14 +125,23 @@ class SaveBook:
         return self._allocations.pop(key)
 
     def take_landed(self) -> list[tuple[str, int]]:
-        """The commits owed, (key, allocation), for the caller to send: no longer owed here."""
+        """The commits owed, (key, allocation), for the caller to send: no longer owed here,
+        unanswered until `answered`."""
         landed, self._landed = self._landed, {}
+        self._unanswered.update(landed)
         return list(landed.items())
 
     def take_failed(self) -> list[str]:
-        """The aborts owed, for the caller to send: no longer owed here."""
+        """The aborts owed, for the caller to send: no longer owed here, unanswered until
+        `answered`."""
         failed, self._failed = self._failed, []
+        self._unanswered.update(failed)
         return failed
+
+    def answered(self, key: str) -> None:
+        """The Commit or Abort of `key` taken last was answered (or failed, and is owed again
+        by `requeue` first): the key may be planned again."""
+        self._unanswered.discard(key)
 
     def requeue(self, landed: Iterable[tuple[str, int]] = (), failed: Iterable[str] = ()) -> None:
         """Outbox again: a Commit or Abort did not reach the daemon (or, `failed`, an entry an

@@ -252,9 +252,11 @@ class SchedulerSide:
         self._connecting = threading.Lock()  # a late connect against shutdown
         # The answers to what was asked (step_soon), read on the scheduler thread in order.
         self._asked: deque[tuple[Future[StepResult], Asked]] = deque()
-        # Ops whose Step did not reach the daemon, from Outbox's thread: each one's generation
-        # and how to owe it again, done on the scheduler thread (the books are its alone).
-        self._undelivered: deque[tuple[tuple[str, str], Callable[[], None]]] = deque()
+        # What ops' answers change in the books, from Outbox's thread, done on the scheduler
+        # thread (the books are its alone), in the order heard: an op owed again (its Step did
+        # not reach the daemon), done in its generation only; a save's key free to be planned
+        # again (None: whatever the generation), after it was owed again if it was.
+        self._from_outbox: deque[tuple[tuple[str, str] | None, Callable[[], None]]] = deque()
         self._unavailable: set[str] = set()
         self._no_width: set[str] = set()  # modalities already warned about
         # The specs of outputs to save, by (modality, rows): a spec is never changed, so the
@@ -529,10 +531,10 @@ class SchedulerSide:
         then the answers to what was asked, in the order asked (each one's answer is applied
         before anything reads what it changes)."""
         self._check_generation()
-        while self._undelivered:
-            generation, owe_again = self._undelivered.popleft()
-            if generation == self._generation:  # otherwise void with its session or file
-                owe_again()
+        while self._from_outbox:
+            generation, change = self._from_outbox.popleft()
+            if generation in (None, self._generation):  # else void with its session or file
+                change()
         while self._asked and self._asked[0][0].done():
             future, asked = self._asked.popleft()
             try:
@@ -619,6 +621,7 @@ class SchedulerSide:
             log.warning("ecd refused to commit %s: %s", key, answer.message)
         else:
             self.view.add(key.encode())  # thread-safe: READY for the very next step
+        self._from_outbox.append((None, functools.partial(self.saves.answered, key)))
 
     def _aborted(
         self, generation: tuple[str, str], key: str, answer: ItemResult | EcdError
@@ -629,6 +632,7 @@ class SchedulerSide:
             )
         else:
             self._log_refused("abort", key, answer)
+        self._from_outbox.append((None, functools.partial(self.saves.answered, key)))
 
     def _not_delivered(
         self,
@@ -641,7 +645,7 @@ class SchedulerSide:
         """An op's Step failed: one that did not reach the daemon is owed again (in the same
         generation: `_take_answers`); one the daemon refused as a whole is dropped, said."""
         if error.code in NOT_DELIVERED:
-            self._undelivered.append((generation, owe_again))
+            self._from_outbox.append((generation, owe_again))
         else:
             log.warning("ecd could not %s %s: %s", what, item, error)
 

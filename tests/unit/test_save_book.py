@@ -108,6 +108,45 @@ def test_a_commit_that_did_not_reach_the_daemon_is_sent_again() -> None:
     assert book.take_landed() == [("k", allocation_of("k"))]
 
 
+def test_a_key_whose_commit_or_abort_is_unanswered_is_not_planned_again() -> None:
+    book = copying_book("committed", "aborted")
+    book.report(saved=["committed"], failed=["aborted"])
+    book.take_landed()  # sent, not answered
+    book.take_failed()
+    book.plan("committed", SPEC)
+    book.plan("aborted", SPEC)
+    assert book.take_planned() == {}
+
+
+def test_a_key_is_planned_again_once_its_commit_or_abort_is_answered() -> None:
+    book = copying_book("k")
+    book.report(saved=[], failed=["k"])
+    book.take_failed()
+    book.answered("k")
+    book.plan("k", SPEC)
+    assert book.take_planned() == {"k": SPEC}
+
+
+def test_an_abort_owed_again_keeps_its_key_from_being_planned_until_it_is_answered() -> None:
+    book = copying_book("k")
+    book.report(saved=[], failed=["k"])
+    book.requeue(failed=book.take_failed())  # its Step did not reach the daemon
+    book.answered("k")
+    book.plan("k", SPEC)
+    assert book.take_planned() == {}
+    assert book.take_failed() == ["k"]
+
+
+def test_voiding_keeps_a_key_unanswered_until_its_answer_comes() -> None:
+    """The Step carrying its Abort may still reach the daemon's new session."""
+    book = copying_book("k")
+    book.report(saved=[], failed=["k"])
+    book.take_failed()
+    book.void()
+    book.plan("k", SPEC)
+    assert book.take_planned() == {}
+
+
 def test_voiding_forgets_every_unfinished_save_and_cancels_every_intent_and_order() -> None:
     book = copying_book("copying")
     book.report(saved=["copying"], failed=[])

@@ -389,6 +389,44 @@ def test_a_step_that_did_not_reach_the_daemon_owes_its_releases_and_commits_agai
     assert client.fake_view.has(b"img-b") and not side.has_pending_push_work()
 
 
+def test_a_key_is_not_allocated_again_while_its_abort_is_unanswered(client: FakeClient) -> None:
+    """The Abort's Step fails and the Abort is owed again, but a Step asked meanwhile reaches
+    the daemon first: an Allocate of the key there would be freed by the Abort that follows,
+    under the copy its worker is ordered to make."""
+    side = scheduler(client, role="ec_producer")
+    save_ordered(side, client, "img-a")
+    abort_read = threading.Event()
+    steps = 0
+
+    def daemon_away_then_back() -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 1:  # the Step carrying the Abort: it fails once read
+            abort_read.wait(5)
+            client.error = UNAVAILABLE
+        else:
+            client.error = None
+
+    client.before_answer = daemon_away_then_back
+    report(side, failed=["img-a"])  # its copy failed: the Abort goes
+    again = image_request("p2", ["img-a"], ROWS)  # the same image, before the answer
+    assert side.ensure_cache_available(again, 0)
+    side.update_state_after_alloc(again, 0)
+    side.build_connector_meta()
+    abort_read.set()
+    client.flush(5)
+    for _ in range(3):  # the Abort owed again goes; then the key may be saved again
+        side.ensure_cache_available(image_request("p3", ["img-a"], ROWS), 0)
+        side.update_state_after_alloc(image_request("p3", ["img-a"], ROWS), 0)
+        side.build_connector_meta()
+        client.flush(5)
+    aborts = [i for i, step in enumerate(client.sent) if b"img-a" in step.aborts]
+    allocates = [i for i, step in enumerate(client.sent) if "img-a" in step.allocates]
+    assert len(aborts) == 2  # failed once, then delivered
+    allocated_again = min(i for i in allocates if i > aborts[0])
+    assert allocated_again > aborts[-1]
+
+
 def test_what_a_step_the_daemon_refused_carried_is_not_sent_again(client: FakeClient) -> None:
     side = scheduler(client, role="ec_producer")
     save_ordered(side, client, "img-a")
