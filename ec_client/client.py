@@ -288,10 +288,11 @@ class Client(BaseClient):
         that order (releases and aborts free space first; commits are visible to the acquires;
         the acquires pin their entries before the allocations could evict them). Each part's
         results are what its own call answers. It also carries what this client owes the pool
-        (see `outbox`; a Commit of a key it acquires that another Step carries is answered
-        first); the results returned are those of the parts given here."""
+        (see `outbox`; a Commit of a key it acquires or allocates, or an Abort of one it
+        allocates, that another Step carries is answered first); the results returned are those
+        of the parts given here."""
         own_commits = _wire.commit_items(commits, checksums)  # refused before anything is taken
-        batch = self.outbox.take(engine_id, reading=acquires)
+        batch = self.outbox.take(engine_id, reading=acquires, writing=[i.key for i in allocates])
         call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates)
         return self._send_batch(batch, call)
 

@@ -256,6 +256,7 @@ class _Pool:
     unlocks: list[DeferredOp] = field(default_factory=list)
     last_step: float = 0.0  # when a Step to this pool last went out
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
+    aborting: set[bytes] = field(default_factory=set)  # aborts taken, not answered yet
     answered: Answered = field(default_factory=Answered)  # not sent yet
 
     def ops(self) -> bool:
@@ -398,6 +399,7 @@ class Outbox:
         engine_id: str,
         wait: bool = False,
         reading: Sequence[Key] = (),
+        writing: Sequence[Key] = (),
         *,
         give_back: bool = True,
     ) -> OutboxBatch:
@@ -408,14 +410,20 @@ class Outbox:
         Step: its own items were at fault, `OutboxBatch.step`); the background thread's is
         failed instead (`_step`).
 
-        reading: the keys the caller's Step acquires. A Commit of one of them that another
-        Step carries right now (the background thread's) is waited for first: the daemon may
-        take the caller's Step before that one, and a client reads its own writes."""
+        reading: the keys the caller's Step acquires, writing: those it allocates. A Commit of
+        one of them, or an Abort of one it allocates, that another Step carries right now (the
+        background thread's) is waited for first: the daemon may take the caller's Step before
+        that one, and a client reads its own writes, and a key it allocates again is never
+        freed under the new copy by its Abort arriving late (nor its Commit made READY under
+        it)."""
         with self._lock:
             pool = self._pool(engine_id)
-            if pool.in_transit and reading:
-                keys = {key_bytes(k) for k in reading}
-                while not pool.in_transit.isdisjoint(keys):
+            if (pool.in_transit or pool.aborting) and (reading or writing):
+                reads = {key_bytes(k) for k in reading}
+                writes = {key_bytes(k) for k in writing}
+                while not (
+                    pool.in_transit.isdisjoint(reads | writes) and pool.aborting.isdisjoint(writes)
+                ):
                     self._lock.wait()  # `_batch_done` notifies
             pool.last_step = self._clock()
             batch = OutboxBatch(
@@ -431,6 +439,7 @@ class Outbox:
                 else (lambda given: None),
             )
             pool.in_transit.update(d.key for d in batch.commits)
+            pool.aborting.update(d.key for d in batch.aborts)
         return self._landed(batch)
 
     @staticmethod
@@ -459,6 +468,7 @@ class Outbox:
         with self._lock:
             # aborts too: a commit whose copy failed left as an abort
             pool.in_transit.difference_update(d.key for d in batch.commits + batch.aborts)
+            pool.aborting.difference_update(d.key for d in batch.aborts)
             self._lock.notify_all()
 
     def _given_back(self, pool: _Pool, batch: OutboxBatch) -> None:

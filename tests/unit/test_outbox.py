@@ -263,6 +263,42 @@ def test_a_step_acquiring_other_keys_does_not_wait_for_a_commit_on_its_way() -> 
     o.close()
 
 
+def taken_in_background(o: Outbox, **keys: Sequence[Key]) -> tuple[threading.Thread, list[Any]]:
+    """A caller's take (a put's or a get's Step) on a thread of its own: it may have to wait."""
+    taken: list[OutboxBatch] = []
+    caller = threading.Thread(target=lambda: taken.append(o.take(POOL, **keys)))
+    caller.start()
+    caller.join(0.1)
+    return caller, taken
+
+
+@pytest.mark.parametrize("kind", ["commit", "abort"])
+def test_a_step_allocating_a_key_waits_for_the_commit_or_abort_of_it_another_step_carries(
+    kind: str,
+) -> None:
+    """An Abort reaching the daemon after the new Allocate would free the blocks being copied
+    into; a Commit, make them READY under the new copy."""
+    o, _ = owed()
+    (o.commits if kind == "commit" else o.aborts)(POOL, [Answers().op("a", key=b"a")])
+    carrying = o.take(POOL)  # the background thread's Step, on its way
+    writer, taken = taken_in_background(o, writing=["a"])
+    assert writer.is_alive()
+    carrying.resolve(answer(carrying))
+    writer.join(5)
+    assert len(taken) == 1
+    o.close()
+
+
+def test_a_step_acquiring_a_key_does_not_wait_for_an_abort_of_it() -> None:
+    o, _ = owed()
+    o.aborts(POOL, [Answers().op("a", key=b"a")])
+    carrying = o.take(POOL)
+    reader, taken = taken_in_background(o, reading=["a"])
+    assert not reader.is_alive() and taken  # a miss either way: nothing to wait for
+    carrying.resolve(answer(carrying))
+    o.close()
+
+
 def test_a_step_refused_for_its_callers_items_gives_the_batch_back_ahead_of_later_ops() -> None:
     o, _ = owed()
     answers = Answers()
