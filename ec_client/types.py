@@ -266,6 +266,7 @@ class PoolStats:
     held_blocks: int  # blocks of reads from peers given up on, until the engine is done
     remote_reads: int  # transfer-engine reads started by pulls (one per remote hit)
     entries_locked: int  # slots readers hold lock pins on now (docs/design.md §5)
+    ephemeral: bool = False  # dropped when the last session that opened it ends (§3)
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
         rows = [
             (
-                p.engine_id,
+                p.engine_id + (" (ephemeral)" if p.ephemeral else ""),
                 format_size(p.capacity_bytes),
                 format_size(p.reserved_bytes),
                 f"{100 * (1 - p.free_blocks / p.num_blocks):.1f}%",

@@ -11,6 +11,7 @@ checks the session's role for calls that write entries (PRODUCE) or pin them (CO
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -550,7 +551,10 @@ class Store:
             sessions=len(self._sessions),
             lease_expiries=self.lease_expiries,
             version=__version__,
-            pools=tuple(p.stats() for p in pools),
+            pools=tuple(
+                dataclasses.replace(p.stats(), ephemeral=p.engine_id in self._ephemeral)
+                for p in pools
+            ),
             peers=self._peers(),
         )
 

@@ -84,6 +84,15 @@ def test_ecd_stats_shows_each_pools_capacity_file_size_and_compat_key(daemon: Da
         assert pool["reserved_bytes"] - pool["capacity_bytes"] == 2 * MiB
 
 
+def test_ecd_stats_marks_an_ephemeral_pool(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool("run-1_dp0", BLOCK, 4 * MiB, ephemeral=True)
+        status, out, _ = ecd(daemon, "stats")
+        assert status == 0 and "run-1_dp0 (ephemeral)" in out
+        status, out, _ = ecd(daemon, "stats", "run-1_dp0", "--json")
+        assert json.loads(out)["pools"][0]["ephemeral"] is True
+
+
 def test_a_key_that_is_not_hex_after_0x_is_a_usage_error(daemon: Daemon) -> None:
     status, _, err = ecd(daemon, "delete", POOL, "0xZZ")
     assert status == 2

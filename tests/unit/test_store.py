@@ -183,6 +183,12 @@ def test_dropping_an_ephemeral_pool_gives_its_capacity_back_to_the_budget(
         store.expire_sessions()
 
 
+def test_stats_say_which_pools_are_ephemeral(store: Store) -> None:
+    sid = session(store)
+    store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    assert {p.engine_id: p.ephemeral for p in store.stats().pools} == {"p": False, "e": True}
+
+
 def test_a_pool_made_anew_under_an_ephemeral_name_is_not_ephemeral(store: Store) -> None:
     sid = session(store)
     store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)

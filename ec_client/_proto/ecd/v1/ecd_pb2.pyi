@@ -522,7 +522,7 @@ class ListEntriesReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads", "entries_locked")
+    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads", "entries_locked", "ephemeral")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -553,6 +553,7 @@ class PoolStats(_message.Message):
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_READS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_LOCKED_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     capacity_bytes: int
     block_size_bytes: int
@@ -583,7 +584,8 @@ class PoolStats(_message.Message):
     held_blocks: int
     remote_reads: int
     entries_locked: int
-    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ..., entries_locked: _Optional[int] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ..., entries_locked: _Optional[int] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("address", "state", "boot_epoch", "keys", "error")
