@@ -100,8 +100,11 @@ _SLOT_FIXED = struct.Struct("<QQQHBBH")
 _SLOT_HEAD = _SLOT_MARK_CRC.size + _SLOT_FIXED.size
 SLOT_READY_MARK = 0x59444552  # "REDY"
 SLOT_FREE_MARK = 0
-# The READY mark as a native unsigned int reads it from the table's bytes (ready_slots).
-_READY_MARK_NATIVE = int.from_bytes(_SLOT_MARK.pack(SLOT_READY_MARK), sys.byteorder)
+# A record whose entry was removed (deleted, dropped) while a reader held its lock pin: the
+# daemon cannot erase it under the lock, so it marks it over the READY mark, and neither a reader
+# (a miss) nor a restarted daemon (its blocks stay out of use until the lock goes, the entry is
+# not adopted) takes it for the entry (docs/design.md §5).
+SLOT_DOOMED_MARK = 0x4D4F4F44  # "DOOM"
 assert _HEADER.size + _HEADER_CRC.size <= HEADER_SIZE and HEADER_SIZE % SLOT_SIZE == 0
 assert struct.calcsize("I") == _SLOT_MARK.size
 
@@ -311,19 +314,22 @@ def read_record(slot: SlotBytes, offset: int = 0) -> RecordFields | None:
     return _record_at(slot, offset, len(slot))
 
 
-def ready_slots(table: SlotBytes) -> list[int]:
-    """The slots of a slot table whose mark says READY, found by their 4-byte marks alone (in
-    C, however many slots are free): the only slots that can hold a record."""
+def slots_marked(table: SlotBytes, mark: int = SLOT_READY_MARK) -> list[int]:
+    """The slots of a slot table whose mark says READY (or `mark`), found by their 4-byte marks
+    alone (in C, however many slots are free): the only slots that can hold such a record."""
     if len(table) % SLOT_SIZE:
         raise LayoutError(f"a slot table of {len(table)} bytes is not whole slots")
+    native = int.from_bytes(_SLOT_MARK.pack(mark), sys.byteorder)  # as the table's bytes read
     marks = memoryview(table).cast("I")[:: SLOT_SIZE // _SLOT_MARK.size]  # in native order
-    return list(itertools.compress(range(len(marks)), map(_READY_MARK_NATIVE.__eq__, marks)))
+    return list(itertools.compress(range(len(marks)), map(native.__eq__, marks)))
 
 
-def read_slot_table(table: SlotBytes, first_slot: int = 0) -> list[tuple[int, RecordFields]]:
+def read_slot_table(
+    table: SlotBytes, first_slot: int = 0, mark: int = SLOT_READY_MARK
+) -> list[tuple[int, RecordFields]]:
     """The whole records of a slot table (or of its slots from `first_slot` on) with their
-    slots: what read_record finds in each slot, read only where a READY mark is."""
-    return _read_records(table, ready_slots(table), SLOT_SIZE, first_slot)
+    slots: what read_record finds in each slot, read only where a READY mark (or `mark`) is."""
+    return _read_records(table, slots_marked(table, mark), SLOT_SIZE, first_slot, mark)
 
 
 # A slot record's mark, CRC and fixed fields, unpacked in one call.
@@ -332,14 +338,15 @@ assert _SLOT_HEAD_FIELDS.size == _SLOT_HEAD
 
 
 def _read_records(
-    buf: SlotBytes, indexes: Iterable[int], stride: int, base: int = 0
+    buf: SlotBytes, indexes: Iterable[int], stride: int, base: int = 0, mark: int = SLOT_READY_MARK
 ) -> list[tuple[int, RecordFields]]:
     """The whole records at `index * stride` in `buf` for each index (each with a record
-    head's bytes from there), with their indexes plus `base`: read_record of each."""
+    head's bytes from there), with their indexes plus `base`: read_record of each (of records
+    marked `mark`)."""
     records: list[tuple[int, RecordFields]] = []
     append, record_at, size = records.append, _record_at, len(buf)
     for index in indexes:
-        fields = record_at(buf, index * stride, size)
+        fields = record_at(buf, index * stride, size, mark)
         if fields is not None:
             append((base + index, fields))
     return records
@@ -349,19 +356,20 @@ def _record_at(
     buf: SlotBytes,
     offset: int,
     size: int,
+    wanted_mark: int = SLOT_READY_MARK,
     unpack_head: Callable[[SlotBytes, int], tuple[int, ...]] = _SLOT_HEAD_FIELDS.unpack_from,
     crc32: Callable[[SlotBytes], int] = zlib.crc32,
 ) -> RecordFields | None:
-    """The record at `offset` of `buf` (`size` bytes long), or None. Called once per READY slot
-    at a restart (100,000 in a large pool) and once per lock pin on the vLLM scheduler thread:
-    its constants are bound as defaults, looked up once (docs/performance.md, *A warm
-    restart*)."""
+    """The record at `offset` of `buf` (`size` bytes long) if it is marked `wanted_mark` (READY
+    unless a restart looks for doomed records), or None. Called once per READY slot at a
+    restart (100,000 in a large pool) and once per lock pin on the vLLM scheduler thread: its
+    constants are bound as defaults, looked up once (docs/performance.md, *A warm restart*)."""
     if size - offset < _SLOT_HEAD:
         return None
     mark, crc, commit_seq, nbytes, checksum, key_len, dtype_code, ndim, n_extents = unpack_head(
         buf, offset
     )
-    if mark != SLOT_READY_MARK:
+    if mark != wanted_mark:
         return None
     tail = _slot_tail(ndim, n_extents, key_len)
     dtype = DTYPE_BY_CODE.get(dtype_code)

@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,6 +69,9 @@ class Entry:
     # Which allocation of the key this is: a Commit naming another (the key removed and
     # allocated again since) must not make this one READY before its bytes are written.
     allocation: int = 0
+    # Removed while its record could not be erased (a reader holds the lock pin): the record is
+    # marked doomed, so that no reader pins it any more and a restart does not adopt it.
+    doomed: bool = False
 
     @property
     def blocks(self) -> int:
@@ -144,6 +147,12 @@ class SlotJournal(Protocol):
         """Erase the slot's record, unless a reader holds its lock pin (then False)."""
         ...
 
+    def doom_slot(self, slot: int) -> None:
+        """Mark the slot's record doomed, while a reader's lock pin keeps it from being erased:
+        its entry was removed (no new pin takes it; a restart adopts its blocks as held, not
+        the entry)."""
+        ...
+
     def slot_locked(self, slot: int) -> bool:
         """Whether a reader holds the slot's lock pin now."""
         ...
@@ -190,9 +199,15 @@ class PoolIndex:
 
     # ---- restore -------------------------------------------------------------------------------
 
-    def restore(self, records: Iterable[tuple[int, RecordFields]]) -> None:
+    def restore(
+        self,
+        records: Iterable[tuple[int, RecordFields]],
+        doomed: Sequence[tuple[int, RecordFields]] = (),
+    ) -> None:
         """Adopt into this new index the READY entries read from a pool file's slot table (by
-        slot), oldest commit first.
+        slot), oldest commit first; `doomed` are the records of entries removed while a reader
+        lock-pinned them: not adopted, their blocks stay out of use until their reader lets go
+        (or are freed now).
 
         Raises ValueError if records overlap each other or lie outside the pool, name a slot
         twice, or hold extents that do not match their size; the caller then refuses the whole
@@ -202,7 +217,7 @@ class PoolIndex:
         (docs/performance.md, *A warm restart*).
         """
         now = self._clock()
-        in_order = sorted(records, key=_commit_seq)
+        in_order = sorted([*records, *doomed], key=_commit_seq)
         slots = {slot for slot, _ in in_order}
         if len(slots) != len(in_order):
             twice = next(s for s, n in collections.Counter(s for s, _ in in_order).items() if n > 1)
@@ -258,13 +273,20 @@ class PoolIndex:
                 True,  # recorded
             )
             blocks += size
+        for slot, fields in doomed:
+            entry = entries.get(fields[0])
+            if entry is not None and entry.slot == slot:  # no newer record of its key took it
+                del entries[entry.key]
+                entry.removed = entry.doomed = True
+                superseded.append(entry)
+                blocks -= entry.blocks
         self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, used)
         self._entries = entries
         # Oldest commit first: a key's place in the dict is its first record's, which is where
         # on_ready one record at a time would have left it too.
         self._policy.on_ready_many(entries)
         self._evictable_blocks, self._evictable_entries = blocks, len(entries)
-        # The newest record is an entry (a key's newest record is never superseded).
+        # Past every record's, doomed ones' included: a commit_seq is never given twice.
         self._commit_seq = _commit_seq(in_order[-1]) if in_order else 0
         self._free_slots = [s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in slots]
         for entry in superseded:
@@ -616,8 +638,12 @@ class PoolIndex:
         """Where a removed entry's blocks are now. Its record is erased first, as soon as no
         reader locks it (a restart must never adopt an entry whose blocks belong to someone
         else); the blocks are free once nothing pins, locks or writes them."""
-        if entry.recorded and self._journal.erase_slot(entry.slot):
-            entry.recorded = False
+        if entry.recorded:
+            if self._journal.erase_slot(entry.slot):
+                entry.recorded = False
+            elif not entry.doomed:
+                self._journal.doom_slot(entry.slot)
+                entry.doomed = True
         for where in (self._orphans, self._locked, self._held):
             where.discard(entry)
         if entry.pins:

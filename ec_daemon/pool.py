@@ -17,6 +17,7 @@ from pathlib import Path
 from ec_client.layout import (
     HEADER_SIZE,
     MAGIC,
+    SLOT_DOOMED_MARK,
     SLOT_FREE_MARK,
     SLOT_SIZE,
     Geometry,
@@ -26,24 +27,26 @@ from ec_client.layout import (
     SlotRecord,
     pool_file_name,
     read_slot_table,
-    ready_slots,
     slot_offset,
+    slots_marked,
 )
 from ec_client.slot_locks import lock_exclusive, locked_slots, unlock
 from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 
 _MARK = struct.Struct("<I")
+SlotRecords = list[tuple[int, RecordFields]]  # records read from a slot table, by slot
 # The slot table is read this many slots at a time, into one buffer: read whole (51 MiB for
 # 100,000 slots), it is as many new pages for the process to fault in, each costing microseconds
 # on a VM (docs/performance.md, *A warm restart*).
 _TABLE_CHUNK_SLOTS = 2048
 
 
-def _read_slot_table(fd: int, num_slots: int) -> list[tuple[int, RecordFields]]:
-    """The whole records of the pool file's slot table, by slot (read_slot_table); LayoutError
-    if the file ends within it."""
-    records: list[tuple[int, RecordFields]] = []
+def _read_slot_table(fd: int, num_slots: int) -> tuple[SlotRecords, SlotRecords]:
+    """The whole records of the pool file's slot table, by slot (read_slot_table): the READY
+    ones and the doomed ones; LayoutError if the file ends within it."""
+    records: SlotRecords = []
+    doomed: SlotRecords = []
     chunk = memoryview(bytearray(min(num_slots, _TABLE_CHUNK_SLOTS) * SLOT_SIZE))
     for first in range(0, num_slots, _TABLE_CHUNK_SLOTS):
         part = chunk[: min(num_slots - first, _TABLE_CHUNK_SLOTS) * SLOT_SIZE]
@@ -53,7 +56,8 @@ def _read_slot_table(fd: int, num_slots: int) -> list[tuple[int, RecordFields]]:
                 f"slot table is {first * SLOT_SIZE + got} bytes, expected {num_slots * SLOT_SIZE}"
             )
         records += read_slot_table(part, first)
-    return records
+        doomed += read_slot_table(part, first, SLOT_DOOMED_MARK)
+    return records, doomed
 
 
 def creation_interrupted(path: Path) -> bool:
@@ -76,7 +80,7 @@ def creation_interrupted(path: Path) -> bool:
             table = file.read(geometry.num_slots * SLOT_SIZE)
     except (OSError, LayoutError):
         return False
-    return len(table) == geometry.num_slots * SLOT_SIZE and not ready_slots(table)
+    return len(table) == geometry.num_slots * SLOT_SIZE and not slots_marked(table)
 
 
 class PoolFile:
@@ -131,9 +135,9 @@ class PoolFile:
         return cls(path, header, fd)
 
     @classmethod
-    def adopt(cls, path: Path) -> tuple[PoolFile, list[tuple[int, RecordFields]]]:
-        """Open an existing pool file and read its READY records, by slot; LayoutError if it
-        does not verify."""
+    def adopt(cls, path: Path) -> tuple[PoolFile, SlotRecords, SlotRecords]:
+        """Open an existing pool file and read its READY records and its doomed ones, by slot;
+        LayoutError if it does not verify."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             header = Header.unpack(os.pread(fd, HEADER_SIZE, 0))
@@ -144,11 +148,11 @@ class PoolFile:
                 )
             if path.name != pool_file_name(header.engine_id):
                 raise LayoutError(f"header names engine {header.engine_id!r}, not this file")
-            records = _read_slot_table(fd, header.geometry.num_slots)
+            records, doomed = _read_slot_table(fd, header.geometry.num_slots)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, header, fd), records
+        return cls(path, header, fd), records, doomed
 
     def verify(self) -> None:
         """Raise LayoutError if the file on disk no longer matches what the daemon created."""
@@ -189,6 +193,16 @@ class PoolFile:
         so a reader that locks after it finds a free mark, and one that locked before keeps the
         entry whole."""
         return self._write_locked(slot, _MARK.pack(SLOT_FREE_MARK))
+
+    def doom_slot(self, slot: int) -> None:
+        """Mark the slot's record doomed: its entry was removed while a reader holds the lock
+        pin that keeps the record from being erased (docs/design.md §5). Written without the
+        exclusive lock, which the reader holds off, and safe without it: only the 4-byte mark
+        changes, and a reader reading it meanwhile finds the READY mark over the entry's own
+        record, whole (its blocks are kept until the record is erased), or a mark that is not
+        READY (a miss). A restart then neither adopts the entry nor frees its blocks while the
+        reader holds them."""
+        os.pwrite(self._fd, _MARK.pack(SLOT_DOOMED_MARK), slot_offset(slot))
 
     def _write_locked(self, slot: int, data: bytes) -> bool:
         """Write `data` at the slot under its exclusive lock, as every change to a record is

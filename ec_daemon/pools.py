@@ -153,13 +153,13 @@ class PoolRegistry:
                 )
                 continue
             try:
-                file, records = PoolFile.adopt(path)
+                file, records, doomed = PoolFile.adopt(path)
             except (LayoutError, OSError) as exc:
                 self.refuse(engine_id, path, str(exc))
                 continue
             index = self._new_index(engine_id, file.header.geometry, file)
             try:
-                index.restore(records)
+                index.restore(records, doomed)
             except ValueError as exc:
                 file.close()
                 self.refuse(engine_id, path, f"slot table does not verify: {exc}")

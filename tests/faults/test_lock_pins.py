@@ -9,6 +9,8 @@ Proven here:
   reader's bytes are still the committed ones; once unpinned it is evictable;
 - a key deleted under a lock pin and put again (two records of it in the file) survives a daemon
   restart: the pool is adopted, the new bytes served, the old ones whole under the old pin;
+- a key deleted under a lock pin is not served again after a daemon restart (its record is
+  marked doomed), and its blocks stay the reader's until it lets go;
 - readers, writers and an admin (evicting, deleting, dropping and recreating the pool) at random
   on one small pool, slots and blocks reused all the time, with or without the daemon SIGKILLed
   and restarted midway: no reader ever reads bytes of another entry, under a fresh view or a
@@ -258,6 +260,40 @@ def test_a_key_deleted_under_a_lock_pin_and_put_again_survives_a_daemon_restart(
         wait_until(lambda: locked(c) == 0, UNLOCK_DEADLINE, "the unpinned lock to go")
         wait_until(lambda: _accounted(c), 5.0, "the old record's blocks to be reclaimed")
         assert_intact(c, POOL, version=None)
+        reader.close()
+
+
+@pytest.mark.fault_kind("daemon killed under a lock pin")
+def test_a_key_deleted_under_a_lock_pin_is_not_served_after_a_daemon_restart(
+    daemon: Daemon, interpreters: Interpreters
+) -> None:
+    with daemon.client(name="filler") as c:
+        keys = fill(c, "gone")
+        key = keys[0]
+        reader = holder(interpreters, daemon, [key])
+        # Deleted while locked: it leaves the index; its record stays (its blocks are the
+        # reader's) until the lock goes, marked doomed.
+        assert [r.status for r in c.delete(POOL, [key])] == [Status.OK]
+
+    daemon.restart()  # SIGKILL before the reader let go
+
+    with daemon.client(name="after") as c:
+        c.open_pool(POOL, BLOCK, CAPACITY)
+        assert states(c, keys) == [EntryState.ABSENT] + [EntryState.READY] * (ENTRIES - 1)
+        assert Consumer(c, POOL).get(key) is None
+        assert locked(c) == 1
+        # Its blocks are still the reader's: a pool-sized put gives way to nothing but them.
+        assert allocate(c, "everything", ENTRIES * ENTRY_BLOCKS) is Status.NO_SPACE
+        reader.send("read")  # the deleted bytes, under the pin, are still whole
+        assert reader.expect("read") == "read", f"bytes changed under the pin: {reader.said}"
+        reader.send("unpin")
+        assert reader.expect("unpinned") == "unpinned 0"
+        wait_until(lambda: locked(c) == 0, UNLOCK_DEADLINE, "the unpinned lock to go")
+        wait_until(
+            lambda: allocate(c, "everything", ENTRIES * ENTRY_BLOCKS) is Status.ALLOCATED,
+            5.0,
+            "the deleted entry's blocks to be reclaimed",
+        )
         reader.close()
 
 

@@ -17,19 +17,22 @@ BLOCK = 1024
 
 
 class FakeJournal:
-    """Records the slot writes and erasures, in order, with what the index showed at the time.
-    `locked` stands for the slots readers hold lock pins on: their records cannot be erased."""
+    """Records the slot writes, erasures and doom marks, in order, with what the index showed at
+    the time. `locked` stands for the slots readers hold lock pins on: their records cannot be
+    erased; `doomed` for the records marked doomed."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[str, int]] = []
         self.records: dict[int, SlotRecord] = {}
         self.locked: set[int] = set()
+        self.doomed: set[int] = set()
 
     def write_slot(self, slot: int, record: SlotRecord) -> bool:
         if slot in self.locked:
             return False
         self.ops.append(("write", slot))
         self.records[slot] = record
+        self.doomed.discard(slot)
         return True
 
     def erase_slot(self, slot: int) -> bool:
@@ -37,7 +40,12 @@ class FakeJournal:
             return False
         self.ops.append(("erase", slot))
         self.records.pop(slot, None)
+        self.doomed.discard(slot)
         return True
+
+    def doom_slot(self, slot: int) -> None:
+        self.ops.append(("doom", slot))
+        self.doomed.add(slot)
 
     def slot_locked(self, slot: int) -> bool:
         return slot in self.locked
@@ -82,6 +90,17 @@ def as_read(records: list[tuple[int, SlotRecord]]) -> list[tuple[int, RecordFiel
     read = [(slot, read_record(record.pack())) for slot, record in records]
     assert all(fields is not None for _, fields in read)
     return [(slot, fields) for slot, fields in read if fields is not None]
+
+
+def read_back(
+    journal: FakeJournal,
+) -> tuple[list[tuple[int, RecordFields]], list[tuple[int, RecordFields]]]:
+    """What a restart reads from the journal: its READY records and its doomed ones."""
+    records = sorted(journal.records.items())
+    return (
+        as_read([(slot, r) for slot, r in records if slot not in journal.doomed]),
+        as_read([(slot, r) for slot, r in records if slot in journal.doomed]),
+    )
 
 
 def put(index: PoolIndex, key: bytes, blocks: int, session: str = "s") -> None:
@@ -278,6 +297,26 @@ def test_a_locked_entry_deleted_keeps_its_record_and_blocks_until_the_lock_drops
     index.check()
 
 
+def test_a_locked_entry_deleted_has_its_record_marked_doomed_once() -> None:
+    index, journal, _ = make_index(blocks=4)
+    put(index, b"k", 4)
+    slot = journal.lock(b"k")
+    index.delete(b"k")
+    assert journal.ops[-1] == ("doom", slot) and slot in journal.doomed
+    index.reclaim()  # still locked: tried again, not marked again
+    assert journal.ops.count(("doom", slot)) == 1
+    journal.locked.clear()
+    index.reclaim()
+    assert journal.ops[-1] == ("erase", slot) and slot not in journal.doomed
+
+
+def test_an_unlocked_entry_deleted_is_erased_not_doomed() -> None:
+    index, journal, _ = make_index(blocks=4)
+    put(index, b"k", 4)
+    index.delete(b"k")
+    assert [op for op, _ in journal.ops] == ["write", "erase"]
+
+
 def test_a_pinned_and_locked_entry_removed_keeps_its_blocks_until_both_are_gone() -> None:
     index, journal, _ = make_index(blocks=4)
     put(index, b"k", 4)
@@ -410,6 +449,43 @@ def test_restore_of_a_key_deleted_under_a_lock_and_put_again_adopts_the_newer_re
     assert restored.stats("").free_blocks == 5 and old_slot not in journal.records
     restored.check()
     restored.allocate(b"fill", spec(5 * BLOCK), "s", "p")  # every free block, a free slot
+    restored.check()
+
+
+@pytest.mark.parametrize("still_locked", [True, False])
+def test_restore_does_not_adopt_an_entry_deleted_under_a_lock(still_locked: bool) -> None:
+    index, journal, _ = make_index(blocks=8)
+    put(index, b"k", 3)
+    put(index, b"other", 2)
+    slot = journal.lock(b"k")
+    index.delete(b"k")
+    restored, after, _ = make_index(blocks=8)
+    after.records = dict(journal.records)
+    after.locked = set(journal.locked) if still_locked else set()  # locks outlive the daemon
+    restored.restore(*read_back(journal))
+    assert restored.get(b"k") is None and restored.state(b"other") is EntryState.READY
+    restored.check()
+    # Its blocks are the reader's until it lets go, then free again.
+    assert restored.stats("").free_blocks == (3 if still_locked else 6)
+    assert (slot in after.records) is still_locked
+    after.locked.clear()
+    assert restored.reclaim() == 0
+    assert restored.stats("").free_blocks == 6 and slot not in after.records
+    restored.check()
+
+
+def test_restore_of_a_doomed_record_and_its_key_put_again_adopts_the_new_entry() -> None:
+    index, journal, _ = make_index()
+    put(index, b"k", 2)
+    old_slot = journal.lock(b"k")
+    index.delete(b"k")
+    put(index, b"k", 3)
+    restored, after, _ = make_index()
+    after.records, after.locked = dict(journal.records), {old_slot}
+    restored.restore(*read_back(journal))
+    entry = restored.get(b"k")
+    assert entry is not None and entry.slot != old_slot and entry.blocks == 3
+    assert restored.stats("").free_blocks == 3  # 8 less the new entry's 3 and the reader's 2
     restored.check()
 
 

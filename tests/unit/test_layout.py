@@ -15,7 +15,7 @@ from ec_client.layout import (
     max_extents,
     read_record,
     read_slot_table,
-    ready_slots,
+    slots_marked,
 )
 
 MiB = 1 << 20
@@ -115,7 +115,7 @@ def a_slot_table() -> tuple[bytes, set[int], list[tuple[int, SlotRecord]]]:
 
 def test_the_mark_scan_finds_every_slot_marked_ready_and_no_other() -> None:
     table, marked, _ = a_slot_table()
-    assert ready_slots(table) == sorted(marked)
+    assert slots_marked(table) == sorted(marked)
 
 
 def test_reading_only_the_marked_slots_gives_exactly_what_reading_every_slot_gives() -> None:

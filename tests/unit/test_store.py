@@ -512,6 +512,46 @@ def test_a_restart_keeps_a_locked_entry_that_was_deleted_and_put_again_out_of_us
     adopted.check()
 
 
+def test_a_restart_does_not_bring_back_an_entry_deleted_under_a_lock_pin(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    """Deleted while a reader held its lock pin, the entry keeps its record (the daemon cannot
+    erase it under the lock), marked doomed: a daemon that stops before the reader lets go
+    neither serves the entry again nor gives its blocks to another while the reader reads."""
+    sid = session(store)
+    put(store, sid, b"k", 8)
+    [snapshot] = store.ready_snapshot("p")
+    info = store.pool_info("p")
+    reader = SlotPins(info.path, info.pool_uuid)
+    assert reader.pin(snapshot.slot or 0, b"k") is not None
+    store.delete("p", [b"k"])
+    store.close()
+
+    adopted = make_store(shm_dir, clock)
+    adopted.adopt_pools()
+    assert entry(adopted, b"k") is None
+    assert pool_stats(adopted).free_blocks == 8  # the reader's 8 are not free
+    reader.close()
+    adopted.reclaim()
+    assert pool_stats(adopted).free_blocks == 16
+    adopted.check()
+
+
+def test_a_lock_pin_on_an_entry_deleted_under_another_readers_pin_is_a_miss(store: Store) -> None:
+    """A reader that has not heard of the delete yet locks the entry's slot, which another
+    reader's pin keeps from being erased: the record is marked doomed, so it misses."""
+    sid = session(store)
+    put(store, sid, b"k", 8)
+    [snapshot] = store.ready_snapshot("p")
+    info = store.pool_info("p")
+    first, late = SlotPins(info.path, info.pool_uuid), SlotPins(info.path, info.pool_uuid)
+    assert first.pin(snapshot.slot or 0, b"k") is not None
+    store.delete("p", [b"k"])
+    assert late.pin(snapshot.slot or 0, b"k") is None
+    first.close()
+    late.close()
+
+
 def test_a_pool_file_whose_header_was_overwritten_is_refused_and_kept(
     store: Store, shm_dir: Path, clock: FakeClock
 ) -> None:

@@ -9,13 +9,15 @@
   its record in the file and its blocks, which no other entry is given, until it is unlocked,
   however it is removed meanwhile (evicted, deleted, its pool's space needed);
 - a slot a reader with a stale view holds locked (free, or an entry's) is neither written nor
-  erased meanwhile: a commit records its entry in another slot (or, with none, stays PENDING).
+  erased meanwhile: a commit records its entry in another slot (or, with none, stays PENDING);
+  only the mark of an entry's record removed meanwhile turns doomed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import struct
 
 from core_testing import FakeClock, make_store, open_pool, spec
 from ecd_testing import new_shm_dir
@@ -33,7 +35,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_client.layout import SLOT_SIZE, slot_offset
+from ec_client.layout import SLOT_DOOMED_MARK, SLOT_READY_MARK, SLOT_SIZE, slot_offset
 from ec_client.slot_locks import PinnedEntry, SlotPins, lock_shared, unlock
 from ec_client.types import EntryState, EventType, Extent, Role, Status
 
@@ -242,9 +244,13 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_record_is_written_or_erased_under_a_readers_lock(self) -> None:
+        """Only its mark may change, READY to doomed: the entry was removed meanwhile."""
         if self.probe is not None:
             slot, then = self.probe
-            assert os.pread(self.prober, SLOT_SIZE, slot_offset(slot)) == then
+            now = os.pread(self.prober, SLOT_SIZE, slot_offset(slot))
+            if now != then:
+                assert then[:4] == struct.pack("<I", SLOT_READY_MARK)
+                assert now == struct.pack("<I", SLOT_DOOMED_MARK) + then[4:]
 
     @invariant()
     def pinned_entries_stay_until_released(self) -> None:
