@@ -3,11 +3,14 @@ more than its capacity."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from ec_client.layout import (
     MAX_KEY_BYTES,
     MAX_NDIM,
+    SLOT_DOOMED_MARK,
     SLOT_SIZE,
     Geometry,
     LayoutError,
@@ -125,6 +128,15 @@ def test_reading_only_the_marked_slots_gives_exactly_what_reading_every_slot_giv
     every_slot = [(i, f) for i, slot in enumerate(slots) if (f := read_record(slot)) is not None]
     assert read_slot_table(table) == every_slot
     assert [(i, SlotRecord.unpack(table, i * SLOT_SIZE)) for i, _ in every_slot] == held
+
+
+def test_a_doomed_record_is_no_record_to_a_reader_and_is_found_by_a_scan_for_doomed_ones() -> None:
+    packed = record(b"removed").pack()
+    doomed = (struct.pack("<I", SLOT_DOOMED_MARK) + packed[4:]).ljust(SLOT_SIZE, b"\0")
+    table = packed.ljust(SLOT_SIZE, b"\0") + doomed
+    assert read_record(doomed) is None
+    assert [slot for slot, _ in read_slot_table(table)] == [0]
+    assert read_slot_table(table, 0, SLOT_DOOMED_MARK) == [(1, read_record(packed))]
 
 
 def test_a_slot_table_of_part_of_a_slot_does_not_verify() -> None:
