@@ -36,6 +36,10 @@ from ec_daemon.errors import Code, CoreError, Reason
 
 _MARK = struct.Struct("<I")
 SlotRecords = list[tuple[int, RecordFields]]  # records read from a slot table, by slot
+# The name of an ephemeral pool's mark (docs/design.md §3), an empty file beside the pool's file:
+# it outlives the daemon, so that a restarted one knows which adopted pools go with their
+# sessions.
+EPHEMERAL_MARK_SUFFIX = ".ephemeral"
 # The slot table is read this many slots at a time, into one buffer: read whole (51 MiB for
 # 100,000 slots), it is as many new pages for the process to fault in, each costing microseconds
 # on a VM (docs/performance.md, *A warm restart*).
@@ -105,6 +109,7 @@ class PoolFile:
         a SIGBUS in some client later, and spares clients first-touch page faults.
         """
         path = shm_dir / pool_file_name(engine_id)
+        _ephemeral_mark(path).unlink(missing_ok=True)  # a pool of this name before, not this one
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(path, flags, mode)
         try:
@@ -231,6 +236,20 @@ class PoolFile:
             os.close(self._fd)
             self._fd = -1
 
+    def mark_ephemeral(self) -> None:
+        """Mark the pool ephemeral on disk; OSError if the mark cannot be made."""
+        os.close(
+            os.open(_ephemeral_mark(self.path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        )
+
+    def marked_ephemeral(self) -> bool:
+        return _ephemeral_mark(self.path).exists()
+
     def unlink(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
+        _ephemeral_mark(self.path).unlink(missing_ok=True)
+
+
+def _ephemeral_mark(pool_path: Path) -> Path:
+    return pool_path.with_name(pool_path.name + EPHEMERAL_MARK_SUFFIX)

@@ -27,6 +27,12 @@ from ec_daemon.sessions import CONSUME, PRODUCE, Session, SessionTable
 
 log = logging.getLogger("ecd.store")
 
+# How many leases after a restart an adopted ephemeral pool waits for a session to open it again.
+# A live client reopens its pools at its first call to the new daemon: its KeepAlive comes every
+# third of a lease, and its channel tries to reconnect at least every second (ec_client's
+# _connection), so a lease and a second at most; two leave room for a slow start.
+UNCLAIMED_LEASES = 2
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -96,9 +102,13 @@ class Store:
         self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch, pool_listener)
         self._peers = peers
         self._pulls = itertools.count(1)
-        # Pools that live only as long as the sessions that opened them (OpenPool's ephemeral):
-        # in memory only, so a restarted daemon learns them again from the clients' reopens.
+        # Pools that live only as long as the sessions that opened them (OpenPool's ephemeral),
+        # each marked so beside its file too, for a restarted daemon (adopt_pools).
         self._ephemeral: set[str] = set()
+        # Ephemeral pools adopted at startup that no session has opened since: dropped unless
+        # one does within UNCLAIMED_LEASES leases of the start. A client that died while the
+        # daemon was down never will, and nothing else would end its pool.
+        self._unclaimed: set[str] = set()
         self._clock = clock
         self._started = clock()
 
@@ -122,6 +132,9 @@ class Store:
         """End every session whose lease ran out: abort its PENDING entries, release its pins."""
         ends = [self._end_session(s) for s in self._sessions.expired()]
         self.lease_expiries += len(ends)
+        if self._unclaimed and self._clock() - self._started >= UNCLAIMED_LEASES * self.lease_ttl_s:
+            unclaimed, self._unclaimed = self._unclaimed, set()
+            self._drop_unheld(unclaimed, "no session opened it again after the daemon restarted")
         return ends
 
     def _end_session(self, session: Session) -> SessionEnd:
@@ -139,27 +152,29 @@ class Store:
         session.pending.clear()
         session.leases.clear()
         self._sessions.remove(session)
-        self._drop_unheld(session.pools)
+        self._drop_unheld(session.pools, "the last session that opened it ended")
         return SessionEnd(session.id, session.name, session.pid, aborted, released)
 
-    def _drop_unheld(self, engine_ids: set[str]) -> None:
-        """Drop, forced, each of these pools that is ephemeral and that no live session opened:
-        its last holder ended."""
+    def _drop_unheld(self, engine_ids: set[str], why: str) -> None:
+        """Drop, forced, each of these pools that is ephemeral and that no live session opened."""
         held = {engine_id for session in self._sessions.all() for engine_id in session.pools}
         for engine_id in sorted(engine_ids & (self._ephemeral - held)):
             pool = self._pools.find(engine_id)
             if pool is not None:
                 entries = self._drop(pool)
                 log.info(
-                    "ephemeral pool dropped: the last session that opened it ended",
-                    extra={"engine_id": engine_id, "entries": entries},
+                    "ephemeral pool dropped",
+                    extra={"engine_id": engine_id, "entries": entries, "reason": why},
                 )
 
     # ---- pools ---------------------------------------------------------------------------------
 
     def adopt_pools(self) -> None:
-        """Re-adopt the pool files a previous daemon left, with their READY entries."""
+        """Re-adopt the pool files a previous daemon left, with their READY entries (and which
+        of them are ephemeral, to go unless a session opens them soon)."""
         self._pools.adopt_all()
+        self._unclaimed = {p.engine_id for p in self._pools.all() if p.file.marked_ephemeral()}
+        self._ephemeral |= self._unclaimed
 
     def open_pool(
         self,
@@ -175,8 +190,17 @@ class Store:
         session = self._sessions.touch(session_id)
         pool, created = self._pools.open(engine_id, block_size_bytes, capacity_bytes, compat_key)
         session.pools.add(engine_id)
-        if ephemeral:
+        self._unclaimed.discard(engine_id)
+        if ephemeral and engine_id not in self._ephemeral:
             self._ephemeral.add(engine_id)
+            try:
+                pool.file.mark_ephemeral()
+            except OSError as exc:
+                log.warning(
+                    "cannot mark the pool ephemeral on disk: it goes with its sessions, but a "
+                    "daemon restarted before they end will keep it",
+                    extra={"engine_id": engine_id, "error": str(exc)},
+                )
         return pool.info(created)
 
     def has_pool(self, engine_id: str) -> bool:
@@ -235,6 +259,7 @@ class Store:
             session.pending = {(e, k) for e, k in session.pending if e != engine_id}
             session.pools.discard(engine_id)  # a pool made anew under this name is not held
         self._ephemeral.discard(engine_id)
+        self._unclaimed.discard(engine_id)
         dropped = pool.index.drop_all()
         self._pools.remove(pool)
         return dropped

@@ -12,6 +12,7 @@ import pytest
 from ecd_testing import Daemon, running_daemon
 from workload_testing import (
     FAULT_TRIALS,
+    ClientProcess,
     Interpreters,
     assert_intact,
     make_tensor,
@@ -313,6 +314,18 @@ time.sleep(3600)
 EPHEMERAL_CAPACITY = 96 << 20  # with the shared pool's 128 MiB, two would not fit the budget
 
 
+def ephemeral_owner(interpreters: Interpreters, daemon: Daemon, name: str) -> ClientProcess:
+    owner = interpreters.take().run(
+        EPHEMERAL_OWNER, **pool_of(daemon), EPHEMERAL=name, EPHEMERAL_CAPACITY=EPHEMERAL_CAPACITY
+    )
+    owner.expect("opened")
+    return owner
+
+
+def ephemeral_pools(c: Client) -> set[str]:
+    return {p.engine_id for p in c.stats().pools if p.ephemeral}
+
+
 @pytest.mark.fault_kind("client killed holding an ephemeral pool")
 def test_a_client_killed_holding_an_ephemeral_pool_leaks_neither_its_file_nor_its_budget(
     shared: Daemon, interpreters: Interpreters
@@ -322,13 +335,7 @@ def test_a_client_killed_holding_an_ephemeral_pool_leaks_neither_its_file_nor_it
     with survivor(shared) as c:
         for run in range(2):
             name = f"ephemeral-{run}"
-            victim = interpreters.take().run(
-                EPHEMERAL_OWNER,
-                **pool_of(shared),
-                EPHEMERAL=name,
-                EPHEMERAL_CAPACITY=EPHEMERAL_CAPACITY,
-            )
-            victim.expect("opened")
+            victim = ephemeral_owner(interpreters, shared, name)
             path = shared.shm_dir / pool_file_name(name)
             assert path.exists() and name in {p.engine_id for p in c.stats().pools}
             killed_at = victim.kill()
@@ -339,3 +346,47 @@ def test_a_client_killed_holding_an_ephemeral_pool_leaks_neither_its_file_nor_it
             )
             assert name not in {p.engine_id for p in c.stats().pools}
         assert_intact(c, POOL)  # the shared pool lost nothing
+
+
+# ---- an ephemeral pool across a daemon restart ---------------------------------------------------
+
+# After a restart, an adopted ephemeral pool waits two leases for its client to open it again
+# (ec_daemon.store.UNCLAIMED_LEASES), then the reaper's period, then the test's slack.
+UNCLAIMED_DEADLINE = 2 * LEASE_TTL + REAPER_PERIOD + 0.75
+
+
+@pytest.mark.fault_kind("client killed while the daemon was down")
+def test_an_ephemeral_pool_whose_client_died_while_the_daemon_was_down_goes_after_its_restart(
+    interpreters: Interpreters,
+) -> None:
+    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL)) as daemon:
+        owner = ephemeral_owner(interpreters, daemon, "orphaned")
+        path = daemon.shm_dir / pool_file_name("orphaned")
+        daemon.kill()
+        owner.kill()  # while the daemon is down: no session of its ends on any daemon
+        daemon.start()
+        started = time.monotonic()
+        with daemon.client(name="operator") as c:
+            assert ephemeral_pools(c) == {"orphaned"}  # adopted, and known to be ephemeral
+            wait_until(lambda: not path.exists(), UNCLAIMED_DEADLINE, "its file to go")
+            record_figure(
+                "daemon restart -> orphaned ephemeral pool dropped (s)", time.monotonic() - started
+            )
+            assert "orphaned" not in {p.engine_id for p in c.stats().pools}
+            assert not list(daemon.shm_dir.glob(pool_file_name("orphaned") + "*"))
+
+
+@pytest.mark.fault_kind("daemon killed under a live client's ephemeral pool")
+def test_a_live_clients_ephemeral_pool_outlives_a_daemon_restart_and_goes_with_the_client(
+    interpreters: Interpreters,
+) -> None:
+    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL)) as daemon:
+        owner = ephemeral_owner(interpreters, daemon, "private")
+        path = daemon.shm_dir / pool_file_name("private")
+        daemon.restart()  # SIGKILL: the client lives on, and opens its pool again
+        with daemon.client(name="operator") as c:
+            time.sleep(UNCLAIMED_DEADLINE)
+            assert path.exists() and ephemeral_pools(c) == {"private"}
+            assert [r.state for r in c.lookup("private", ["k"])] == [EntryState.READY]
+            owner.kill()
+            wait_until(lambda: not path.exists(), GIVE_BACK_DEADLINE, "its file to go")

@@ -199,6 +199,72 @@ def test_a_pool_made_anew_under_an_ephemeral_name_is_not_ephemeral(store: Store)
     store.check()
 
 
+def restarted(shm_dir: Path, clock: FakeClock) -> Store:
+    """A daemon started anew on the shm directory the one before left (stopped or killed)."""
+    store = make_store(shm_dir, clock)
+    store.adopt_pools()
+    return store
+
+
+def ephemeral_pools(store: Store) -> set[str]:
+    return {p.engine_id for p in store.stats().pools if p.ephemeral}
+
+
+def test_an_ephemeral_pool_adopted_at_a_restart_goes_unless_a_session_opens_it_in_two_leases(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    sid = session(store)
+    store.open_pool(sid, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    store.close()  # the daemon stops, and its client dies while it is down
+
+    after = restarted(shm_dir, clock)
+    assert ephemeral_pools(after) == {"e"}
+    clock.advance(19)  # two leases
+    after.expire_sessions()
+    assert after.has_pool("e")  # its client may still come back
+    clock.advance(2)
+    after.expire_sessions()
+    assert not after.has_pool("e") and not list(shm_dir.glob(pool_file_name("e") + "*"))
+    assert after.has_pool("p")  # not ephemeral: it stays
+    after.check()
+
+
+def test_an_ephemeral_pool_reopened_after_a_restart_goes_with_the_session_that_reopened_it(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    store.open_pool(session(store), "e", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    store.close()
+
+    after = restarted(shm_dir, clock)
+    engine = session(after)
+    after.open_pool(engine, "e", BLOCK, 4 * BLOCK, "", ephemeral=True)  # the client's reopen
+    for _ in range(3):  # past two leases, its KeepAlives coming
+        clock.advance(9)
+        after.keep_alive(engine)
+    after.expire_sessions()
+    assert after.has_pool("e")
+    after.close_session(engine)
+    assert not after.has_pool("e")
+
+
+def test_a_pool_of_a_name_once_ephemeral_is_not_ephemeral_after_a_restart(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    sid = session(store)
+    store.open_pool(sid, "dropped", BLOCK, 4 * BLOCK, "", ephemeral=True)
+    store.drop_pool("dropped", force=True)  # its mark goes with its file
+    store.open_pool(sid, "dropped", BLOCK, 4 * BLOCK, "")
+    # A mark left by a pool whose file was removed by hand: not the next pool's of its name.
+    (shm_dir / (pool_file_name("by-hand") + ".ephemeral")).touch()
+    store.open_pool(sid, "by-hand", BLOCK, 4 * BLOCK, "")
+    store.close()
+
+    after = restarted(shm_dir, clock)
+    clock.advance(21)
+    after.expire_sessions()
+    assert ephemeral_pools(after) == set() and {"dropped", "by-hand"} <= set(after.engine_ids())
+
+
 # ---- single flight and states --------------------------------------------------------------------
 
 
