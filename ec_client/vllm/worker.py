@@ -2,11 +2,14 @@
 calls the daemon on the way (the scheduler side allocated, pinned and will commit or release).
 
 At start it maps the pool and, on a GPU, registers it with CUDA (seconds for a large pool: better
-before serving than in the first step). It learns the pool from a short-lived client, by the same
+before serving than in the first step). It learns the pool from a client of its own, by the same
 create-or-attach OpenPool the scheduler side makes; a daemon not reachable then is no error: the
 pool is mapped on first use, from the step's metadata, and again whenever the daemon recreated it.
-Workers start before the scheduler side, so a worker may create the engine's private pool; it
-drops that pool at shutdown (the scheduler side, which drops it otherwise, may never have run).
+Workers start before the scheduler side, so a worker may create the engine's private pool: it
+opens it ephemeral too, and keeps its session (and its KeepAlive) while it lives, so that the
+pool goes when the last of the engine's processes ends, however (an engine killed while loading
+its model, before its scheduler side existed, leaves no pool behind). With a named pool the
+client lives for that one call.
 
 Each step (vLLM's V2 model runner order): `begin` with the step's orders, `save_present` copies
 the ordered saves (outputs of an earlier step, kept since or still in the encoder cache), `load`
@@ -33,7 +36,6 @@ knows where it goes), then `report`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING, TypeVar
 
@@ -89,31 +91,34 @@ class WorkerSide:
         self._saved: list[str] = []
         self._failed: list[str] = []
         self._loaded: list[int] = []
-        self._created_private_pool = False
+        self._holder: Client | None = None  # holds the private pool while this worker lives
         if self.loads or self.saves:
             self._map_at_start()
 
-    def _client(self) -> Client:
-        c = self.config
-        return Client(
-            c.address,
-            name=f"{c.client_name}-worker",
-            connect_timeout_s=c.connect_timeout_s,
-            keepalive=False,  # short-lived: one call
-            wait_for_daemon_s=c.connect_timeout_s,  # it may be starting alongside
-        )
-
     def _map_at_start(self) -> None:
         c = self.config
+        client: Client | None = None
         try:
-            with self._client() as client:
-                info = client.open_pool(c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key)
-            # Workers start before the scheduler side: if the engine fails before that exists,
-            # nobody else would drop a private pool this worker created.
-            self._created_private_pool = info.created and c.pool_is_private
-            self._map(info)
+            client = Client(
+                c.address,
+                name=f"{c.client_name}-worker",
+                connect_timeout_s=c.connect_timeout_s,
+                keepalive=c.pool_is_private,  # a holder's session must not run out
+                wait_for_daemon_s=c.connect_timeout_s,  # it may be starting alongside
+            )
+            info = client.open_pool(
+                c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key, c.pool_is_private
+            )
         except EcdError as error:
+            if client is not None:
+                client.close()
             log.warning("pool %s not mapped at start, will be on first use: %s", c.pool, error)
+            return
+        if c.pool_is_private:
+            self._holder = client
+        else:
+            client.close()
+        self._map(info)
 
     def begin(self, meta: ECDaemonConnectorMetadata) -> None:
         if not (self.loads or self.saves):
@@ -194,9 +199,9 @@ class WorkerSide:
         if self._mover is not None:
             self._mover.mapping.close()
             self._mover = None
-        if self._created_private_pool:
-            with contextlib.suppress(EcdError), self._client() as client:
-                client.drop_pool(self.config.pool, force=True)
+        if self._holder is not None:  # the pool goes if no other session of the engine holds it
+            self._holder.close()
+            self._holder = None
 
     def _mover_of(self, meta: ECDaemonConnectorMetadata) -> TensorMover:
         """The mover for a step that orders copies: it names its pool."""

@@ -1,8 +1,9 @@
 """The worker side alone, in this process: what it does at start and on later pipeline stages.
 
 Proves: a worker maps the pool at start, and on a GPU registers it with CUDA then (not in the
-first step); a private pool a worker created is dropped at its shutdown, one the scheduler side
-created is not; a worker that cannot reach the daemon at start still starts and maps the pool
+first step); a private pool a worker created is dropped at its shutdown, and one lease after it
+was killed, before any scheduler side existed; a pool the scheduler side holds is not; a worker
+that cannot reach the daemon at start still starts and maps the pool
 from its first step's metadata; a worker of a later pipeline stage (which never builds input
 embeddings) neither loads nor saves nor reports; reports of two workers are counted apart
 whatever their pipeline stage.
@@ -18,7 +19,17 @@ import pytest
 import torch
 from cuda_fakes import FakeCudart, install_fake_cuda
 from ecd_testing import Daemon, unmap_pools
-from vllm_testing import DTYPE, ROWS, WIDTH, EngineFactory, EngineSpec, encoder_output, request
+from vllm_testing import (
+    DTYPE,
+    ROWS,
+    WIDTH,
+    EngineFactory,
+    EngineSpec,
+    WorkerPool,
+    encoder_output,
+    request,
+)
+from workload_testing import wait_until
 
 from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.loads import LoadBook
@@ -65,6 +76,20 @@ def test_a_private_pool_a_worker_created_is_dropped_at_its_shutdown(daemon: Daem
     assert pool_exists(daemon, pool)
     w.shutdown()
     assert not pool_exists(daemon, pool)
+
+
+def test_a_private_pool_a_worker_created_goes_one_lease_after_the_worker_is_killed(
+    daemon: Daemon, worker_pool: WorkerPool
+) -> None:
+    """An engine killed while loading its model: its workers had created the private pool, its
+    scheduler side never existed."""
+    spec = EngineSpec(daemon.address)
+    [w] = worker_pool.take(spec)
+    pool = f"{spec.instance_id}_dp0"
+    with daemon.client() as c:
+        assert {p.engine_id: p.ephemeral for p in c.stats().pools} == {pool: True}
+    w.kill()
+    wait_until(lambda: not pool_exists(daemon, pool), 2 * 2.0 + 1.0, "the pool to go")
 
 
 def test_a_pool_the_scheduler_side_created_outlives_a_workers_shutdown(
