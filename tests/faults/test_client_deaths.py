@@ -38,10 +38,20 @@ REAPER_PERIOD = min(LEASE_TTL / 4, 1.0)  # ec_daemon.server.reap_sessions
 GIVE_BACK_DEADLINE = LEASE_TTL + REAPER_PERIOD + 0.75
 
 
+DAEMON_ARGS = ("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL))
+
+
 @pytest.fixture(scope="module")
 def shared() -> Iterator[Daemon]:
     """One daemon for every trial of this module: state (and any leak) accumulates across them."""
-    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL)) as daemon:
+    with running_daemon(*DAEMON_ARGS) as daemon:
+        yield daemon
+
+
+@pytest.fixture
+def own() -> Iterator[Daemon]:
+    """A daemon of the test's own, for it to kill and start again."""
+    with running_daemon(*DAEMON_ARGS) as daemon:
         yield daemon
 
 
@@ -357,36 +367,34 @@ UNCLAIMED_DEADLINE = 2 * LEASE_TTL + REAPER_PERIOD + 0.75
 
 @pytest.mark.fault_kind("client killed while the daemon was down")
 def test_an_ephemeral_pool_whose_client_died_while_the_daemon_was_down_goes_after_its_restart(
-    interpreters: Interpreters,
+    own: Daemon, interpreters: Interpreters
 ) -> None:
-    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL)) as daemon:
-        owner = ephemeral_owner(interpreters, daemon, "orphaned")
-        path = daemon.shm_dir / pool_file_name("orphaned")
-        daemon.kill()
-        owner.kill()  # while the daemon is down: no session of its ends on any daemon
-        daemon.start()
-        started = time.monotonic()
-        with daemon.client(name="operator") as c:
-            assert ephemeral_pools(c) == {"orphaned"}  # adopted, and known to be ephemeral
-            wait_until(lambda: not path.exists(), UNCLAIMED_DEADLINE, "its file to go")
-            record_figure(
-                "daemon restart -> orphaned ephemeral pool dropped (s)", time.monotonic() - started
-            )
-            assert "orphaned" not in {p.engine_id for p in c.stats().pools}
-            assert not list(daemon.shm_dir.glob(pool_file_name("orphaned") + "*"))
+    owner = ephemeral_owner(interpreters, own, "orphaned")
+    path = own.shm_dir / pool_file_name("orphaned")
+    own.kill()
+    owner.kill()  # while the daemon is down: no session of its ends on any daemon
+    own.start()
+    started = time.monotonic()
+    with own.client(name="operator") as c:
+        assert ephemeral_pools(c) == {"orphaned"}  # adopted, and known to be ephemeral
+        wait_until(lambda: not path.exists(), UNCLAIMED_DEADLINE, "its file to go")
+        record_figure(
+            "daemon restart -> orphaned ephemeral pool dropped (s)", time.monotonic() - started
+        )
+        assert "orphaned" not in {p.engine_id for p in c.stats().pools}
+        assert not list(own.shm_dir.glob(pool_file_name("orphaned") + "*"))
 
 
 @pytest.mark.fault_kind("daemon killed under a live client's ephemeral pool")
 def test_a_live_clients_ephemeral_pool_outlives_a_daemon_restart_and_goes_with_the_client(
-    interpreters: Interpreters,
+    own: Daemon, interpreters: Interpreters
 ) -> None:
-    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", str(LEASE_TTL)) as daemon:
-        owner = ephemeral_owner(interpreters, daemon, "private")
-        path = daemon.shm_dir / pool_file_name("private")
-        daemon.restart()  # SIGKILL: the client lives on, and opens its pool again
-        with daemon.client(name="operator") as c:
-            time.sleep(UNCLAIMED_DEADLINE)
-            assert path.exists() and ephemeral_pools(c) == {"private"}
-            assert [r.state for r in c.lookup("private", ["k"])] == [EntryState.READY]
-            owner.kill()
-            wait_until(lambda: not path.exists(), GIVE_BACK_DEADLINE, "its file to go")
+    owner = ephemeral_owner(interpreters, own, "private")
+    path = own.shm_dir / pool_file_name("private")
+    own.restart()  # SIGKILL: the client lives on, and opens its pool again
+    with own.client(name="operator") as c:
+        time.sleep(UNCLAIMED_DEADLINE)
+        assert path.exists() and ephemeral_pools(c) == {"private"}
+        assert [r.state for r in c.lookup("private", ["k"])] == [EntryState.READY]
+        owner.kill()
+        wait_until(lambda: not path.exists(), GIVE_BACK_DEADLINE, "its file to go")

@@ -227,6 +227,16 @@ def test_a_daemon_killed_and_restarted_under_a_lock_pin_keeps_the_pinned_entry_w
         reader.close()
 
 
+def let_go(reader: ClientProcess, c: Client) -> None:
+    """The holder reads under its pins (the bytes must still be the committed ones), gives them
+    back, and the daemon sees the locks go."""
+    reader.send("read")
+    assert reader.expect("read") == "read", f"bytes changed under the pin: {reader.said}"
+    reader.send("unpin")
+    assert reader.expect("unpinned") == "unpinned 0"
+    wait_until(lambda: locked(c) == 0, UNLOCK_DEADLINE, "the unpinned lock to go")
+
+
 @pytest.mark.fault_kind("daemon killed under a lock pin")
 def test_a_key_deleted_under_a_lock_pin_and_put_again_survives_a_daemon_restart(
     daemon: Daemon, interpreters: Interpreters
@@ -253,11 +263,7 @@ def test_a_key_deleted_under_a_lock_pin_and_put_again_survives_a_daemon_restart(
         got = Consumer(c, POOL, verify=True).get(key)
         assert got is not None and check_entry_bytes(key, tensor_bytes(got), 1) is None
         c.flush()
-        reader.send("read")  # the old bytes, under the old pin, are still whole
-        assert reader.expect("read") == "read", f"bytes changed under the pin: {reader.said}"
-        reader.send("unpin")
-        assert reader.expect("unpinned") == "unpinned 0"
-        wait_until(lambda: locked(c) == 0, UNLOCK_DEADLINE, "the unpinned lock to go")
+        let_go(reader, c)  # the old bytes, under the old pin, are still whole
         wait_until(lambda: _accounted(c), 5.0, "the old record's blocks to be reclaimed")
         assert_intact(c, POOL, version=None)
         reader.close()
@@ -284,11 +290,7 @@ def test_a_key_deleted_under_a_lock_pin_is_not_served_after_a_daemon_restart(
         assert locked(c) == 1
         # Its blocks are still the reader's: a pool-sized put gives way to nothing but them.
         assert allocate(c, "everything", ENTRIES * ENTRY_BLOCKS) is Status.NO_SPACE
-        reader.send("read")  # the deleted bytes, under the pin, are still whole
-        assert reader.expect("read") == "read", f"bytes changed under the pin: {reader.said}"
-        reader.send("unpin")
-        assert reader.expect("unpinned") == "unpinned 0"
-        wait_until(lambda: locked(c) == 0, UNLOCK_DEADLINE, "the unpinned lock to go")
+        let_go(reader, c)  # the deleted bytes, under the pin, are still whole
         wait_until(
             lambda: allocate(c, "everything", ENTRIES * ENTRY_BLOCKS) is Status.ALLOCATED,
             5.0,
