@@ -207,7 +207,10 @@ class AsyncClient(BaseClient):
         allocates: Sequence[AllocateItem] = (),
     ) -> StepResult:
         own_commits = _wire.commit_items(commits, checksums)  # refused before anything is taken
-        batch = self.outbox.take(engine_id)
+        reading, writing = acquires, [item.key for item in allocates]
+        batch = self.outbox.try_take(engine_id, reading, writing)
+        if batch is None:  # a Commit or Abort of its keys is on its way: heard first
+            batch = await self._take_off_loop(engine_id, reading, writing)
         call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates)
         return await self._send_batch(batch, call)
 
@@ -276,6 +279,21 @@ class AsyncClient(BaseClient):
                 metadata=self.options.metadata,
             )
         )
+
+    async def _take_off_loop(
+        self, engine_id: str, reading: Sequence[Key], writing: Sequence[Key]
+    ) -> OutboxBatch:
+        """Outbox.take, waited for on a thread: it waits for a Step on its way, which this loop
+        may be the one carrying. A caller cancelled meanwhile leaves what is owed owed: the
+        batch the thread takes after all is given back."""
+        taking = asyncio.ensure_future(
+            asyncio.to_thread(self.outbox.take, engine_id, reading=reading, writing=writing)
+        )
+        try:
+            return await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            taking.add_done_callback(_give_back)
+            raise
 
     # ---- the I/O of plans ------------------------------------------------------------------------
 
@@ -402,6 +420,13 @@ class _ThreadStream:
 
     def cancel(self) -> None:
         self._loop.call_soon_threadsafe(self._stream.cancel)
+
+
+def _give_back(taking: asyncio.Future[OutboxBatch]) -> None:
+    """A batch taken for a Step that will not go (its caller was cancelled): owed again."""
+    if not taking.cancelled() and taking.exception() is None:
+        batch = taking.result()
+        batch.give_back(batch)
 
 
 async def _awaited(work: Awaitable[T]) -> T:

@@ -416,6 +416,27 @@ class Outbox:
         that one, and a client reads its own writes, and a key it allocates again is never
         freed under the new copy by its Abort arriving late (nor its Commit made READY under
         it)."""
+        batch = self._take(engine_id, wait, reading, writing, give_back, block=True)
+        assert batch is not None  # a blocking take waits instead
+        return batch
+
+    def try_take(
+        self, engine_id: str, reading: Sequence[Key] = (), writing: Sequence[Key] = ()
+    ) -> OutboxBatch | None:
+        """`take` for a caller that must not block: None where take would wait for a Step on
+        its way (an event loop's, which may be the one carrying that Step: AsyncClient takes
+        it off the loop then)."""
+        return self._take(engine_id, False, reading, writing, True, block=False)
+
+    def _take(
+        self,
+        engine_id: str,
+        wait: bool,
+        reading: Sequence[Key],
+        writing: Sequence[Key],
+        give_back: bool,
+        block: bool,
+    ) -> OutboxBatch | None:
         with self._lock:
             pool = self._pool(engine_id)
             if (pool.in_transit or pool.aborting) and (reading or writing):
@@ -424,6 +445,8 @@ class Outbox:
                 while not (
                     pool.in_transit.isdisjoint(reads | writes) and pool.aborting.isdisjoint(writes)
                 ):
+                    if not block:
+                        return None
                     self._lock.wait()  # `_batch_done` notifies
             pool.last_step = self._clock()
             batch = OutboxBatch(

@@ -5,13 +5,15 @@ once the pool is quiet, waited for by settle) and the view of a pool's READY key
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from ecd_testing import Daemon
 
 from ec_client import AllocateItem, AsyncClient, EcdError, EntryState, ItemResult, Status
-from ec_client.outbox import DeferredOp
+from ec_client.outbox import DeferredOp, OutboxBatch
 
 POOL = "vl"
 BLOCK = 4096
@@ -76,6 +78,66 @@ async def test_a_step_carries_what_is_owed_ahead_of_its_own_parts(daemon: Daemon
         result = await c.step(POOL, acquires=[b"owed"])
         assert [a.status for a in answers] == [Status.OK]  # the op heard its own answer
         assert result.commits == [] and [r.status for r in result.acquires] == [Status.HIT]
+
+
+async def carrying_commit(c: AsyncClient, key: bytes) -> OutboxBatch:
+    """A Commit of `key` on its way in another Step (the outbox thread's): taken, not sent
+    yet. Sent by `deliver`."""
+    await c.step(POOL, allocates=[AllocateItem(key, (BLOCK,), "uint8")])
+    owe_commits(c, [key])
+    carrying = c.outbox.take(POOL)
+    assert [op.key for op in carrying.commits] == [key]
+    return carrying
+
+
+async def deliver(c: AsyncClient, carrying: OutboxBatch) -> None:
+    """The outbox thread's part: send the Step carrying the batch, on the client's loop."""
+    await c._send_batch(carrying, carrying.step(POOL))
+
+
+async def test_a_step_acquiring_a_key_hears_the_commit_of_it_another_step_carries_first(
+    daemon: Daemon,
+) -> None:
+    """Its Acquire could otherwise reach the daemon ahead of the Commit and miss the client's
+    own write. It waits off the event loop, which goes on (it carries the other Step)."""
+    async with AsyncClient(daemon.address, name="producer", linger_s=60) as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        carrying = await carrying_commit(c, b"k")
+        reading = asyncio.create_task(c.step(POOL, acquires=[b"k"]))
+        await asyncio.sleep(0.2)
+        assert not reading.done()
+        await deliver(c, carrying)
+        result = await asyncio.wait_for(reading, 5)
+        assert [r.status for r in result.acquires] == [Status.HIT]
+
+
+async def test_a_step_cancelled_while_it_waits_for_another_leaves_what_is_owed_owed(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch its wait takes once the other Step is answered carries what was owed since: it
+    is given back, not lost (nor left in transit, which a flush would wait on for ever)."""
+    async with AsyncClient(daemon.address, name="producer", linger_s=60) as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        await allocated(c, [b"later"])
+        carrying = await carrying_commit(c, b"k")
+        later = owe_commits(c, [b"later"])  # owed after the carrying Step was taken
+        taken = threading.Event()
+        take = c.outbox.take
+
+        def take_and_tell(*args: Any, **kwargs: Any) -> OutboxBatch:
+            batch = take(*args, **kwargs)
+            taken.set()
+            return batch
+
+        monkeypatch.setattr(c.outbox, "take", take_and_tell)
+        reading = asyncio.create_task(c.step(POOL, acquires=[b"k"]))
+        await asyncio.sleep(0.2)
+        reading.cancel()
+        await deliver(c, carrying)
+        assert await asyncio.to_thread(taken.wait, 5)  # the wait took "later" after all
+        await eventually(lambda: c.outbox.commits_owed(POOL) == {b"later": True}, "given back")
+        await c.flush(5)
+        assert [a.status for a in later] == [Status.OK]
 
 
 async def test_what_is_owed_goes_alone_once_the_pool_is_quiet_and_settle_waits_for_it(

@@ -263,6 +263,20 @@ def test_a_step_acquiring_other_keys_does_not_wait_for_a_commit_on_its_way() -> 
     o.close()
 
 
+def test_try_take_answers_none_where_take_would_wait_and_takes_nothing_then() -> None:
+    """For an event loop, which must not block (it may be carrying the Step waited for)."""
+    o, _ = owed()
+    o.commits(POOL, [Answers().op("a", key=b"a")])
+    carrying = o.take(POOL)
+    o.commits(POOL, [Answers().op("b", key=b"b")])
+    assert o.try_take(POOL, reading=["a"]) is None
+    assert o.commits_owed(POOL) == {b"a": False, b"b": True}  # "b" still owed, not taken
+    carrying.resolve(answer(carrying))
+    batch = o.try_take(POOL, reading=["a"])
+    assert batch is not None and [d.key for d in batch.commits] == [b"b"]
+    o.close()
+
+
 def taken_in_background(o: Outbox, **keys: Sequence[Key]) -> tuple[threading.Thread, list[Any]]:
     """A caller's take (a put's or a get's Step) on a thread of its own: it may have to wait."""
     taken: list[OutboxBatch] = []
