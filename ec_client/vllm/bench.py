@@ -33,6 +33,7 @@ run, so that a machine's drift moves both sides of a ratio alike).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -57,6 +58,7 @@ from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
+from ec_client.layout import tensor_nbytes
 from ec_client.units import parse_size
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
@@ -210,6 +212,12 @@ def one_run(connector_name: str, workload: Workload, pattern: str, address: str 
         dtype=torch.bfloat16,
     )
     connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    # As vLLM's EngineCore does once its scheduler (the connector's scheduler side with it)
+    # exists (vllm.utils.gc_utils.freeze_gc_heap): the heap built so far is left out of the
+    # garbage collector's passes, so that a collection during the steps scans what the steps
+    # allocated, not all of torch and vLLM.
+    gc.collect()
+    gc.freeze()
     report = ecd_report if isinstance(connector, ECDaemonConnector) else eccpu_report
 
     def requests(keys: list[str]) -> list[Request]:
@@ -231,6 +239,16 @@ def one_run(connector_name: str, workload: Workload, pattern: str, address: str 
         connector.shutdown()
 
 
+def room_for(items: int, rows: int, width: int) -> int:
+    """A pool that holds every item a run saves (its cached ones and its new ones) with a
+    quarter to spare for block rounding, and at least 512 MiB. A pool too small for the run
+    would have both connectors skip the saves they find no room for, and ECCPUConnector's
+    allocator spends per block (1369-row images: 64 take 628 MB): the comparison would then be
+    of what each skips, not of the burst."""
+    need = items * tensor_nbytes((rows, width), "bfloat16") * 5 // 4
+    return max(512 << 20, -(-need // (1 << 20)) << 20)
+
+
 def median_outcome(outcomes: list[Outcome]) -> Outcome:
     return Outcome(
         *(statistics.median(getattr(o, f) for o in outcomes) for f in Outcome.__annotations__)
@@ -246,7 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hits", type=float, default=0.5, help="fraction already cached")
     parser.add_argument("--rows", type=int, default=256, help="embeddings per image")
     parser.add_argument("--width", type=int, default=3584, help="embedding width (bf16)")
-    parser.add_argument("--capacity", default="512MiB", help="pool size")
+    parser.add_argument(
+        "--capacity",
+        default="auto",
+        help="pool size (default: room for every item of the run, at least 512MiB)",
+    )
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--step-ms", default="10", help="forward-pass time(s), comma-separated")
     parser.add_argument("--patterns", default="burst,trickle", help="burst, trickle")
@@ -254,7 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line (see above)")
     args = parser.parse_args(argv)
     hits = round(args.items * args.hits)
-    capacity = parse_size(args.capacity)
+    capacity = (
+        room_for(args.items, args.rows, args.width)
+        if args.capacity == "auto"
+        else parse_size(args.capacity)
+    )
     step_times = [float(s) for s in args.step_ms.split(",")]
     patterns = args.patterns.split(",")
     contenders = ["ECDaemonConnector"] + ([] if args.no_eccpu else ["ECCPUConnector"])
@@ -279,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"burst: {args.items} requests x 1 image ({hits} cached, {args.items - hits} new); "
         f"trickle: {args.items // 8} requests x 1 cached image, one a step; "
-        f"{args.rows} x {args.width} bf16 each; medians of {args.runs} runs"
+        f"{args.rows} x {args.width} bf16 each; pools of {capacity / (1 << 20):.0f} MiB; "
+        f"medians of {args.runs} runs"
     )
     print(
         f"{'connector':18} {'pattern':8} {'step ms':>7} {'sched us':>9} {'steps':>5} "

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from ecd_testing import REPO, Daemon
 
+from ec_client.vllm.bench import room_for
+
 ARGS = ("--items", "8", "--runs", "1", "--capacity", "64MiB", "--json")
 TTFT = {"ttft_cached_ms", "ttft_new_ms"}
 
@@ -47,3 +49,10 @@ def test_with_no_daemon_it_says_where_it_looked_and_how_to_start_one(tmp_path: P
     )
     assert done.returncode != 0 and done.stdout == ""
     assert f"ecd is not reachable at {address}: start it" in done.stderr
+
+
+def test_its_default_pool_holds_every_image_of_the_run() -> None:
+    """A pool too small for the run would compare what each connector skips, not the burst."""
+    images = 64 * 1369 * 3584 * 2  # 64 images of 1369 rows, bf16: 628 MB
+    assert images < room_for(64, 1369, 3584) < 2 * images
+    assert room_for(64, 256, 3584) == 512 << 20  # a run that fits the former default keeps it
