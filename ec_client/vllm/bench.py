@@ -22,6 +22,9 @@ over a /dev/shm region, no daemon) for comparison. The cached items are saved by
 first pass; ecd's measured pass starts once its ready view heard their slots (the COMMITTED
 events, a moment after the commits), as it has in an engine whose images were saved earlier.
 
+Each run's pools hold every image of the run (`--capacity`, by default sized for it), and the
+heap is frozen once the connector exists, as in vLLM's EngineCore.
+
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
 With `--json`, one line: {"ecd": {"scheduler_us", "steps", "held_steps", "held_requests", "rpcs",
 "ttft_cached_ms", "ttft_new_ms"}, "eccpu": {"scheduler_us", "steps", "ttft_cached_ms",
