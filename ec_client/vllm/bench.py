@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -61,6 +62,7 @@ from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
+from ec_client.errors import EcdError
 from ec_client.layout import tensor_nbytes
 from ec_client.units import parse_size
 from ec_client.vllm.connector import ECDaemonConnector
@@ -214,7 +216,16 @@ def one_run(connector_name: str, workload: Workload, pattern: str, address: str 
         width=workload.width,
         dtype=torch.bfloat16,
     )
-    connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    try:
+        connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    except EcdError as error:
+        if error.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        raise SystemExit(
+            f"ecd has no room for the bench's pool of {workload.capacity / (1 << 20):.0f} MiB: "
+            f"{error.message}. Give the bench a smaller --capacity, or the daemon a larger "
+            "--max-bytes"
+        ) from None
     # As vLLM's EngineCore does once its scheduler (the connector's scheduler side with it)
     # exists (vllm.utils.gc_utils.freeze_gc_heap): the heap built so far is left out of the
     # garbage collector's passes, so that a collection during the steps scans what the steps

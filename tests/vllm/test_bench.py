@@ -12,18 +12,24 @@ from ecd_testing import REPO, Daemon
 
 from ec_client.vllm.bench import room_for
 
-ARGS = ("--items", "8", "--runs", "1", "--capacity", "64MiB", "--json")
+SMALL = ("--items", "8", "--runs", "1", "--json")
 TTFT = {"ttft_cached_ms", "ttft_new_ms"}
 
 
-def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "ec_client.vllm.bench", "--address", daemon.address, *ARGS],
+def bench(address: str, capacity: str = "64MiB") -> subprocess.CompletedProcess[str]:
+    """A small run of the bench against the daemon at `address`, as a user starts it."""
+    command = [sys.executable, "-m", "ec_client.vllm.bench", "--address", address]
+    return subprocess.run(
+        [*command, *SMALL, "--capacity", capacity],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
     )
+
+
+def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
+    done = bench(daemon.address)
     assert done.returncode == 0, done.stderr
     [line] = done.stdout.splitlines()
     figures = json.loads(line)
@@ -40,15 +46,16 @@ def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
 
 def test_with_no_daemon_it_says_where_it_looked_and_how_to_start_one(tmp_path: Path) -> None:
     address = f"unix://{tmp_path}/ecd.sock"
-    done = subprocess.run(
-        [sys.executable, "-m", "ec_client.vllm.bench", "--address", address, *ARGS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    done = bench(address)
     assert done.returncode != 0 and done.stdout == ""
     assert f"ecd is not reachable at {address}: start it" in done.stderr
+
+
+def test_a_pool_the_daemon_has_no_room_for_is_said_with_how_to_fix_it(daemon: Daemon) -> None:
+    done = bench(daemon.address, capacity="1GiB")  # the test daemon's budget is 256 MiB
+    assert done.returncode != 0 and done.stdout == ""
+    assert "ecd has no room for the bench's pool of 1024 MiB" in done.stderr
+    assert "smaller --capacity, or the daemon a larger --max-bytes" in done.stderr
 
 
 def test_its_default_pool_holds_every_image_of_the_run() -> None:
