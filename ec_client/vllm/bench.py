@@ -64,7 +64,7 @@ from vllm.v1.request import Request
 
 from ec_client.errors import EcdError
 from ec_client.layout import tensor_nbytes
-from ec_client.units import parse_size
+from ec_client.units import format_size, parse_size
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import finish_step, image_request, offline_config, schedule_step
@@ -222,7 +222,7 @@ def one_run(connector_name: str, workload: Workload, pattern: str, address: str 
         if error.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise
         raise SystemExit(
-            f"ecd has no room for the bench's pool of {workload.capacity / (1 << 20):.0f} MiB: "
+            f"ecd has no room for the bench's pool of {format_size(workload.capacity)}: "
             f"{error.message}. Give the bench a smaller --capacity, or the daemon a larger "
             "--max-bytes"
         ) from None
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"burst: {args.items} requests x 1 image ({hits} cached, {args.items - hits} new); "
         f"trickle: {args.items // 8} requests x 1 cached image, one a step; "
-        f"{args.rows} x {args.width} bf16 each; pools of {capacity / (1 << 20):.0f} MiB; "
+        f"{args.rows} x {args.width} bf16 each; pools of {format_size(capacity)}; "
         f"medians of {args.runs} runs"
     )
     print(

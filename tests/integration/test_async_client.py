@@ -82,7 +82,8 @@ async def test_a_step_carries_what_is_owed_ahead_of_its_own_parts(daemon: Daemon
 
 async def carrying_commit(c: AsyncClient, key: bytes) -> OutboxBatch:
     """A Commit of `key` on its way in another Step (the outbox thread's): taken, not sent
-    yet. Sent by `deliver`."""
+    yet. Sent by `deliver`. Allocated by a Step, not `allocated`: a pool never stepped to is
+    quiet, and the owed Commit would go alone before the test takes it."""
     await c.step(POOL, allocates=[AllocateItem(key, (BLOCK,), "uint8")])
     owe_commits(c, [key])
     carrying = c.outbox.take(POOL)

@@ -54,7 +54,7 @@ def test_with_no_daemon_it_says_where_it_looked_and_how_to_start_one(tmp_path: P
 def test_a_pool_the_daemon_has_no_room_for_is_said_with_how_to_fix_it(daemon: Daemon) -> None:
     done = bench(daemon.address, capacity="1GiB")  # the test daemon's budget is 256 MiB
     assert done.returncode != 0 and done.stdout == ""
-    assert "ecd has no room for the bench's pool of 1024 MiB" in done.stderr
+    assert "ecd has no room for the bench's pool of 1.0 GiB" in done.stderr
     assert "smaller --capacity, or the daemon a larger --max-bytes" in done.stderr
 
 
