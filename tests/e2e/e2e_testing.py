@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -25,6 +27,7 @@ from vllm_cpu import FLAG as CPU_WORKAROUNDS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+SHM = Path("/dev/shm")
 START_TIMEOUT_S = 300.0  # imports alone take ~10 s per process on an idle 2-core machine
 CALL_TIMEOUT_S = 300.0
 CAPACITY = "64MiB"
@@ -63,6 +66,51 @@ class Generated:
     encoded: int
 
 
+class Leftovers:
+    """What an engine's processes would leave on the machine once killed (the suite SIGKILLs
+    engines on purpose, and a close ends with a SIGKILL of whatever is left of one): vLLM's
+    IPC sockets, which go in a directory of the engine's own here (VLLM_RPC_BASE_PATH); the
+    shared-memory segments its processes create (/dev/shm/psm_*, Python's
+    multiprocessing.shared_memory, a few hundred MiB each), their named semaphores
+    (/dev/shm/sem.mp-*) and the file its workers meet at (vllm_dist_*, in the temporary
+    directory), all unlinked only by a shutdown that runs to its end. `remove`, once the
+    engine's processes are gone, takes away the directory, and the segments and files that
+    appeared since the engine started that no live process has open or mapped: another
+    engine's, running, are left alone."""
+
+    FILES = (SHM / "psm_*", SHM / "sem.mp-*", Path(tempfile.gettempdir()) / "vllm_dist_*")
+
+    def __init__(self) -> None:
+        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")  # short: socket paths are limited
+        self._before = self._files()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        new = self._files() - self._before
+        for path in new - self._in_use(new):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _files(self) -> set[str]:
+        return {str(path) for pattern in self.FILES for path in pattern.parent.glob(pattern.name)}
+
+    @staticmethod
+    def _in_use(paths: set[str]) -> set[str]:
+        """Those of `paths` some live process has open or mapped."""
+        used: set[str] = set()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+                maps = (proc / "maps").read_text()
+                used.update(path for path in paths if path in maps)
+                for fd in (proc / "fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        if (target := os.readlink(fd)) in paths:
+                            used.add(target)
+        return used
+
+
 class EngineFailed(RuntimeError):
     """The engine process reported an error, or died; the message holds its log's tail."""
 
@@ -72,6 +120,7 @@ class Engine:
         self.spec = spec
         self.log_path = log_dir / f"engine-{name}.log"
         self.answers: list[Generated] = []  # every generate's, for the suite's report
+        self._leftovers = Leftovers()
         ours, theirs = socket.socketpair()
         env = {
             **os.environ,
@@ -82,6 +131,7 @@ class Engine:
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
+            "VLLM_RPC_BASE_PATH": self._leftovers.rpc_dir,
         }
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -130,11 +180,32 @@ class Engine:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL the engine's process group: its engine core and worker too."""
+        """SIGKILL the engine's process group (its engine core and worker too), and take away
+        what they leave."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self._conn.close()
+        self._gone()
+
+    def _gone(self) -> None:
+        """Once every process of the group has exited (a SIGKILL is delivered at once, but a
+        process takes a moment to exit and let go of its mappings), take away what they left.
+        Exited, not reaped: a container's init may never reap the orphans."""
+        deadline = time.monotonic() + 10.0
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._leftovers.remove()
+
+    def _running(self) -> bool:
+        """Whether a process of the engine's group has not exited yet (zombies have)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                # pid (comm) state ppid pgrp ...: comm may hold spaces, so after its ")"
+                state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+                if int(pgrp) == self.proc.pid and state != "Z":
+                    return True
+        return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
