@@ -23,7 +23,8 @@ from typing import Any
 
 from ec_client import Client
 from ec_client.mapping import PoolMapping
-from ec_daemon.spawn import new_shm_dir, serve_command, wait_serving
+from ec_daemon import spawn
+from ec_daemon.spawn import serve_command, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARGS = ("--max-bytes", "256MiB", "--lease-ttl", "2", "--log-level", "debug")
@@ -38,6 +39,17 @@ __all__ = [
     "running_daemon",
     "wait_until",
 ]
+
+# Every shm directory the tests made (`new_shm_dir`): the session fails if one outlives it
+# (tests/conftest.py), since nothing else would notice a test that forgets to remove its own.
+SHM_DIRS_MADE: list[Path] = []
+
+
+def new_shm_dir(prefix: str = "ecd-") -> Path:
+    """A private directory on /dev/shm (ec_daemon.spawn.new_shm_dir), which the test removes."""
+    path = spawn.new_shm_dir(prefix)
+    SHM_DIRS_MADE.append(path)
+    return path
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ecd_testing import Daemon, new_shm_dir, running_daemon
+from ecd_testing import Daemon, running_daemon
 from pki_testing import Pair, make_pki
 
 from ec_client import AllocateItem, Client, EcdError, Status, TLSFiles, check_health
@@ -138,10 +138,10 @@ def test_stats_of_every_pool_is_for_admins(secured: Daemon) -> None:
         assert ops.stats().max_bytes == 64 << 20
 
 
-def test_a_bad_token_file_stops_the_daemon_at_startup(tmp_path: Path) -> None:
+def test_a_bad_token_file_stops_the_daemon_at_startup(tmp_path: Path, shm_dir: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("encoder short\n")
-    daemon = Daemon(tmp_path, new_shm_dir(), ("--token-file", str(tokens)))
+    daemon = Daemon(tmp_path, shm_dir, ("--token-file", str(tokens)))
     with pytest.raises(RuntimeError, match="shorter than 16"):
         daemon.start()
     assert daemon.proc is not None and daemon.proc.returncode == 2
@@ -160,10 +160,12 @@ def test_a_hash_inside_a_token_is_part_of_the_token(tmp_path: Path) -> None:
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_a_token_line_of_three_words_is_refused_naming_the_line(tmp_path: Path) -> None:
+def test_a_token_line_of_three_words_is_refused_naming_the_line(
+    tmp_path: Path, shm_dir: Path
+) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"encoder {TOKENS['encoder']}  # ok\ndecoder {TOKENS['decoder']} old\n")
-    daemon = Daemon(tmp_path, new_shm_dir(), ("--token-file", str(tokens)))
+    daemon = Daemon(tmp_path, shm_dir, ("--token-file", str(tokens)))
     with pytest.raises(RuntimeError, match=f"{tokens}:2: expected `NAME TOKEN`"):
         daemon.start()
 
