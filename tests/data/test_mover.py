@@ -17,12 +17,13 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from ecd_testing import Daemon
+from ecd_testing import Daemon, wait_until
 
 from ec_client import Client, Consumer, EcdError, EntryState, Producer
 from ec_client._session import Send
 from ec_client.mapping import PoolMapping
 from ec_client.mover import TensorMover, Transfer
+from ec_client.slot_locks import SlotPins
 from ec_client.types import Extent, TensorSpec
 
 POOL = "mover"
@@ -95,6 +96,30 @@ def logging_rpcs(client: Client, monkeypatch: pytest.MonkeyPatch, log: list[str]
     monkeypatch.setattr(client, "_do", do)
 
 
+def lock_pinning(client: Client, tensors: dict[str, torch.Tensor]) -> Consumer:
+    """Commit `tensors`; returns a Consumer whose view knows each one's slot, so that a get
+    of them lock-pins here (no Acquire, no Release)."""
+    consumer = Consumer(client, POOL)
+    Producer(client, POOL).put_many(tensors)
+    client.flush(10)
+    view = client.view(POOL)
+    wait_until(lambda: all(view.slot(k.encode()) is not None for k in tensors))
+    return consumer
+
+
+def logging_unlocks(client: Client, monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
+    """Log "unlock <key>" when a lock pin is given back, the key read from the client's view."""
+    view = client.view(POOL)
+    keys = {view.slot(k): k.decode() for k in (b"a", b"b", b"c")}
+    real = SlotPins.unpin
+
+    def unpin(self: SlotPins, slot: int) -> None:
+        log.append(f"unlock {keys[slot]}")
+        real(self, slot)
+
+    monkeypatch.setattr(SlotPins, "unpin", unpin)
+
+
 def test_a_mover_refuses_a_tensor_on_another_device(client: Client) -> None:
     mover = TensorMover(PoolMapping.open(client.pool_info(POOL)), "cpu")
     with pytest.raises(ValueError, match="on meta"):
@@ -125,9 +150,24 @@ def test_a_get_that_fails_part_way_releases_only_after_its_launched_copies_lande
     launches(monkeypatch, "load", log)
     logging_rpcs(client, monkeypatch, log)
     with pytest.raises(ValueError, match="copy 2 cannot"):
-        Consumer(client, POOL).get_many_async(["a", "b", "c"])
+        Consumer(client, POOL, watch=False).get_many_async(["a", "b", "c"])  # daemon pins
     assert log == ["landed 1", "release"]
     assert client.stats(POOL).pools[0].pins == 0
+
+
+def test_a_get_that_fails_part_way_unlocks_a_launched_copys_slot_only_after_it_landed(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer = lock_pinning(client, {k: torch.full((1024,), 7) for k in ["a", "b", "c"]})
+    log: list[str] = []
+    launches(monkeypatch, "load", log)
+    logging_unlocks(client, monkeypatch, log)
+    logging_rpcs(client, monkeypatch, log)
+    with pytest.raises(ValueError, match="copy 2 cannot"):
+        consumer.get_many_async(["a", "b", "c"])
+    # b's copy never began, so its slot may go at once; a's only once its copy landed.
+    assert log == ["unlock b", "landed 1", "unlock a"]
+    assert consumer.endpoint.pins().held() == 0
 
 
 def test_a_failed_save_copy_is_aborted_after_the_batchs_other_copies_landed(
@@ -156,9 +196,27 @@ def test_a_failed_load_copy_releases_the_pins_only_after_the_batchs_other_copies
     log: list[str] = []
     launches(monkeypatch, "load", log, refused=None, failing=["1"])
     logging_rpcs(client, monkeypatch, log)
-    handle = Consumer(client, POOL).get_many_async(["a", "b", "c"])
+    handle = Consumer(client, POOL, watch=False).get_many_async(["a", "b", "c"])  # daemon pins
     client.flush(10)  # the release runs in the background once the copies landed
     assert log == ["landed 1", "landed 2", "landed 3", "release"]
     with pytest.raises(RuntimeError, match="copying 1"):
         handle.wait()
     assert client.stats(POOL).pools[0].pins == 0
+
+
+def test_a_failed_load_copy_unlocks_each_slot_only_after_its_copy_landed(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer = lock_pinning(client, {k: torch.zeros(1024) for k in ["a", "b", "c"]})
+    log: list[str] = []
+    launches(monkeypatch, "load", log, refused=None, failing=["1"])
+    logging_unlocks(client, monkeypatch, log)
+    logging_rpcs(client, monkeypatch, log)
+    handle = consumer.get_many_async(["a", "b", "c"])
+    client.flush(10)  # the unlocks run in the background once each copy landed
+    assert sorted(log) == ["landed 1", "landed 2", "landed 3", "unlock a", "unlock b", "unlock c"]
+    for copy, key in [("1", "a"), ("2", "b"), ("3", "c")]:
+        assert log.index(f"landed {copy}") < log.index(f"unlock {key}")
+    with pytest.raises(RuntimeError, match="copying 1"):
+        handle.wait()
+    assert consumer.endpoint.pins().held() == 0
