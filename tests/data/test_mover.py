@@ -11,7 +11,7 @@ not stop the others from being waited for first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -107,17 +107,21 @@ def lock_pinning(client: Client, tensors: dict[str, torch.Tensor]) -> Consumer:
     return consumer
 
 
-def logging_unlocks(client: Client, monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
-    """Log "unlock <key>" when a lock pin is given back, the key read from the client's view."""
+def logging_unlocks(
+    client: Client, monkeypatch: pytest.MonkeyPatch, log: list[str], keys: Sequence[str]
+) -> None:
+    """Log "unlock <key>" for each lock pin given back (`SlotPins.unpin_many`, which `unpin`
+    calls too), the key of the slot read from the client's view."""
     view = client.view(POOL)
-    keys = {view.slot(k): k.decode() for k in (b"a", b"b", b"c")}
-    real = SlotPins.unpin
+    key_of = {view.slot(key.encode()): key for key in keys}
+    real = SlotPins.unpin_many
 
-    def unpin(self: SlotPins, slot: int) -> None:
-        log.append(f"unlock {keys[slot]}")
-        real(self, slot)
+    def unpin_many(self: SlotPins, slots: Iterable[int]) -> None:
+        slots = list(slots)
+        log.extend(f"unlock {key_of[slot]}" for slot in slots)
+        real(self, slots)
 
-    monkeypatch.setattr(SlotPins, "unpin", unpin)
+    monkeypatch.setattr(SlotPins, "unpin_many", unpin_many)
 
 
 def test_a_mover_refuses_a_tensor_on_another_device(client: Client) -> None:
@@ -161,7 +165,7 @@ def test_a_get_that_fails_part_way_unlocks_a_launched_copys_slot_only_after_it_l
     consumer = lock_pinning(client, {k: torch.full((1024,), 7) for k in ["a", "b", "c"]})
     log: list[str] = []
     launches(monkeypatch, "load", log)
-    logging_unlocks(client, monkeypatch, log)
+    logging_unlocks(client, monkeypatch, log, ["a", "b", "c"])
     logging_rpcs(client, monkeypatch, log)
     with pytest.raises(ValueError, match="copy 2 cannot"):
         consumer.get_many_async(["a", "b", "c"])
@@ -210,7 +214,7 @@ def test_a_failed_load_copy_unlocks_each_slot_only_after_its_copy_landed(
     consumer = lock_pinning(client, {k: torch.zeros(1024) for k in ["a", "b", "c"]})
     log: list[str] = []
     launches(monkeypatch, "load", log, refused=None, failing=["1"])
-    logging_unlocks(client, monkeypatch, log)
+    logging_unlocks(client, monkeypatch, log, ["a", "b", "c"])
     logging_rpcs(client, monkeypatch, log)
     handle = consumer.get_many_async(["a", "b", "c"])
     client.flush(10)  # the unlocks run in the background once each copy landed
