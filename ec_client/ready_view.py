@@ -21,6 +21,8 @@ entries, for callers that must not wait on a transfer.
 Each local READY key comes with its slot in the pool file (the events carry it), where a reader
 takes a lock pin and finds the entry's record (`slot`: docs/design.md §5, ec_client/slot_locks.py):
 a hit with no round trip. A slot from the view is a hint too: the lock pin checks the record.
+Whoever takes those pins can have each committed entry's slot told to it as the event comes
+(`on_committed`), on this thread: to read the record ahead, off its own hot path.
 
 It also follows the keys being written (include_pending: PENDING events, in the snapshot too),
 so that `pending` tells a caller a producer is writing a key right now: worth waiting for its
@@ -71,6 +73,7 @@ class ReadyView:
         self._remote: set[bytes] = set()  # keys peer daemons hold (whether here or not)
         self._pending: set[bytes] = set()  # keys being written into this daemon's pool
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
+        self._on_committed: list[Callable[[bytes, int], None]] = []
         self._synced = threading.Event()
         self._closed = threading.Event()
         self._stream: Stream | None = None
@@ -109,6 +112,11 @@ class ReadyView:
             self._ready.setdefault(key, None)  # its slot comes with its COMMITTED event
             self._added.add(key)
             self._pending.discard(key)
+
+    def on_committed(self, listener: Callable[[bytes, int], None]) -> None:
+        """Call `listener(key, slot)` for every entry committed here from now on, as its event
+        comes: on the view's thread, outside its lock (SlotPins.read_ahead)."""
+        self._on_committed.append(listener)
 
     def discard(self, key: bytes) -> None:
         """An Acquire found `key` gone (here and at the peers) before the event came."""
@@ -180,6 +188,8 @@ class ReadyView:
                     else:
                         self._ready[event.key] = event.slot
                         self._pending.discard(event.key)
+                if not event.remote and event.slot is not None:
+                    self._tell_committed(event.key, event.slot)
             elif event.type in _GONE:
                 with self._lock:
                     if event.remote:
@@ -192,6 +202,13 @@ class ReadyView:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()
         return self._synced.is_set()
+
+    def _tell_committed(self, key: bytes, slot: int) -> None:
+        for listener in self._on_committed:
+            try:
+                listener(key, slot)
+            except Exception:  # a listener's failure must not stop the view
+                log.exception("a listener of pool %s's commits failed", self._engine_id)
 
 
 class Views:

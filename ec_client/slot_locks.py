@@ -20,6 +20,12 @@ are advisory: they change nothing about who may map, read or write the file.
 Locks of one open file description do not stack (locking a byte twice is once), so `SlotPins`
 counts a process's pins per slot and unlocks at the last. This module is torch-free: the daemon
 uses its primitives too.
+
+A pin still reads its slot's record under the lock, every time, but it need not parse it
+again: `SlotPins` keeps the last records it checked (read ahead off the hot path, as the view
+hears of a commit, or checked by an earlier pin), and a record whose bytes are exactly one it
+checked is the same record, parsed the same way (parsing is a function of the bytes and the
+file's geometry alone).
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ F_OFD_GETLK = 36
 F_OFD_SETLK = 37
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (which must be 0 for OFD locks)
 _FLOCK = struct.Struct("hhqqi4x")
+
+# Records kept checked, per SlotPins: the most recent commits' and hits' (about 1 KiB each),
+# enough for the entries of many steps of a busy engine, few enough to cost nothing to keep.
+CHECKED_RECORDS = 1024
 
 
 def _set(fd: int, kind: int, slot: int, slots: int = 1) -> bool:
@@ -127,6 +137,14 @@ class _Held:
     count: int
 
 
+@dataclass(slots=True)
+class _Checked:
+    """A slot's record as read and checked once: its bytes, and the entry they parsed as."""
+
+    raw: bytes
+    entry: PinnedEntry
+
+
 class SlotPins:
     """This process's lock pins on one pool file, counted per slot.
 
@@ -151,6 +169,7 @@ class SlotPins:
         self.file_id = (held.st_dev, held.st_ino)  # which file, whatever is at the path now
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
+        self._checked: dict[int, _Checked] = {}  # oldest first, at most CHECKED_RECORDS
         self._retired = False
         g = self.header.geometry  # what a pin checks a record against, looked up once
         self._num_slots, self._num_blocks, self._block_size = (
@@ -175,12 +194,34 @@ class SlotPins:
                 return held.entry
             if not lock_shared(self._fd, slot):
                 return None
-            entry = self._read(slot, key)
+            raw = os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE)
+            checked = self._checked.get(slot)
+            if checked is not None and checked.raw == raw:  # the bytes checked before: no parse
+                entry: PinnedEntry | None = checked.entry if checked.entry.key == key else None
+            else:
+                entry = self._parse(raw, key)
+                if entry is not None:
+                    self._keep(slot, raw, entry)
             if entry is None:
                 unlock(self._fd, slot)
                 return None
             self._held[slot] = _Held(entry, 1)
             return entry
+
+    def read_ahead(self, slot: int, key: bytes) -> None:
+        """Read and check the record of `key` in `slot` now, so that a later pin that finds
+        the same bytes there skips the parse: for a thread off the hot path (the view's, as it
+        hears the entry was committed). Takes no lock: what it reads counts only for a pin
+        that reads the very same bytes under its lock."""
+        with self._lock:  # the file stays open while it is read
+            if self._fd < 0 or not 0 <= slot < self._num_slots:
+                return
+            raw = os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE)
+        entry = self._parse(raw, key)
+        if entry is not None:
+            with self._lock:
+                if self._fd >= 0:  # not closed meanwhile
+                    self._keep(slot, raw, entry)
 
     def unpin(self, slot: int) -> None:
         """Give one pin back; the lock goes with the slot's last. Only once every copy made under
@@ -233,12 +274,21 @@ class SlotPins:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._checked.clear()
 
-    def _read(self, slot: int, key: bytes) -> PinnedEntry | None:
-        """The entry `key` if the slot holds a whole record of it that fits the pool; anything
-        else is a miss. Read with pread, not through a mapping: a pool file truncated by
-        someone else is then a miss here, not a SIGBUS (vLLM's scheduler process maps no pool)."""
-        fields = read_record(os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE))
+    def _keep(self, slot: int, raw: bytes, entry: PinnedEntry) -> None:
+        """Remember a checked record (under the lock), the oldest forgotten past the limit."""
+        self._checked.pop(slot, None)
+        self._checked[slot] = _Checked(raw, entry)
+        if len(self._checked) > CHECKED_RECORDS:
+            del self._checked[next(iter(self._checked))]
+
+    def _parse(self, raw: bytes, key: bytes) -> PinnedEntry | None:
+        """The entry `key` if `raw`, a slot's bytes, hold a whole record of it that fits the
+        pool; anything else is a miss. The bytes are read with pread, not through a mapping: a
+        pool file truncated by someone else is then a miss here, not a SIGBUS (vLLM's scheduler
+        process maps no pool)."""
+        fields = read_record(raw)
         if fields is None or fields[0] != key:
             return None
         _, dtype, shape, nbytes, checksum, _, flat = fields

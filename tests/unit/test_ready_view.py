@@ -1,6 +1,6 @@
 """ReadyView alone, over a fake client whose Watch streams the test feeds: READY keys known only
 after the snapshot, followed as events come, forgotten while the stream is broken, and a fresh
-snapshot after reattaching."""
+snapshot after reattaching; its listeners told of each local commit's slot."""
 
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ class FakeClient:
         return stream
 
 
-def event(type: EventType, key: str = "", remote: bool = False) -> WatchEvent:
-    return WatchEvent(type, "p", key.encode(), 1, "epoch", remote)
+def event(
+    type: EventType, key: str = "", remote: bool = False, slot: int | None = None
+) -> WatchEvent:
+    return WatchEvent(type, "p", key.encode(), 1, "epoch", remote, slot)
 
 
 def eventually(check: Callable[[], bool]) -> None:
@@ -185,3 +187,32 @@ def test_a_key_a_peer_stops_holding_stays_if_it_is_here(setup: Any) -> None:
     stream.items.put(event(EventType.EVICTED, "only-there", remote=True))
     eventually(lambda: not view.has(b"only-there"))
     assert view.has_local(b"k")
+
+
+def test_listeners_are_told_the_slot_of_each_entry_committed_here(setup: Any) -> None:
+    view, client, _ = setup
+    told: list[tuple[bytes, int]] = []
+    view.on_committed(lambda key, slot: told.append((key, slot)))
+    stream = client.streams.get(timeout=5)
+    stream.items.put(event(EventType.SNAPSHOT, "old", slot=1))  # read when pinned, not now
+    stream.items.put(event(EventType.SYNCED))
+    stream.items.put(event(EventType.COMMITTED, "there", remote=True))  # no slot here
+    stream.items.put(event(EventType.COMMITTED, "new", slot=5))
+    eventually(lambda: view.slot(b"new") == 5)
+    assert told == [(b"new", 5)]
+
+
+def test_a_listener_that_fails_does_not_stop_the_view(setup: Any) -> None:
+    view, client, _ = setup
+    told: list[bytes] = []
+
+    def failing(key: bytes, slot: int) -> None:
+        raise OSError("the pool file is gone")
+
+    view.on_committed(failing)
+    view.on_committed(lambda key, slot: told.append(key))
+    stream = synced(client)
+    stream.items.put(event(EventType.COMMITTED, "a", slot=0))
+    stream.items.put(event(EventType.COMMITTED, "b", slot=1))
+    eventually(lambda: view.has(b"b"))
+    assert told == [b"a", b"b"]

@@ -28,8 +28,9 @@ from vllm.config import VllmConfig
 from vllm.config.ec_transfer import ECRole
 from vllm.v1.outputs import ECConnectorOutput
 
+from ec_client import slot_locks
 from ec_client.errors import EcdError
-from ec_client.layout import Geometry
+from ec_client.layout import Geometry, RecordFields, SlotRecord, read_record
 from ec_client.outbox import Outbox, OutboxBatch
 from ec_client.types import (
     AcquireResult,
@@ -61,6 +62,7 @@ class FakeView:
     def __init__(self) -> None:
         self.ready: dict[bytes, int | None] = {}
         self.synced = True
+        self.listeners: list[Callable[[bytes, int], None]] = []
 
     def has(self, key: bytes) -> bool:
         return self.synced and key in self.ready
@@ -79,6 +81,15 @@ class FakeView:
 
     def wait_synced(self, timeout_s: float) -> bool:
         return self.synced
+
+    def on_committed(self, listener: Callable[[bytes, int], None]) -> None:
+        self.listeners.append(listener)
+
+    def committed(self, key: bytes, slot: int) -> None:
+        """As the Watch event of an entry committed here comes (on the view's thread)."""
+        self.ready[key] = slot
+        for listener in self.listeners:
+            listener(key, slot)
 
     def close(self) -> None:
         pass
@@ -549,3 +560,53 @@ def test_an_answer_from_a_pool_recreated_before_the_daemon_read_the_step_pins_no
     given_back = client.sent[-1]
     assert asked.acquires == ["img-a"] and asked.allocates == ["img-b"]
     assert given_back.releases == [client._next_lease] and given_back.aborts == [b"img-b"]
+
+
+def test_an_answer_that_comes_during_a_pass_is_taken_when_the_pass_ends(
+    client: FakeClient,
+) -> None:
+    # Answers are taken once a pass, at its first request: its later requests would find
+    # nothing new, at a cost each. What comes meanwhile waits for build_connector_meta.
+    side = scheduler(client, role="ec_consumer")
+    client.fake_view.ready[b"img-a"] = None  # pinned by an Acquire
+    client.cached["img-a"] = spec(side)
+    waiting = image_request("r1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(waiting, 0)
+    side.build_connector_meta()
+    assert side.ensure_cache_available(image_request("r0", ["img-new"], ROWS), 0)  # a new pass
+    client.flush(5)  # the Acquire's answer comes in the middle of the pass
+    assert not side.ensure_cache_available(waiting, 0)
+    side.build_connector_meta()  # ends the pass: takes it
+    assert side.ensure_cache_available(waiting, 0) and side.has_cache_item("img-a")
+
+
+def test_an_entry_heard_committed_is_read_ahead_so_that_its_lock_pin_parses_nothing(
+    client: FakeClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = PoolFile.create(
+        tmp_path, "pool", Geometry(WIDTH * 2, num_blocks=64, num_slots=8), "model", 0o600, None
+    )
+    client.info = dataclasses.replace(
+        client.info, path=str(pool.path), pool_uuid=str(pool.header.pool_uuid)
+    )
+    side = scheduler(client, role="ec_consumer")
+    entry = spec(side)
+    pool.write_slot(
+        3, SlotRecord(b"img-a", entry.dtype, entry.shape, entry.nbytes, 0, 1, ((0, ROWS),))
+    )
+    parsed: list[bytes] = []
+
+    def counting(raw: bytes) -> RecordFields | None:
+        fields = read_record(raw)
+        parsed.append(fields[0] if fields else b"")
+        return fields
+
+    monkeypatch.setattr(slot_locks, "read_record", counting)
+    client.fake_view.committed(b"img-a", 3)
+    assert parsed == [b"img-a"]  # read ahead, on the view's thread
+    request = image_request("r1", ["img-a"], ROWS)
+    assert side.ensure_cache_available(request, 0) and side.has_cache_item("img-a")
+    assert parsed == [b"img-a"]  # the lock pin found the same bytes under its lock: no parse
+    assert pool.slot_locked(3)
+    side.shutdown()
+    pool.close()

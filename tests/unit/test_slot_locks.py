@@ -7,7 +7,8 @@ only its own byte; pins count per slot, and giving many back drops exactly the l
 pin went; a pin is a miss, and leaves no lock, whenever the slot does not hold a whole record of
 the key that fits the pool, or while the exclusive lock is held; the daemon writes no record
 into a slot a reader holds locked; `locked_slots` lists exactly the locked slots; a retired
-SlotPins closes with its last pin.
+SlotPins closes with its last pin. A record checked once (read ahead, or by an earlier pin) is
+not parsed again while the slot holds the same bytes, and is never taken for bytes that changed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ec_client.layout import SLOT_SIZE, Geometry, SlotRecord, slot_offset
+from ec_client import slot_locks
+from ec_client.layout import SLOT_SIZE, Geometry, RecordFields, SlotRecord, read_record, slot_offset
 from ec_client.slot_locks import (
     PinnedEntry,
     SlotPins,
@@ -289,3 +291,86 @@ def test_retire_with_no_pins_closes_at_once(pool: PoolFile, pins: SlotPins) -> N
     pins.retire()
     assert pins.pin(0, key(0)) is None
     assert pool.locked_slots() == set()
+
+
+# ---- records checked once: read ahead, or by an earlier pin ---------------------------------
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The keys of the records SlotPins parses, in order (each parse of a slot's bytes)."""
+    parsed: list[bytes] = []
+
+    def counting(raw: bytes) -> RecordFields | None:
+        fields = read_record(raw)
+        parsed.append(fields[0] if fields else b"")
+        return fields
+
+    monkeypatch.setattr(slot_locks, "read_record", counting)
+    return parsed
+
+
+def test_a_pin_of_a_record_read_ahead_parses_nothing(
+    pool: PoolFile, pins: SlotPins, parses: list[bytes]
+) -> None:
+    pins.read_ahead(2, key(2))
+    assert parses == [key(2)]
+    assert pins.pin(2, key(2)) == pinned(record(key(2), start=6))
+    assert parses == [key(2)]  # the slot's bytes were read under the lock, and were the same
+    assert pool.slot_locked(2)
+
+
+def test_a_second_pin_of_the_same_record_parses_it_no_more(
+    pool: PoolFile, pins: SlotPins, parses: list[bytes]
+) -> None:
+    assert pins.pin(3, key(3)) is not None
+    pins.unpin(3)
+    assert pins.pin(3, key(3)) == pinned(record(key(3), start=9))
+    assert parses == [key(3)]
+
+
+@pytest.mark.parametrize("case", MISSES)
+def test_a_record_changed_since_it_was_read_ahead_is_a_miss(
+    pool: PoolFile, pins: SlotPins, parses: list[bytes], case: str
+) -> None:
+    pins.read_ahead(1, key(1))
+    MISSES[case](pool)
+    assert pins.pin(1, key(1)) is None
+    assert len(parses) == 2  # the new bytes were parsed, not taken for the old record
+    assert pins.held() == 0
+    assert not pool.slot_locked(1)
+
+
+def test_a_record_read_ahead_answers_only_for_its_own_key(
+    pool: PoolFile, pins: SlotPins, parses: list[bytes]
+) -> None:
+    pins.read_ahead(4, key(4))
+    assert pins.pin(4, key(5)) is None
+    assert parses == [key(4)]
+    assert not pool.slot_locked(4)
+
+
+def test_reading_ahead_a_slot_that_holds_another_key_keeps_nothing(
+    pool: PoolFile, pins: SlotPins, parses: list[bytes]
+) -> None:
+    pins.read_ahead(4, key(5))  # a stale hint: slot 4 holds k4
+    assert pins.pin(4, key(4)) == pinned(record(key(4), start=12))
+    assert parses == [key(4), key(4)]  # nothing was kept for it: parsed again
+
+
+def test_the_records_kept_checked_are_the_newest_few(
+    pool: PoolFile, pins: SlotPins, parses: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slot_locks, "CHECKED_RECORDS", 2)
+    for slot in (0, 1, 2):
+        pins.read_ahead(slot, key(slot))
+    for slot in (2, 1, 0):
+        assert pins.pin(slot, key(slot)) is not None
+    assert parses == [key(0), key(1), key(2), key(0)]  # slot 0's was forgotten first
+
+
+def test_reading_ahead_after_close_reads_nothing(pins: SlotPins, parses: list[bytes]) -> None:
+    pins.close()
+    pins.read_ahead(0, key(0))
+    pins.read_ahead(GEOMETRY.num_slots, key(0))
+    assert parses == []
