@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ec_client import Client
+from ec_client import Client, slot_locks
+from ec_client.layout import RecordFields, read_record
 from ec_client.mapping import PoolMapping
 from ec_daemon import spawn
 from ec_daemon.spawn import serve_command, wait_serving
@@ -33,6 +34,7 @@ __all__ = [
     "REPO",
     "Daemon",
     "assert_blocks_accounted",
+    "count_record_parses",
     "new_shm_dir",
     "run_ecd",
     "run_python",
@@ -190,3 +192,17 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"still false after {timeout_s} s")
         time.sleep(0.005)
+
+
+def count_record_parses(monkeypatch: Any) -> list[bytes]:
+    """From now on, the key of every slot record lock pins parse, in order (b"" for bytes that
+    hold no whole record): to tell a pin that parsed from one that found a record it checked."""
+    parsed: list[bytes] = []
+
+    def counting(raw: bytes) -> RecordFields | None:
+        fields = read_record(raw)
+        parsed.append(fields[0] if fields else b"")
+        return fields
+
+    monkeypatch.setattr(slot_locks, "read_record", counting)
+    return parsed

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ecd_testing import wait_until
+from ecd_testing import count_record_parses, wait_until
 from vllm.config import VllmConfig
 from vllm.config.ec_transfer import ECRole
 from vllm.v1.outputs import ECConnectorOutput
 
-from ec_client import slot_locks
 from ec_client.errors import EcdError
-from ec_client.layout import Geometry, RecordFields, SlotRecord, read_record
+from ec_client.layout import Geometry, SlotRecord
 from ec_client.outbox import Outbox, OutboxBatch
 from ec_client.types import (
     AcquireResult,
@@ -594,14 +593,7 @@ def test_an_entry_heard_committed_is_read_ahead_so_that_its_lock_pin_parses_noth
     pool.write_slot(
         3, SlotRecord(b"img-a", entry.dtype, entry.shape, entry.nbytes, 0, 1, ((0, ROWS),))
     )
-    parsed: list[bytes] = []
-
-    def counting(raw: bytes) -> RecordFields | None:
-        fields = read_record(raw)
-        parsed.append(fields[0] if fields else b"")
-        return fields
-
-    monkeypatch.setattr(slot_locks, "read_record", counting)
+    parsed = count_record_parses(monkeypatch)
     client.fake_view.committed(b"img-a", 3)
     assert parsed == [b"img-a"]  # read ahead, on the view's thread
     request = image_request("r1", ["img-a"], ROWS)

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ecd_testing import count_record_parses
 
 from ec_client import slot_locks
-from ec_client.layout import SLOT_SIZE, Geometry, RecordFields, SlotRecord, read_record, slot_offset
+from ec_client.layout import SLOT_SIZE, Geometry, SlotRecord, slot_offset
 from ec_client.slot_locks import (
     PinnedEntry,
     SlotPins,
@@ -298,16 +299,7 @@ def test_retire_with_no_pins_closes_at_once(pool: PoolFile, pins: SlotPins) -> N
 
 @pytest.fixture
 def parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """The keys of the records SlotPins parses, in order (each parse of a slot's bytes)."""
-    parsed: list[bytes] = []
-
-    def counting(raw: bytes) -> RecordFields | None:
-        fields = read_record(raw)
-        parsed.append(fields[0] if fields else b"")
-        return fields
-
-    monkeypatch.setattr(slot_locks, "read_record", counting)
-    return parsed
+    return count_record_parses(monkeypatch)
 
 
 def test_a_pin_of_a_record_read_ahead_parses_nothing(
