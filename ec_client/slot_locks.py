@@ -211,8 +211,8 @@ class SlotPins:
     def read_ahead(self, slot: int, key: bytes) -> None:
         """Read and check the record of `key` in `slot` now, so that a later pin that finds
         the same bytes there skips the parse: for a thread off the hot path (the view's, as it
-        hears the entry was committed). Takes no lock: what it reads counts only for a pin
-        that reads the very same bytes under its lock."""
+        hears the entry was committed). It takes no lock on the slot: what it reads counts only
+        for a pin that reads the very same bytes under its own."""
         with self._lock:  # the file stays open while it is read
             if self._fd < 0 or not 0 <= slot < self._num_slots:
                 return
