@@ -23,7 +23,12 @@ first pass; ecd's measured pass starts once its ready view heard their slots (th
 events, a moment after the commits), as it has in an engine whose images were saved earlier.
 
 Each run's pools hold every image of the run (`--capacity`, by default sized for it), and the
-heap is frozen once the connector exists, as in vLLM's EngineCore.
+heap is frozen once the connector exists, as in vLLM's EngineCore. The collector is otherwise
+left alone, as an engine leaves it: the Requests a burst is made of bring its young generation
+to its threshold, so about one collection lands in each measured pass, wherever its
+allocations cross the line, and it costs each connector what it then finds young (one connector
+more than the other: docs/performance.md). `--collect-first` collects just before each measured
+pass instead, so that what is measured is the connectors' own work.
 
 Needs a running daemon: `--address`, default ECD_ADDRESS or the default socket (`make run`).
 With `--json`, one line: {"ecd": {"scheduler_us", "steps", "held_steps", "held_requests", "rpcs",
@@ -204,7 +209,15 @@ def slots_known(connector: ECConnectorBase, keys: list[str], timeout_s: float = 
         time.sleep(0.001)
 
 
-def one_run(connector_name: str, workload: Workload, pattern: str, address: str | None) -> Outcome:
+def one_run(
+    connector_name: str,
+    workload: Workload,
+    pattern: str,
+    address: str | None,
+    collect_first: bool = False,
+) -> Outcome:
+    """One measured pass of `pattern`, after an unmeasured fill of its cached items. With
+    `collect_first` (`--collect-first`), the garbage collector runs just before that pass."""
     run = uuid.uuid4().hex[:8]
     extra: dict[str, Any] = {"ec_cpu_bytes": workload.capacity}
     if address:
@@ -247,6 +260,10 @@ def one_run(connector_name: str, workload: Workload, pattern: str, address: str 
             arrivals = [requests(cached + new)]
         else:
             arrivals = [requests([key]) for key in cached]
+        if collect_first:
+            # The young objects so far (the arrivals' Requests above all, hundreds of them) go
+            # now: no collection they would trigger lands in the connector's calls below.
+            gc.collect()
         costs = drive(connector, arrivals, report, workload.step_s)
         return outcome(costs, {f"req-{run}-{key}" for key in cached}, workload.step_s)
     finally:
@@ -287,6 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", default="10", help="forward-pass time(s), comma-separated")
     parser.add_argument("--patterns", default="burst,trickle", help="burst, trickle")
     parser.add_argument("--no-eccpu", action="store_true", help="skip ECCPUConnector")
+    parser.add_argument(
+        "--collect-first",
+        action="store_true",
+        help="run the garbage collector before each measured pass: the connectors' own work, "
+        "without the collection the bench's own allocations trigger during the pass",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line (see above)")
     args = parser.parse_args(argv)
     hits = round(args.items * args.hits)
@@ -310,7 +333,9 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[Outcome]] = {name: [] for name in contenders}
             for _ in range(args.runs):
                 for name in contenders:
-                    runs[name].append(one_run(name, workload, pattern, args.address))
+                    runs[name].append(
+                        one_run(name, workload, pattern, args.address, args.collect_first)
+                    )
             for name in contenders:
                 results[(name, pattern, step_ms)] = median_outcome(runs[name])
     if args.json:

@@ -3,13 +3,17 @@ ECCPUConnector's."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from ecd_testing import REPO, Daemon
 
+from ec_client.vllm import bench as vllm_bench
 from ec_client.vllm.bench import room_for
 
 SMALL = ("--items", "8", "--runs", "1", "--json")
@@ -63,3 +67,23 @@ def test_its_default_pool_holds_every_image_of_the_run() -> None:
     images = 64 * 1369 * 3584 * 2  # 64 images of 1369 rows, bf16: 628 MB
     assert images < room_for(64, 1369, 3584) < 2 * images
     assert room_for(64, 256, 3584) == 512 << 20  # a run that fits the former default keeps it
+
+
+def test_collect_first_starts_each_measured_pass_with_no_young_objects(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--collect-first`: the collection that the burst's own Requests would trigger is run
+    before the measured pass, not inside a connector's calls."""
+    young: list[int] = []  # the collector's young-generation count as each pass starts
+    drive = vllm_bench.drive
+
+    def counted(*args: Any) -> Any:
+        young.append(gc.get_count()[0])
+        return drive(*args)
+
+    monkeypatch.setattr(vllm_bench, "drive", counted)
+    workload = vllm_bench.Workload(8, 4, 16, 64, 64 << 20, 0.001)
+    vllm_bench.one_run("ECDaemonConnector", workload, "burst", daemon.address)
+    vllm_bench.one_run("ECDaemonConnector", workload, "burst", daemon.address, collect_first=True)
+    _, left_alone, _, collected = young  # each run: its fill, then its measured pass
+    assert collected < 50 < left_alone  # the fill's leftovers and the burst's Requests
