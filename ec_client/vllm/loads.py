@@ -47,27 +47,6 @@ from ec_client.vllm.metadata import LoadOrder, WorkerRank
 
 
 @dataclass(slots=True)
-class LockPin:
-    """A lock pin the caller took on `slot`: the entry's extents and spec, from its record.
-    Slotted, not frozen: one is built per hit on the scheduler thread; never changed."""
-
-    slot: int
-    extents: tuple[Extent, ...]
-    spec: TensorSpec
-
-
-class LockMissed:
-    """The caller's lock pin found the slot not holding the key (evicted meanwhile)."""
-
-
-LOCK_MISSED = LockMissed()
-
-# What `admit`'s `lock` answers for a key: a lock pin, a miss, or None (no lock pin possible
-# here: not READY in this daemon's pool, or its slot not known yet): then the Acquire path.
-Lock = Callable[[str], LockPin | LockMissed | None]
-
-
-@dataclass(slots=True)
 class Pin:
     """A pin this engine holds on one READY entry, so it cannot be evicted: a lease (lease_id)
     or a lock on its slot (slot).
@@ -82,6 +61,18 @@ class Pin:
     slot: int | None = None
     holders: set[str] = field(default_factory=set)
     transfers: set[int] = field(default_factory=set)
+
+
+class LockMissed:
+    """The caller's lock pin found the slot not holding the key (evicted meanwhile)."""
+
+
+LOCK_MISSED = LockMissed()
+
+# What `admit`'s `lock` answers for a key: the lock pin it took, as the Pin the book keeps (its
+# slot, extents and spec; the book adds its holders), a miss, or None (no lock pin possible here:
+# not READY in this daemon's pool, or its slot not known yet): then the Acquire path.
+Lock = Callable[[str], Pin | LockMissed | None]
 
 
 @dataclass(slots=True)
@@ -144,10 +135,12 @@ class LoadBook:
                 admitted = False
                 continue
             locked = lock(key)
-            if isinstance(locked, LockPin):
-                holders = self._wanted.pop(key, None) or set()
-                holders.add(request_id)
-                self._pins[key] = Pin(locked.extents, locked.spec, None, locked.slot, holders)
+            if isinstance(locked, Pin):
+                waiting = self._wanted.pop(key, None)  # held back for its slot until now
+                if waiting is not None:
+                    locked.holders = waiting
+                locked.holders.add(request_id)
+                self._pins[key] = locked
             elif locked is not None:  # missed: encoded, like a missed Acquire
                 self._no_wait.add((request_id, key))
             elif key in self._wanted or ready(key):

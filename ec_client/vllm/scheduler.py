@@ -93,7 +93,7 @@ from ec_client.types import (
     TensorSpec,
 )
 from ec_client.vllm.config import ConnectorConfig
-from ec_client.vllm.loads import LOCK_MISSED, LoadBook, LockMissed, LockPin
+from ec_client.vllm.loads import LOCK_MISSED, LoadBook, LockMissed, Pin
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
 from ec_client.vllm.saves import SaveBook
 
@@ -666,7 +666,7 @@ class SchedulerSide:
 
     # ---- lock pins -----------------------------------------------------------------------------
 
-    def _lock_pin(self, key: str) -> LockPin | LockMissed | None:
+    def _lock_pin(self, key: str) -> Pin | LockMissed | None:
         """A lock pin on `key` if the view knows it READY here and its slot (None otherwise:
         the book takes the Acquire path); LOCK_MISSED if the slot no longer holds it, or holds
         an output of a shape this engine cannot load."""
@@ -679,7 +679,7 @@ class SchedulerSide:
         if pinned is not None:
             if self._loadable(pinned.spec):
                 self._hits.append(raw)
-                return LockPin(slot, pinned.extents, pinned.spec)
+                return Pin(pinned.extents, pinned.spec, slot=slot)
             pins.unpin(slot)
         self.view.discard(raw)  # gone (or not ours): it is encoded, and saved again
         return LOCK_MISSED

@@ -6,7 +6,7 @@ every rank reported; a new session voids lease pins alone, a new pool file every
 from __future__ import annotations
 
 from ec_client.types import AcquireResult, Extent, Status, TensorSpec
-from ec_client.vllm.loads import LOCK_MISSED, LoadBook, Lock, LockMissed, LockPin
+from ec_client.vllm.loads import LOCK_MISSED, LoadBook, Lock, LockMissed, Pin
 
 SPEC = TensorSpec((4, 8), "float16", 64)
 
@@ -26,9 +26,9 @@ def ready(*keys: str):  # type: ignore[no-untyped-def]
 def locks(**slots: int) -> Lock:
     """A fake lock pin: the keys named hold their slot, any other key is not lockable here."""
 
-    def lock(key: str) -> LockPin | None:
+    def lock(key: str) -> Pin | None:
         slot = slots.get(key)
-        return None if slot is None else LockPin(slot, (Extent(slot, 1),), SPEC)
+        return None if slot is None else Pin((Extent(slot, 1),), SPEC, slot=slot)
 
     return lock
 
