@@ -194,7 +194,7 @@ class SlotPins:
                 return held.entry
             if not lock_shared(self._fd, slot):
                 return None
-            raw = os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE)
+            raw = self._record_bytes(slot)
             checked = self._checked.get(slot)
             if checked is not None and checked.raw == raw:  # the bytes checked before: no parse
                 entry: PinnedEntry | None = checked.entry if checked.entry.key == key else None
@@ -216,7 +216,7 @@ class SlotPins:
         with self._lock:  # the file stays open while it is read
             if self._fd < 0 or not 0 <= slot < self._num_slots:
                 return
-            raw = os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE)
+            raw = self._record_bytes(slot)
         entry = self._parse(raw, key)
         if entry is not None:
             with self._lock:
@@ -283,11 +283,15 @@ class SlotPins:
         if len(self._checked) > CHECKED_RECORDS:
             del self._checked[next(iter(self._checked))]
 
+    def _record_bytes(self, slot: int) -> bytes:
+        """The slot's bytes (under the lock, the file open). Read with pread, not through a
+        mapping: a pool file truncated by someone else is then a miss here, not a SIGBUS
+        (vLLM's scheduler process maps no pool)."""
+        return os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE)
+
     def _parse(self, raw: bytes, key: bytes) -> PinnedEntry | None:
         """The entry `key` if `raw`, a slot's bytes, hold a whole record of it that fits the
-        pool; anything else is a miss. The bytes are read with pread, not through a mapping: a
-        pool file truncated by someone else is then a miss here, not a SIGBUS (vLLM's scheduler
-        process maps no pool)."""
+        pool; anything else is a miss."""
         fields = read_record(raw)
         if fields is None or fields[0] != key:
             return None
