@@ -74,6 +74,10 @@ class ReadyView:
         self._pending: set[bytes] = set()  # keys being written into this daemon's pool
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._on_committed: list[Callable[[bytes, int], None]] = []
+        # Whether the view holds a whole snapshot and what followed it: a plain bool for the
+        # hot-path reads (a look at an attribute, not a call into an Event), set and cleared
+        # with the Event that `wait_synced` waits on, both on the view's thread alone.
+        self.synced = False
         self._synced = threading.Event()
         self._closed = threading.Event()
         self._stream: Stream | None = None
@@ -82,29 +86,25 @@ class ReadyView:
         )
         self._thread.start()
 
-    @property
-    def synced(self) -> bool:
-        return self._synced.is_set()
-
     def wait_synced(self, timeout_s: float) -> bool:
         return self._synced.wait(timeout_s)
 
     def has(self, key: bytes) -> bool:
         """READY here, or held by a peer daemon (an Acquire here pulls it)."""
         # A set lookup under the GIL is atomic: no lock on this, the hottest path.
-        return (key in self._ready or key in self._remote) and self._synced.is_set()
+        return (key in self._ready or key in self._remote) and self.synced
 
     def has_local(self, key: bytes) -> bool:
         """READY in this daemon's pool: an Acquire pins it without a transfer."""
-        return key in self._ready and self._synced.is_set()
+        return key in self._ready and self.synced
 
     def slot(self, key: bytes) -> int | None:
         """Where `key`'s record is, if it is READY here and the view has heard of its slot."""
-        return self._ready.get(key) if self._synced.is_set() else None
+        return self._ready.get(key) if self.synced else None
 
     def pending(self, key: bytes) -> bool:
         """PENDING in this daemon's pool: a producer is writing it; its commit is to come."""
-        return key in self._pending and self._synced.is_set()
+        return key in self._pending and self.synced
 
     def add(self, key: bytes) -> None:
         """This process committed `key` itself: known READY before the event comes back."""
@@ -141,6 +141,7 @@ class ReadyView:
                     delay = FIRST_BACKOFF_S
             except EcdError as error:
                 log.debug("watch of pool %s broke: %s", self._engine_id, error)
+            self.synced = False
             self._synced.clear()
             if self._closed.wait(delay):
                 return
@@ -172,7 +173,7 @@ class ReadyView:
                     snapshot[event.key] = event.slot
             elif event.type is EventType.PENDING:
                 with self._lock:
-                    (self._pending if self._synced.is_set() else pending).add(event.key)
+                    (self._pending if self.synced else pending).add(event.key)
             elif event.type is EventType.SYNCED:
                 with self._lock:
                     # A key committed here after the stream opened may be missing from the
@@ -180,6 +181,7 @@ class ReadyView:
                     self._ready = dict.fromkeys(self._added) | snapshot
                     self._remote = remote
                     self._pending = pending - self._ready.keys()
+                self.synced = True
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
                 with self._lock:
@@ -201,7 +203,7 @@ class ReadyView:
             elif event.type is EventType.POOL_DROPPED:
                 break  # reattaching recreates the pool; then a fresh snapshot
         stream.cancel()
-        return self._synced.is_set()
+        return self.synced
 
     def _tell_committed(self, key: bytes, slot: int) -> None:
         for listener in self._on_committed:
