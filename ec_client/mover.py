@@ -23,10 +23,8 @@ directions at once) and a load never queues behind a save that waits for compute
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -254,37 +252,21 @@ class TensorMover:
                 part.copy_(region, non_blocking=True)
 
 
-# Host copies of at least two chunks are split over this many threads (memcpy releases the GIL).
-COPY_THREADS = min(4, os.cpu_count() or 1)
-COPY_CHUNK = 2 << 20
-_copiers: ThreadPoolExecutor | None = None
+# Host copies of at least this many bytes go through torch's copy_, smaller ones through numpy.
+LARGE_COPY = 4 << 20
 
 
 def host_copy(target: np.ndarray, source: np.ndarray) -> None:
-    """A memcpy through numpy, split over a few threads when large.
+    """A memcpy on the host: numpy on this thread when small, torch's `copy_` when large.
 
-    Not torch's copy_: it splits over its intra-op threads, and on a busy host one descheduled
-    thread stalls the whole copy for a scheduler slice, which turns a small put's copy into one
-    of many times its length. Large copies are split into a few chunks copied by a small pool of
-    threads instead, this one taking the first, which beats both one thread and torch's copy_
-    (figures: docs/performance.md, Host copies).
+    Small copies (a 256 KiB entry) stay off torch's intra-op threads: on a busy host one of them
+    descheduled stalls the whole copy for a scheduler slice, which turned a 256 KiB put's copy of
+    0.04 ms into 3 ms. Large copies want a second core, and torch's threads, spinning between
+    copies, start at once; a thread of our own woken per copy started too late on a 2-core VM
+    to help at all (8 x 8 MiB out of a pool: 3.2 ms split over two such threads, 2.9 ms on one,
+    1.5 ms with `copy_`). Figures: docs/performance.md, *Host copies*.
     """
-    parts = min(COPY_THREADS, target.size // COPY_CHUNK)
-    if parts <= 1:
+    if target.size < LARGE_COPY:
         np.copyto(target, source)
-        return
-    step = -(-target.size // parts)
-    pending = [
-        _copier_pool().submit(np.copyto, target[i : i + step], source[i : i + step])
-        for i in range(step, target.size, step)
-    ]
-    np.copyto(target[:step], source[:step])
-    for future in pending:
-        future.result()
-
-
-def _copier_pool() -> ThreadPoolExecutor:
-    global _copiers
-    if _copiers is None:
-        _copiers = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="ecd-copy")
-    return _copiers
+    else:
+        torch.from_numpy(target).copy_(torch.from_numpy(source))

@@ -22,7 +22,7 @@ from ecd_testing import Daemon, wait_until
 from ec_client import Client, Consumer, EcdError, EntryState, Producer
 from ec_client._session import Send
 from ec_client.mapping import PoolMapping
-from ec_client.mover import TensorMover, Transfer
+from ec_client.mover import LARGE_COPY, TensorMover, Transfer
 from ec_client.slot_locks import SlotPins
 from ec_client.types import Extent, TensorSpec
 
@@ -131,6 +131,25 @@ def test_a_mover_refuses_a_tensor_on_another_device(client: Client) -> None:
     spec = TensorSpec((16,), "float32", 64)
     with pytest.raises(ValueError, match="on meta"):
         mover.load([Extent(0, 1)], spec, out=torch.empty(16, device="meta"))
+
+
+@pytest.mark.parametrize("first_extent_bytes", [LARGE_COPY - BLOCK, LARGE_COPY])
+def test_a_host_copy_small_or_large_keeps_every_byte(
+    daemon: Daemon, first_extent_bytes: int
+) -> None:
+    # One copy per extent: the first one below LARGE_COPY goes through numpy, at it through
+    # torch; the second extent, after a gap, is small and its last block partly used.
+    nbytes = first_extent_bytes + 3 * BLOCK + 5
+    with daemon.client() as c:
+        c.open_pool("large", BLOCK, 2 * nbytes)
+        mover = TensorMover(PoolMapping.open(c.pool_info("large")), "cpu")
+        first = first_extent_bytes // BLOCK
+        extents = [Extent(1, first), Extent(first + 3, 4)]
+        tensor = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        mover.save(tensor, extents).wait()
+        loaded, transfer = mover.load(extents, TensorSpec((nbytes,), "uint8", nbytes))
+        transfer.wait()
+        assert torch.equal(loaded, tensor)
 
 
 def test_a_put_that_fails_part_way_aborts_only_after_its_launched_copies_landed(
