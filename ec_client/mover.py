@@ -264,7 +264,8 @@ def host_copy(target: np.ndarray, source: np.ndarray) -> None:
     0.04 ms into 3 ms. Large copies want a second core, and torch's threads, spinning between
     copies, start at once; a thread of our own woken per copy started too late on a 2-core VM
     to help at all (8 x 8 MiB out of a pool: 3.2 ms split over two such threads, 2.9 ms on one,
-    1.5 ms with `copy_`). Figures: docs/performance.md, *Host copies*.
+    1.5 ms with `copy_`). Figures: docs/performance.md, *Host copies of 4 MiB or more go
+    through torch's copy_*.
     """
     if target.size < LARGE_COPY:
         np.copyto(target, source)
