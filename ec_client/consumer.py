@@ -41,9 +41,9 @@ from ec_client.client import Client
 from ec_client.endpoint import PoolEndpoint, item_errors
 from ec_client.errors import EcdError
 from ec_client.layout import LayoutError
-from ec_client.mover import TensorMover, Transfer, wait_all
+from ec_client.mover import Load, TensorMover, Transfer, wait_all
 from ec_client.outbox import DeferredOp
-from ec_client.slot_locks import SlotPins
+from ec_client.slot_locks import PinnedEntry, SlotPins
 from ec_client.types import Extent, Key, LeaseResult, Status, TensorSpec, key_bytes
 
 log = logging.getLogger("ec_client")
@@ -153,55 +153,63 @@ class Consumer:
         self._release(unread)
         return GetHandle(tensors, reads)
 
-    def _plan(self, keys: Sequence[Key], wait_ms: int) -> tuple[list[tuple[Key, int]], list[Key]]:
-        """(key, slot) of the keys to lock-pin here, and the keys to ask the daemon for; the
-        rest are misses. See the module's steps 1 and 2."""
+    def _plan(
+        self, keys: Sequence[Key], wait_ms: int
+    ) -> tuple[list[tuple[Key, bytes, int]], list[Key]]:
+        """(key, its bytes, slot) of the keys to lock-pin here, and the keys to ask the daemon
+        for; the rest are misses. See the module's steps 1 and 2."""
+        raws = [key_bytes(key) for key in keys]
         owed = self.client.outbox.commits_owed(self.endpoint.engine_id)
-        if any(not owed[k] for k in map(key_bytes, keys) if k in owed):
+        if owed and any(not owed[k] for k in raws if k in owed):
             self.client.flush()  # a write of ours still being copied: let it land and commit
             owed = {}
         view = self._view
         if view is None or wait_ms or not view.synced:
             return [], list(keys)
-        local: list[tuple[Key, int]] = []
+        local: list[tuple[Key, bytes, int]] = []
         asked: list[Key] = []
-        for key in keys:
-            k = key_bytes(key)
+        for key, k in zip(keys, raws, strict=True):
             if k in owed:
                 asked.append(key)
             elif (slot := view.slot(k)) is not None:
-                local.append((key, slot))
+                local.append((key, k, slot))
             elif view.has(k):
                 asked.append(key)
         return local, asked
 
     def _read_locally(
         self,
-        local: list[tuple[Key, int]],
+        local: list[tuple[Key, bytes, int]],
         device: torch.device | str,
         out: dict[Key, torch.Tensor] | None,
         reads: list[_Read],
     ) -> None:
-        """Lock-pin each (key, slot) and launch its copy; a slot that no longer holds the key is
-        a miss (the view was behind)."""
+        """Lock-pin each (key, its bytes, slot), then launch the copies of those pinned; a slot
+        that no longer holds the key is a miss (the view was behind)."""
         mover = self.endpoint.mover(device)  # maps a newer file first, if there is one
         try:
             pins = self.endpoint.pins()
         except (LayoutError, OSError) as error:  # the pool is being recreated: all misses
             log.debug("ecd: cannot lock-pin pool %s now: %s", self.endpoint.engine_id, error)
             return
-        for key, slot in local:
-            pinned = pins.pin(slot, key_bytes(key))
-            if pinned is None:
-                continue
-            extents, spec = pinned.extents, pinned.spec
-            try:
-                tensor, transfer = mover.load(extents, spec, out.get(key) if out else None)
-            except BaseException:
-                pins.unpin(slot)
-                raise
-            reads.append(_Read(key, extents, spec, pinned.checksum, mover, tensor, transfer))
-            reads[-1].pins, reads[-1].slot = pins, slot
+        hits: list[tuple[Key, int, PinnedEntry]] = []
+        try:
+            found = pins.pin_many([(slot, raw) for _, raw, slot in local])
+            hits.extend(
+                (key, slot, pinned)
+                for (key, _, slot), pinned in zip(local, found, strict=True)
+                if pinned is not None
+            )
+            tensors, transfer = mover.load_many(
+                [Load(p.extents, p.spec, out.get(key) if out else None) for key, _, p in hits]
+            )
+        except BaseException:
+            pins.unpin_many(slot for _, slot, _ in hits)
+            raise
+        for (key, slot, p), tensor in zip(hits, tensors, strict=True):
+            read = _Read(key, p.extents, p.spec, p.checksum, mover, tensor, transfer)
+            read.pins, read.slot = pins, slot
+            reads.append(read)
 
     def _read_from_daemon(
         self,
@@ -230,18 +238,22 @@ class Consumer:
             # The pool was recreated around the Step: its hits may be of a file this mapping is
             # not. They are misses (their leases go back, void or not), never another's bytes.
             return
+        hits = []
         for key, result in zip(asked, results, strict=True):
             if result.status is Status.MISS and self._view is not None:
                 self._view.discard(key_bytes(key))
-            if mover is None or result.status is not Status.HIT or result.spec is None:
-                continue
-            target = out.get(key) if out else None
-            tensor, transfer = mover.load(result.extents, result.spec, target)
-            spec, checksum, lease_id = result.spec, result.checksum, result.lease_id
+            if mover is not None and result.status is Status.HIT and result.spec is not None:
+                hits.append((key, result, result.spec))
+        if mover is None or not hits:
+            return
+        tensors, transfer = mover.load_many(
+            [Load(r.extents, spec, out.get(key) if out else None) for key, r, spec in hits]
+        )
+        for (key, r, spec), tensor in zip(hits, tensors, strict=True):
             reads.append(
-                _Read(key, result.extents, spec, checksum, mover, tensor, transfer, lease_id)
+                _Read(key, r.extents, spec, r.checksum, mover, tensor, transfer, r.lease_id)
             )
-            unread.remove(lease_id)
+            unread.remove(r.lease_id)
 
     def _give_back(self, reads: list[_Read]) -> None:
         """Each pin goes back once its copy landed: a lock pin whose copy is done (a CPU copy)
@@ -252,23 +264,18 @@ class Consumer:
             engine_id, [DeferredOp(self._released, r.transfer, lease_id=r.lease_id) for r in leases]
         )
         later = []
-        for read in reads:
-            if read.pins is None:
-                continue
-            if read.transfer.done():
-                read.pins.unpin(read.slot)
+        for pins, transfer, slots in _lock_pinned(reads):
+            if transfer.done():
+                pins.unpin_many(slots)
             else:
-                later.append(
-                    DeferredOp(functools.partial(_unpin, read.pins, read.slot), read.transfer)
-                )
+                later.append(DeferredOp(functools.partial(_unpin, pins, slots), transfer))
         if later:
             self.client.outbox.unlocks(engine_id, later)
 
     def _give_back_now(self, reads: list[_Read], unread: list[int]) -> None:
         """Give every pin back at once (a batch that broke: its copies landed or never began)."""
-        for read in reads:
-            if read.pins is not None:
-                read.pins.unpin(read.slot)
+        for pins, _, slots in _lock_pinned(reads):
+            pins.unpin_many(slots)
         self._release([r.lease_id for r in reads if r.pins is None] + unread)
 
     def _released(self, answer: LeaseResult | EcdError) -> None:
@@ -304,5 +311,16 @@ class Consumer:
                 )
 
 
-def _unpin(pins: SlotPins, slot: int, answer: object) -> None:
-    pins.unpin(slot)
+def _lock_pinned(reads: Sequence[_Read]) -> list[tuple[SlotPins, Transfer, list[int]]]:
+    """The slots of the lock-pinned reads, one list per pins and copy (a batch's loads share
+    one): what one unpin_many each gives back, once that copy landed."""
+    groups: dict[tuple[int, int], tuple[SlotPins, Transfer, list[int]]] = {}
+    for read in reads:
+        if read.pins is not None:
+            group: tuple[SlotPins, Transfer, list[int]] = (read.pins, read.transfer, [])
+            groups.setdefault((id(read.pins), id(read.transfer)), group)[2].append(read.slot)
+    return list(groups.values())
+
+
+def _unpin(pins: SlotPins, slots: list[int], answer: object) -> None:
+    pins.unpin_many(slots)

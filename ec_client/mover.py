@@ -23,8 +23,9 @@ directions at once) and a load never queues behind a save that waits for compute
 
 from __future__ import annotations
 
+import functools
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -135,6 +136,15 @@ def cuda_device(device: torch.device | str) -> torch.device:
     return device
 
 
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One entry to copy out of the pool: its extents and spec, into `out` if one is given."""
+
+    extents: Sequence[Extent]
+    spec: TensorSpec
+    out: torch.Tensor | None = None
+
+
 class TensorMover:
     def __init__(self, mapping: PoolMapping, device: torch.device | str = "cpu") -> None:
         self.mapping = mapping
@@ -151,13 +161,15 @@ class TensorMover:
         self._check_device(tensor, "tensor")
         source = byte_view(tensor.contiguous())
         self._check_room(extents, source.numel())
+        spans = self._spans(extents, source.numel())
+        sources = [source] * len(spans)
         stream = self.save_stream
         if stream is None:
-            self._copy(source, extents, to_pool=True)
+            self._copy(sources, spans, to_pool=True)
             return Transfer()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._copy(source, extents, to_pool=True)
+            self._copy(sources, spans, to_pool=True)
             event = self._record(stream)
         source.record_stream(stream)  # the allocator must not reuse it before the copy ran
         return Transfer(event, [source])
@@ -169,33 +181,55 @@ class TensorMover:
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Transfer]:
         """Start copying `extents` into `out` (or a new tensor of `spec` on the mover's device)."""
-        dtype = torch_dtype(spec.dtype)
-        if out is not None:
-            self._check_device(out, "out")
-            check_shape(out, spec.shape, dtype)
+        tensors, transfer = self.load_many([Load(extents, spec, out)])
+        return tensors[0], transfer
+
+    def load_many(self, loads: Sequence[Load]) -> tuple[list[torch.Tensor], Transfer]:
+        """Start copying each load's extents into its `out` (or a new tensor of its spec), all
+        under one Transfer (on GPU one event).
+
+        Step 1 checks every load and makes its tensor; step 2 launches the copies back to back.
+        So a load that is refused (ValueError) refuses the batch before anything is copied, and
+        no Python work runs between two copies: right after one, it would run on caches the copy
+        has just flushed (8 x 8 MiB: 3 us of work per entry cost 10 us between copies, see
+        docs/performance.md, *get_many copies back to back*)."""
         stream = self.load_stream
-        if stream is None:
-            if out is None:
-                out = torch.empty(spec.shape, dtype=dtype, device=self.device)
+        caller = torch.cuda.current_stream(self.device) if stream is not None else None
+        tensors: list[torch.Tensor] = []
+        spans: list[Span] = []
+        targets: list[torch.Tensor] = []
+        for load in loads:
+            dtype = torch_dtype(load.spec.dtype)
+            out = load.out
+            if out is not None:
+                self._check_device(out, "out")
+                check_shape(out, load.spec.shape, dtype)
+            elif stream is None:
+                out = torch.empty(load.spec.shape, dtype=dtype, device=self.device)
+            else:
+                with torch.cuda.stream(stream):
+                    out = torch.empty(load.spec.shape, dtype=dtype, device=self.device)
             target = byte_view(out)
-            self._check_room(extents, target.numel())
-            self._copy(target, extents, to_pool=False)
-            return out, Transfer()
-        caller = torch.cuda.current_stream(self.device)
-        if out is None:
-            with torch.cuda.stream(stream):
-                out = torch.empty(spec.shape, dtype=dtype, device=self.device)
-            out.record_stream(caller)  # once freed, reused only after the caller's reads ran
-        else:
-            stream.wait_stream(caller)  # the caller's queued kernels may still use `out`
-            out.record_stream(stream)
-        target = byte_view(out)
-        self._check_room(extents, target.numel())
+            self._check_room(load.extents, target.numel())
+            tensors.append(out)
+            load_spans = self._spans(load.extents, target.numel())
+            spans.extend(load_spans)
+            targets.extend([target] * len(load_spans))
+        if stream is None or caller is None:
+            self._copy(targets, spans, to_pool=False)
+            return tensors, Transfer()
+        for load, out in zip(loads, tensors, strict=True):
+            if load.out is None:
+                out.record_stream(caller)  # once freed, reused only after the caller's reads ran
+            else:
+                out.record_stream(stream)
+        if any(load.out is not None for load in loads):
+            stream.wait_stream(caller)  # the caller's queued kernels may still use an `out`
         with torch.cuda.stream(stream):
-            self._copy(target, extents, to_pool=False)
+            self._copy(targets, spans, to_pool=False)
             event = self._record(stream)
         caller.wait_event(event)
-        return out, Transfer(event)
+        return tensors, Transfer(event)
 
     def checksum(self, extents: Sequence[Extent], nbytes: int) -> int:
         """CRC-32 of the entry's bytes in the pool, with bit 32 set so that 0 means "none"."""
@@ -232,32 +266,38 @@ class TensorMover:
             offset += length
         return spans
 
-    def _copy(self, tensor_bytes: torch.Tensor, extents: Sequence[Extent], to_pool: bool) -> None:
-        spans = self._spans(extents, tensor_bytes.numel())
-        if tensor_bytes.device.type == "cpu":
+    def _copy(self, tensors: list[torch.Tensor], spans: list[Span], to_pool: bool) -> None:
+        """One copy per span, between the pool and the flat uint8 tensor of the same index.
+        The views are all made first, then the copies run back to back."""
+        if self.device.type == "cpu":
             # numpy views: slicing them costs a fraction of slicing tensors, which matters for
             # entries of a few hundred KiB
-            pool, data = self.mapping.array, tensor_bytes.numpy()
-            for pool_at, at, n in spans:
-                if to_pool:
-                    host_copy(pool[pool_at : pool_at + n], data[at : at + n])
-                else:
-                    host_copy(data[at : at + n], pool[pool_at : pool_at + n])
+            pool = self.mapping.array
+            copies = []
+            for tensor, (pool_at, at, n) in zip(tensors, spans, strict=True):
+                blocks, data = pool[pool_at : pool_at + n], tensor.numpy()[at : at + n]
+                copies.append(host_copy(blocks, data) if to_pool else host_copy(data, blocks))
+            for copy in copies:
+                copy()
             return
-        for pool_at, at, n in split_at(spans, self.mapping.chunk_bytes):
-            region, part = self.mapping.flat[pool_at : pool_at + n], tensor_bytes[at : at + n]
-            if to_pool:
-                region.copy_(part, non_blocking=True)
-            else:
-                part.copy_(region, non_blocking=True)
+        for tensor, (pool_at, at, n) in zip(tensors, spans, strict=True):
+            for piece_at, part_at, piece in split_at([(pool_at, at, n)], self.mapping.chunk_bytes):
+                region = self.mapping.flat[piece_at : piece_at + piece]
+                part = tensor[part_at : part_at + piece]
+                if to_pool:
+                    region.copy_(part, non_blocking=True)
+                else:
+                    part.copy_(region, non_blocking=True)
 
 
 # Host copies of at least this many bytes go through torch's copy_, smaller ones through numpy.
 LARGE_COPY = 4 << 20
 
 
-def host_copy(target: np.ndarray, source: np.ndarray) -> None:
-    """A memcpy on the host: numpy on this thread when small, torch's `copy_` when large.
+def host_copy(target: np.ndarray, source: np.ndarray) -> Callable[[], object]:
+    """A memcpy on the host, made ready to run (call it): numpy on this thread when small,
+    torch's `copy_` when large. Made ready first so that a batch's copies run back to back
+    (`TensorMover._copy`).
 
     Small copies (a 256 KiB entry) stay off torch's intra-op threads: on a busy host one of them
     descheduled stalls the whole copy for a scheduler slice, which turned a 256 KiB put's copy of
@@ -268,6 +308,5 @@ def host_copy(target: np.ndarray, source: np.ndarray) -> None:
     through torch's copy_*.
     """
     if target.size < LARGE_COPY:
-        np.copyto(target, source)
-    else:
-        torch.from_numpy(target).copy_(torch.from_numpy(source))
+        return functools.partial(np.copyto, target, source)
+    return functools.partial(torch.from_numpy(target).copy_, torch.from_numpy(source))

@@ -471,10 +471,11 @@ class Outbox:
         whose copy failed becomes an abort: its bytes must never be exposed. A pin goes back
         whatever its copy did (the reader learns of a failed copy from its own handle); lock
         pins are dropped here."""
-        for op in batch.releases + batch.aborts + batch.unlocks:
-            if op.copy is not None:
-                with contextlib.suppress(Exception):
-                    op.copy.wait()
+        # A get's loads share one copy (TensorMover.load_many): each copy is waited for once.
+        ops = batch.releases + batch.aborts + batch.unlocks
+        for copy in {id(op.copy): op.copy for op in ops if op.copy is not None}.values():
+            with contextlib.suppress(Exception):
+                copy.wait()
         for op in batch.unlocks:
             op.on_result(None)
         for op in list(batch.commits):

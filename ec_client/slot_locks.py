@@ -36,7 +36,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ec_client.layout import (
@@ -61,12 +61,10 @@ _FLOCK = struct.Struct("hhqqi4x")
 CHECKED_RECORDS = 1024
 
 
-def _set(fd: int, kind: int, slot: int, slots: int = 1) -> bool:
-    """Take (or drop) the lock bytes of `slots` slots from `slot` on (one range: the bytes
-    between them are locked by nobody); False if another description holds a conflicting
-    lock."""
+def _set(fd: int, kind: int, slot: int, length: int) -> bool:
+    """Take (or drop) a lock on `length` bytes from `slot`'s lock byte on; False if another
+    description holds a conflicting lock."""
     start = HEADER_SIZE + slot * SLOT_SIZE  # slot_offset, inline: a lock pin's cost
-    length = (slots - 1) * SLOT_SIZE + 1
     try:
         fcntl.fcntl(fd, F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
     except OSError as exc:
@@ -76,20 +74,23 @@ def _set(fd: int, kind: int, slot: int, slots: int = 1) -> bool:
     return True
 
 
-def lock_shared(fd: int, slot: int) -> bool:
-    """A reader's pin on the slot; False while the daemon is erasing it."""
-    return _set(fd, fcntl.F_RDLCK, slot)
+def lock_shared(fd: int, slot: int, slots: int = 1) -> bool:
+    """A reader's pin on `slots` slots from `slot` on, in one call (one range, from the first
+    lock byte to the last: the record bytes between them are locked too, and nobody else ever
+    locks those); False while the daemon is erasing one of them."""
+    return _set(fd, fcntl.F_RDLCK, slot, (slots - 1) * SLOT_SIZE + 1)
 
 
 def lock_exclusive(fd: int, slot: int) -> bool:
     """The daemon's claim on the slot before it erases the record; False while a reader holds
     a pin on it."""
-    return _set(fd, fcntl.F_WRLCK, slot)
+    return _set(fd, fcntl.F_WRLCK, slot, 1)
 
 
 def unlock(fd: int, slot: int, slots: int = 1) -> None:
-    """Drop this description's locks on `slots` slots from `slot` on, in one call."""
-    _set(fd, fcntl.F_UNLCK, slot, slots)
+    """Drop this description's locks on `slots` whole records from `slot` on, in one call: the
+    lock bytes and the record bytes a range taken by `lock_shared` covered with them."""
+    _set(fd, fcntl.F_UNLCK, slot, slots * SLOT_SIZE)
 
 
 def runs(slots: Iterable[int]) -> list[tuple[int, int]]:
@@ -186,27 +187,56 @@ class SlotPins:
         with self._lock:
             if self._retired or self._fd < 0:
                 return None
-            held = self._held.get(slot)
-            if held is not None:  # already locked by us: the record cannot have changed
-                if held.entry.key != key:
-                    return None
-                held.count += 1
-                return held.entry
-            if not lock_shared(self._fd, slot):
-                return None
-            raw = self._record_bytes(slot)
-            checked = self._checked.get(slot)
-            if checked is not None and checked.raw == raw:  # the bytes checked before: no parse
-                entry: PinnedEntry | None = checked.entry if checked.entry.key == key else None
-            else:
-                entry = self._parse(raw, key)
-                if entry is not None:
-                    self._keep(slot, raw, entry)
-            if entry is None:
-                unlock(self._fd, slot)
-                return None
-            self._held[slot] = _Held(entry, 1)
-            return entry
+            if slot not in self._held and lock_shared(self._fd, slot):
+                self._check(slot, self._records_bytes(slot, 1), key)
+            return self._count(slot, key)
+
+    def pin_many(self, wanted: Sequence[tuple[int, bytes]]) -> list[PinnedEntry | None]:
+        """`pin` of each (slot, key), in order, in one hold of the lock. The slots not held yet
+        are locked and read one run of consecutive slots at a time (entries committed together
+        hold neighbouring slots): one lock and one read for a run, not one per slot."""
+        with self._lock:
+            if self._retired or self._fd < 0:
+                return [None] * len(wanted)
+            fresh = {
+                slot: key
+                for slot, key in wanted
+                if 0 <= slot < self._num_slots and slot not in self._held
+            }
+            for first, count in runs(fresh):
+                slots: Iterable[int] = range(first, first + count)
+                if not lock_shared(self._fd, first, count):
+                    # The daemon is erasing one of them: lock the others one by one.
+                    slots = [s for s in slots if count > 1 and lock_shared(self._fd, s)]
+                raws = self._records_bytes(first, count)
+                for slot in slots:
+                    at = (slot - first) * SLOT_SIZE
+                    self._check(slot, raws[at : at + SLOT_SIZE], fresh[slot])
+            return [self._count(slot, key) for slot, key in wanted]
+
+    def _check(self, slot: int, raw: bytes, key: bytes) -> None:
+        """A slot just locked, whose bytes are `raw`: held (with no pin counted yet) if they are
+        a whole record of `key` that fits the pool, else unlocked. Under the lock."""
+        checked = self._checked.get(slot)
+        if checked is not None and checked.raw == raw:  # the bytes checked before: no parse
+            entry: PinnedEntry | None = checked.entry if checked.entry.key == key else None
+        else:
+            entry = self._parse(raw, key)
+            if entry is not None:
+                self._keep(slot, raw, entry)
+        if entry is None:
+            unlock(self._fd, slot)
+        else:
+            self._held[slot] = _Held(entry, 0)
+
+    def _count(self, slot: int, key: bytes) -> PinnedEntry | None:
+        """One more pin of `key` in `slot` if this process holds the slot for it. Under the
+        lock."""
+        held = self._held.get(slot)
+        if held is None or held.entry.key != key:
+            return None
+        held.count += 1
+        return held.entry
 
     def read_ahead(self, slot: int, key: bytes) -> None:
         """Read and check the record of `key` in `slot` now, so that a later pin that finds
@@ -216,7 +246,7 @@ class SlotPins:
         with self._lock:  # the file stays open while it is read
             if self._fd < 0 or not 0 <= slot < self._num_slots:
                 return
-            raw = self._record_bytes(slot)
+            raw = self._records_bytes(slot, 1)
         entry = self._parse(raw, key)
         if entry is not None:
             with self._lock:
@@ -283,11 +313,11 @@ class SlotPins:
         if len(self._checked) > CHECKED_RECORDS:
             del self._checked[next(iter(self._checked))]
 
-    def _record_bytes(self, slot: int) -> bytes:
-        """The slot's bytes (under the lock, the file open). Read with pread, not through a
-        mapping: a pool file truncated by someone else is then a miss here, not a SIGBUS
-        (vLLM's scheduler process maps no pool)."""
-        return os.pread(self._fd, SLOT_SIZE, HEADER_SIZE + slot * SLOT_SIZE)
+    def _records_bytes(self, first: int, count: int) -> bytes:
+        """The bytes of `count` slots from `first` on (under the lock, the file open). Read with
+        pread, not through a mapping: a pool file truncated by someone else is then a miss here,
+        not a SIGBUS (vLLM's scheduler process maps no pool)."""
+        return os.pread(self._fd, count * SLOT_SIZE, HEADER_SIZE + first * SLOT_SIZE)
 
     def _parse(self, raw: bytes, key: bytes) -> PinnedEntry | None:
         """The entry `key` if `raw`, a slot's bytes, hold a whole record of it that fits the

@@ -215,12 +215,12 @@ def test_a_lock_pin_is_held_until_the_copy_landed(
 ) -> None:
     consumer = committed_elsewhere(client, daemon, "theirs", torch.ones(BLOCK, dtype=torch.uint8))
     gate = GatedTransfer()
-    load = mover_module.TensorMover.load
+    load_many = mover_module.TensorMover.load_many
 
-    def gated_load(self: mover_module.TensorMover, *args: Any) -> tuple[torch.Tensor, Transfer]:
-        return load(self, *args)[0], gate
+    def gated(self: mover_module.TensorMover, *args: Any) -> tuple[list[torch.Tensor], Transfer]:
+        return load_many(self, *args)[0], gate
 
-    monkeypatch.setattr(mover_module.TensorMover, "load", gated_load)
+    monkeypatch.setattr(mover_module.TensorMover, "load_many", gated)
     consumer.get_many_async(["theirs"])
     assert client.stats(POOL).pools[0].entries_locked == 1
     assert client.evict(POOL, ["theirs"])[0].status.is_error  # being read: not evicted

@@ -3,10 +3,12 @@
 GPU copies finish after the call that launched them; here a launched copy is made "in flight"
 by giving its Transfer an event stand-in that records when it is waited for.
 
-Proves: a mover refuses tensors on another device than its own; a batch that fails part-way
-waits for the copies it launched before it aborts its entries or releases its pins (a late copy
-would land in blocks handed to someone else, or read blocks being rewritten); a failed wait does
-not stop the others from being waited for first.
+Proves: a mover refuses tensors on another device than its own; a put that fails part-way
+waits for the copies it launched before it aborts its entries, and a get's pins go back only once
+its copies landed (a late copy would land in blocks handed to someone else, or read blocks being
+rewritten); a get's loads are all checked before the first copy, so a refused one copies nothing
+and gives its pins back at once; a failed wait does not stop the others from being waited for
+first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ecd_testing import Daemon, wait_until
 from ec_client import Client, Consumer, EcdError, EntryState, Producer
 from ec_client._session import Send
 from ec_client.mapping import PoolMapping
-from ec_client.mover import LARGE_COPY, TensorMover, Transfer
+from ec_client.mover import LARGE_COPY, Load, TensorMover, Transfer
 from ec_client.slot_locks import SlotPins
 from ec_client.types import Extent, TensorSpec
 
@@ -165,32 +167,46 @@ def test_a_put_that_fails_part_way_aborts_only_after_its_launched_copies_landed(
     assert [r.state for r in client.lookup(POOL, list(tensors))] == [EntryState.ABSENT] * 3
 
 
-def test_a_get_that_fails_part_way_releases_only_after_its_launched_copies_landed(
+def test_a_get_whose_loads_are_refused_copies_nothing_and_releases_its_leases_at_once(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     Producer(client, POOL).put_many({k: torch.full((1024,), 7) for k in ["a", "b", "c"]})
     log: list[str] = []
-    launches(monkeypatch, "load", log)
+    launches(monkeypatch, "load_many", log, refused="1")
     logging_rpcs(client, monkeypatch, log)
-    with pytest.raises(ValueError, match="copy 2 cannot"):
+    with pytest.raises(ValueError, match="copy 1 cannot"):
         Consumer(client, POOL, watch=False).get_many_async(["a", "b", "c"])  # daemon pins
-    assert log == ["landed 1", "release"]
+    assert log == ["release"]  # no copy was launched: nothing to wait for
     assert client.stats(POOL).pools[0].pins == 0
 
 
-def test_a_get_that_fails_part_way_unlocks_a_launched_copys_slot_only_after_it_landed(
+def test_a_get_whose_loads_are_refused_copies_nothing_and_unlocks_its_slots_at_once(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     consumer = lock_pinning(client, {k: torch.full((1024,), 7) for k in ["a", "b", "c"]})
     log: list[str] = []
-    launches(monkeypatch, "load", log)
+    launches(monkeypatch, "load_many", log, refused="1")
     logging_unlocks(client, monkeypatch, log, ["a", "b", "c"])
     logging_rpcs(client, monkeypatch, log)
-    with pytest.raises(ValueError, match="copy 2 cannot"):
+    with pytest.raises(ValueError, match="copy 1 cannot"):
         consumer.get_many_async(["a", "b", "c"])
-    # b's copy never began, so its slot may go at once; a's only once its copy landed.
-    assert log == ["unlock b", "landed 1", "unlock a"]
+    assert sorted(log) == ["unlock a", "unlock b", "unlock c"]
     assert consumer.endpoint.pins().held() == 0
+
+
+def test_a_load_batch_with_one_unfit_out_copies_nothing(client: Client) -> None:
+    """Every load of a batch is checked before the first copy: a refused batch leaves each
+    `out` as it was (a get that raises has filled none of the caller's tensors)."""
+    mover = TensorMover(PoolMapping.open(client.pool_info(POOL)), "cpu")
+    mover.save(torch.full((BLOCK,), 7, dtype=torch.uint8), [Extent(0, 1)]).wait()
+    spec = TensorSpec((BLOCK,), "uint8", BLOCK)
+    fits, unfit = torch.zeros(BLOCK, dtype=torch.uint8), torch.zeros(BLOCK, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected a contiguous"):
+        mover.load_many([Load([Extent(0, 1)], spec, fits), Load([Extent(0, 1)], spec, unfit)])
+    assert not fits.any()
+    tensors, transfer = mover.load_many([Load([Extent(0, 1)], spec, fits)])
+    transfer.wait()
+    assert tensors[0] is fits and bool((fits == 7).all())
 
 
 def test_a_failed_save_copy_is_aborted_after_the_batchs_other_copies_landed(
@@ -211,35 +227,34 @@ def test_a_failed_save_copy_is_aborted_after_the_batchs_other_copies_landed(
     assert producer.failed_commits == 1
 
 
-def test_a_failed_load_copy_releases_the_pins_only_after_the_batchs_other_copies_landed(
+def test_a_failed_load_copy_releases_the_pins_only_after_it_landed(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     Producer(client, POOL).put_many({k: torch.zeros(1024) for k in ["a", "b", "c"]})
     client.flush(10)
     log: list[str] = []
-    launches(monkeypatch, "load", log, refused=None, failing=["1"])
+    launches(monkeypatch, "load_many", log, refused=None, failing=["1"])
     logging_rpcs(client, monkeypatch, log)
     handle = Consumer(client, POOL, watch=False).get_many_async(["a", "b", "c"])  # daemon pins
     client.flush(10)  # the release runs in the background once the copies landed
-    assert log == ["landed 1", "landed 2", "landed 3", "release"]
+    assert log == ["landed 1", "release"]
     with pytest.raises(RuntimeError, match="copying 1"):
         handle.wait()
     assert client.stats(POOL).pools[0].pins == 0
 
 
-def test_a_failed_load_copy_unlocks_each_slot_only_after_its_copy_landed(
+def test_a_failed_load_copy_unlocks_the_slots_only_after_it_landed(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     consumer = lock_pinning(client, {k: torch.zeros(1024) for k in ["a", "b", "c"]})
     log: list[str] = []
-    launches(monkeypatch, "load", log, refused=None, failing=["1"])
+    launches(monkeypatch, "load_many", log, refused=None, failing=["1"])
     logging_unlocks(client, monkeypatch, log, ["a", "b", "c"])
     logging_rpcs(client, monkeypatch, log)
     handle = consumer.get_many_async(["a", "b", "c"])
-    client.flush(10)  # the unlocks run in the background once each copy landed
-    assert sorted(log) == ["landed 1", "landed 2", "landed 3", "unlock a", "unlock b", "unlock c"]
-    for copy, key in [("1", "a"), ("2", "b"), ("3", "c")]:
-        assert log.index(f"landed {copy}") < log.index(f"unlock {key}")
+    client.flush(10)  # the unlocks run in the background once the copies landed
+    assert log[0] == "landed 1"
+    assert sorted(log[1:]) == ["unlock a", "unlock b", "unlock c"]
     with pytest.raises(RuntimeError, match="copying 1"):
         handle.wait()
     assert consumer.endpoint.pins().held() == 0

@@ -4,15 +4,18 @@ Two open file descriptions in one process conflict as two processes would (OFD l
 the description), so the daemon's side is a PoolFile (its own read-write description) and each
 reader a SlotPins (a read-only one). Proven here: a shared lock refuses the exclusive one and
 only its own byte; pins count per slot, and giving many back drops exactly the locks whose last
-pin went; a pin is a miss, and leaves no lock, whenever the slot does not hold a whole record of
-the key that fits the pool, or while the exclusive lock is held; the daemon writes no record
-into a slot a reader holds locked; `locked_slots` lists exactly the locked slots; a retired
-SlotPins closes with its last pin. A record checked once (read ahead, or by an earlier pin) is
-not parsed again while the slot holds the same bytes, and is never taken for bytes that changed.
+pin went; many pins lock a run of slots at once, miss only what they cannot pin, and each
+unpin frees exactly its slot; a pin is a miss, and leaves no lock, whenever the slot does not
+hold a whole record of the key that fits the pool, or while the exclusive lock is held; the
+daemon writes no record into a slot a reader holds locked; `locked_slots` lists exactly the
+locked slots; a retired SlotPins closes with its last pin. A record checked once (read ahead, or
+by an earlier pin) is not parsed again while the slot holds the same bytes, and is never taken
+for bytes that changed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -143,6 +146,62 @@ def test_unpinning_many_drops_exactly_the_locks_whose_last_pin_went(
     pins.unpin_many([3, 5])  # a slot not pinned (5) changes nothing
     assert pool.locked_slots() == set()
     assert pins.held() == 0
+
+
+def test_pinning_many_locks_a_run_of_slots_and_unpinning_one_frees_exactly_it(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    found = pins.pin_many([(slot, key(slot)) for slot in (1, 2, 3, 4)])
+    assert found == [pinned(record(key(s), start=3 * s)) for s in (1, 2, 3, 4)]
+    assert pool.locked_slots() == {1, 2, 3, 4}
+    assert not pool.erase_slot(2)
+    pins.unpin(2)
+    assert pool.locked_slots() == {1, 3, 4}
+    assert pool.erase_slot(2)
+    assert not pool.erase_slot(1) and not pool.erase_slot(3)
+    pins.unpin_many([1, 3, 4])
+    assert not _any_byte_locked(pool)  # the run's lock covered record bytes too: all gone
+
+
+def test_pinning_many_while_the_daemon_erases_one_slot_of_a_run_pins_the_others(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    daemon = os.open(pool.path, os.O_RDWR)
+    try:
+        assert lock_exclusive(daemon, 3)
+        found = pins.pin_many([(slot, key(slot)) for slot in (2, 3, 4)])
+        assert found == [pinned(record(key(2), start=6)), None, pinned(record(key(4), start=12))]
+        assert pins.held() == 2
+        unlock(daemon, 3)
+        assert pool.locked_slots() == {2, 4}  # none was left on the slot it could not pin
+    finally:
+        os.close(daemon)
+
+
+def test_pinning_many_answers_in_order_with_misses_and_counts_each_pin(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    wanted = [(5, key(5)), (1, b"other"), (5, key(5)), (GEOMETRY.num_slots, key(0)), (6, key(6))]
+    five, six = pinned(record(key(5), start=15)), pinned(record(key(6), start=18))
+    assert pins.pin_many(wanted) == [five, None, five, None, six]
+    assert pool.locked_slots() == {5, 6}  # slot 1 held another key: unlocked again
+    pins.unpin_many([5, 6])
+    assert pool.locked_slots() == {5}  # its second pin
+    pins.unpin(5)
+    assert pool.locked_slots() == set()
+    assert pins.held() == 0
+
+
+def _any_byte_locked(pool: PoolFile) -> bool:
+    """Whether any other description holds a lock on any byte of the slot table."""
+    probe = os.open(pool.path, os.O_RDONLY)
+    try:
+        start, end = slot_offset(0), slot_offset(GEOMETRY.num_slots)
+        query = slot_locks._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, end - start, 0)
+        answer = fcntl.fcntl(probe, slot_locks.F_OFD_GETLK, query)
+        return bool(slot_locks._FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
+    finally:
+        os.close(probe)
 
 
 def test_a_pin_holds_the_record_against_erasure_until_unpinned(
