@@ -7,16 +7,19 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
 
 1. The client follows the pool's READY keys and their slots (ReadyView, fed by Watch). A key it
    does not know is a miss, answered at once. A key it knows READY here is pinned by a lock pin
-   on its slot (ec_client/slot_locks.py: a shared lock, about 2 us, no daemon), which also reads
-   the entry's record (extents, shape, dtype, checksum): a local hit makes no round trip. A lock
-   pin that finds another entry in the slot (the view was behind an eviction) is a miss.
+   on its slot (ec_client/slot_locks.py: a shared lock, about 2 us, no daemon; the batch's
+   together, SlotPins.pin_many), which also reads the entry's record (extents, shape, dtype,
+   checksum): a local hit makes no round trip. A lock pin that finds another entry in the slot
+   (the view was behind an eviction) is a miss.
 2. Everything else asks the daemon, in one Step for the batch: keys only a peer daemon holds
    (the Acquire pulls them), keys whose slot the view has not heard yet, keys whose Commit this
    client still owes (the same Step carries the Commit first, or waits for the Step of the
    outbox's thread that carries it now: a client reads its own writes),
    and every key while the view is not synced (starting, or the daemon away) or with wait_ms
    (the daemon is what waits, for a key PENDING or not there yet).
-3. The copies out of the pool are launched. Pins are given back only once their copies landed:
+3. The copies out of the pool are launched, each batch's together (the lock-pinned ones, then
+   the daemon's: TensorMover.load_many checks them all, then copies back to back). Pins are
+   given back only once their copies landed:
    lock pins are unlocked (at once for a CPU copy, else by the outbox thread), leases are released
    with the client's next Step to the pool or alone once it has been quiet (ec_client.outbox).
 4. What the client answered itself reaches the daemon owed, with its next Step: the misses as a

@@ -18,8 +18,11 @@ belong to the file, not to the daemon: a pin taken before a daemon restart holds
 are advisory: they change nothing about who may map, read or write the file.
 
 Locks of one open file description do not stack (locking a byte twice is once), so `SlotPins`
-counts a process's pins per slot and unlocks at the last. This module is torch-free: the daemon
-uses its primitives too.
+counts a process's pins per slot and unlocks at the last. Many pins (`pin_many`) lock a run of
+neighbouring slots with one range lock and read its records with one read; the range covers the
+record bytes between the lock bytes, which nobody else locks, and an unlock drops whole records,
+so a slot's record bytes are locked exactly while its lock byte is. This module is torch-free:
+the daemon uses its primitives too.
 
 A pin still reads its slot's record under the lock, every time, but it need not parse it
 again: `SlotPins` keeps the last records it checked (read ahead off the hot path, as the view

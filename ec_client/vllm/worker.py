@@ -49,7 +49,7 @@ from vllm.distributed.parallel_state import (
 from ec_client.client import Client
 from ec_client.errors import EcdError
 from ec_client.mapping import PoolMapping
-from ec_client.mover import TensorMover, Transfer, spec_of, wait_all
+from ec_client.mover import Load, TensorMover, Transfer, spec_of, wait_all
 from ec_client.types import PoolInfo
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.metadata import (
@@ -144,11 +144,18 @@ class WorkerSide:
     def load(self, meta: ECDaemonConnectorMetadata, encoder_cache: dict[str, torch.Tensor]) -> None:
         if not self.loads:
             return  # a later pipeline stage: it never reads input embeddings
+        orders = []
         for key, order in meta.loads.items():
             if key in encoder_cache:  # already here: nothing is read from the pool
                 self._loaded.append(order.transfer_id)
-                continue
-            tensor, transfer = self._mover_of(meta).load(order.extents, order.spec)
+            else:
+                orders.append((key, order))
+        if not orders:
+            return
+        tensors, transfer = self._mover_of(meta).load_many(
+            [Load(order.extents, order.spec) for _, order in orders]
+        )  # one batch: on GPU one event for the step's loads
+        for (key, order), tensor in zip(orders, tensors, strict=True):
             encoder_cache[key] = tensor
             self._loading.append((order.transfer_id, transfer))
 
