@@ -198,6 +198,8 @@ class SlotPins:
         """`pin` of each (slot, key), in order, in one hold of the lock. The slots not held yet
         are locked and read one run of consecutive slots at a time (entries committed together
         hold neighbouring slots): one lock and one read for a run, not one per slot."""
+        if len(wanted) == 1:  # a single get's: no runs to find
+            return [self.pin(*wanted[0])]
         with self._lock:
             if self._retired or self._fd < 0:
                 return [None] * len(wanted)
