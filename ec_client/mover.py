@@ -192,7 +192,7 @@ class TensorMover:
         So a load that is refused (ValueError) refuses the batch before anything is copied, and
         no Python work runs between two copies: right after one, it would run on caches the copy
         has just flushed (8 x 8 MiB: 3 us of work per entry cost 10 us between copies, see
-        docs/performance.md, *get_many copies back to back*)."""
+        docs/performance.md, *A get pins and copies its entries in batches*)."""
         stream = self.load_stream
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
         tensors: list[torch.Tensor] = []

@@ -235,8 +235,8 @@ class SlotPins:
             self._held[slot] = _Held(entry, 0)
 
     def _count(self, slot: int, key: bytes) -> PinnedEntry | None:
-        """One more pin of `key` in `slot` if this process holds the slot for it. Under the
-        lock."""
+        """One more pin of `key` in `slot` if this process holds the slot for it (locked by us,
+        its record cannot have changed since it was checked). Under the lock."""
         held = self._held.get(slot)
         if held is None or held.entry.key != key:
             return None
