@@ -6,19 +6,20 @@ copy run early, then uses the result without a host sync and compares bytes with
 Proves: saves wait for the kernels that produced the tensor, and a Commit is sent only once the
 pool holds the tensor's bytes; the caller's stream waits for a load; a load never overwrites
 memory the caller's queued kernels still read (neither a new output recycled by the allocator
-nor a caller's `out`); loads do not queue behind saves; copies across registration chunk
-boundaries are bit-identical; a failed registration leaves no CUDA error behind; the pool is
-registered; closing a mapping waits for copies in flight.
+nor a caller's `out`), and the same for every load of a batch (`load_many`, one event); loads
+do not queue behind saves; copies across registration chunk boundaries are bit-identical; a
+failed registration leaves no CUDA error behind; the pool is registered; closing a mapping waits
+for copies in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from ecd_testing import Daemon
+from ecd_testing import Daemon, wait_until
 from stream_testing import SLEEP, cache_block
 
 from ec_client import Client, Consumer, EntryState, PoolMapping, Producer, PutStatus, TensorMover
@@ -48,6 +49,12 @@ def pattern(nbytes: int, seed: int) -> torch.Tensor:
 
 def mapping_of(client: Client) -> PoolMapping:
     return PoolMapping.open(client.pool_info(POOL))
+
+
+def known(client: Client, keys: Iterable[str]) -> None:
+    """Wait until the client's view knows the slots of `keys`: a get of them is a local hit."""
+    view = client.view(POOL)
+    wait_until(lambda: all(view.slot(key.encode()) is not None for key in keys))
 
 
 def ready(endpoint_user: Producer | Consumer) -> TensorMover:
@@ -177,6 +184,48 @@ def test_a_load_into_out_waits_for_the_callers_queued_work_on_it(client: Client)
     assert consumer.get("into", device="cuda", out=out) is out
     assert torch.equal(before, torch.ones_like(before))
     assert torch.equal(out, expected.cuda())
+
+
+def test_the_callers_stream_waits_for_every_load_of_a_batch(client: Client) -> None:
+    expected = {f"batch-{i}": pattern(8 * MiB, 20 + i) for i in range(3)}
+    producer = Producer(client, POOL)
+    producer.put_many(expected)
+    producer.flush()
+    known(client, expected)
+    expected_gpu = {key: tensor.cuda() for key, tensor in expected.items()}
+    consumer = Consumer(client, POOL)
+    mover = ready(consumer)
+    for _ in expected:
+        cache_block(mover.load_stream, 8 * MiB)  # the batch's outputs
+    cache_block(torch.cuda.current_stream(), 8 * MiB)  # for torch.equal's results
+    torch.cuda.synchronize()
+    with torch.cuda.stream(mover.load_stream):
+        torch.cuda._sleep(SLEEP)  # the batch's copies queue behind this
+    handle = consumer.get_many_async(list(expected), device="cuda")  # one load_many
+    same = [torch.equal(handle.tensors[key], expected_gpu[key]) for key in expected]  # no sync
+    handle.wait()
+    assert same == [True] * len(expected)
+
+
+def test_a_batch_load_into_outs_waits_for_the_callers_queued_work_on_them(
+    client: Client,
+) -> None:
+    expected = {f"outs-{i}": pattern(4 * MiB, 30 + i) for i in range(3)}
+    producer = Producer(client, POOL)
+    producer.put_many(expected)
+    producer.flush()
+    known(client, expected)
+    outs = {key: torch.ones(4 * MiB, dtype=torch.uint8, device="cuda") for key in expected}
+    consumer = Consumer(client, POOL)
+    ready(consumer)
+    for _ in expected:
+        cache_block(torch.cuda.current_stream(), 4 * MiB)  # for the clones
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    before = [out.clone() for out in outs.values()]  # queued: must still see the ones
+    consumer.get_many_async(list(expected), device="cuda", out=outs).wait()
+    assert all(torch.equal(b, torch.ones_like(b)) for b in before)
+    assert all(torch.equal(outs[key], expected[key].cuda()) for key in expected)
 
 
 def test_a_load_does_not_queue_behind_a_save_waiting_for_compute(client: Client) -> None:
