@@ -161,15 +161,14 @@ class TensorMover:
         self._check_device(tensor, "tensor")
         source = byte_view(tensor.contiguous())
         self._check_room(extents, source.numel())
-        spans = self._spans(extents, source.numel())
-        sources = [source] * len(spans)
+        copies = [(source, span) for span in self._spans(extents, source.numel())]
         stream = self.save_stream
         if stream is None:
-            self._copy(sources, spans, to_pool=True)
+            self._copy(copies, to_pool=True)
             return Transfer()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._copy(sources, spans, to_pool=True)
+            self._copy(copies, to_pool=True)
             event = self._record(stream)
         source.record_stream(stream)  # the allocator must not reuse it before the copy ran
         return Transfer(event, [source])
@@ -194,10 +193,8 @@ class TensorMover:
         has just flushed (8 x 8 MiB: 3 us of work per entry cost 10 us between copies, see
         docs/performance.md, *A get pins and copies its entries in batches*)."""
         stream = self.load_stream
-        caller = torch.cuda.current_stream(self.device) if stream is not None else None
         tensors: list[torch.Tensor] = []
-        spans: list[Span] = []
-        targets: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, Span]] = []
         for load in loads:
             dtype = torch_dtype(load.spec.dtype)
             out = load.out
@@ -212,12 +209,11 @@ class TensorMover:
             target = byte_view(out)
             self._check_room(load.extents, target.numel())
             tensors.append(out)
-            load_spans = self._spans(load.extents, target.numel())
-            spans.extend(load_spans)
-            targets.extend([target] * len(load_spans))
-        if stream is None or caller is None:
-            self._copy(targets, spans, to_pool=False)
+            copies.extend((target, span) for span in self._spans(load.extents, target.numel()))
+        if stream is None:
+            self._copy(copies, to_pool=False)
             return tensors, Transfer()
+        caller = torch.cuda.current_stream(self.device)
         for load, out in zip(loads, tensors, strict=True):
             if load.out is None:
                 out.record_stream(caller)  # once freed, reused only after the caller's reads ran
@@ -226,7 +222,7 @@ class TensorMover:
         if any(load.out is not None for load in loads):
             stream.wait_stream(caller)  # the caller's queued kernels may still use an `out`
         with torch.cuda.stream(stream):
-            self._copy(targets, spans, to_pool=False)
+            self._copy(copies, to_pool=False)
             event = self._record(stream)
         caller.wait_event(event)
         return tensors, Transfer(event)
@@ -266,21 +262,21 @@ class TensorMover:
             offset += length
         return spans
 
-    def _copy(self, tensors: list[torch.Tensor], spans: list[Span], to_pool: bool) -> None:
-        """One copy per span, between the pool and the flat uint8 tensor of the same index.
-        The views are all made first, then the copies run back to back."""
+    def _copy(self, copies: list[tuple[torch.Tensor, Span]], to_pool: bool) -> None:
+        """One copy per (flat uint8 tensor, span): between the pool and that tensor. On the CPU
+        the views are all made first, then the copies run back to back."""
         if self.device.type == "cpu":
             # numpy views: slicing them costs a fraction of slicing tensors, which matters for
             # entries of a few hundred KiB
             pool = self.mapping.array
-            copies = []
-            for tensor, (pool_at, at, n) in zip(tensors, spans, strict=True):
+            ready = []
+            for tensor, (pool_at, at, n) in copies:
                 blocks, data = pool[pool_at : pool_at + n], tensor.numpy()[at : at + n]
-                copies.append(host_copy(blocks, data) if to_pool else host_copy(data, blocks))
-            for copy in copies:
+                ready.append(host_copy(blocks, data) if to_pool else host_copy(data, blocks))
+            for copy in ready:
                 copy()
             return
-        for tensor, (pool_at, at, n) in zip(tensors, spans, strict=True):
+        for tensor, (pool_at, at, n) in copies:
             for piece_at, part_at, piece in split_at([(pool_at, at, n)], self.mapping.chunk_bytes):
                 region = self.mapping.flat[piece_at : piece_at + piece]
                 part = tensor[part_at : part_at + piece]
