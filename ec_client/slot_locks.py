@@ -149,6 +149,16 @@ class _Checked:
     entry: PinnedEntry
 
 
+def _count(held: _Held | None, key: bytes) -> PinnedEntry | None:
+    """One more pin of `key` on a slot this process holds as `held` (None: not held), if it
+    holds that slot for `key` (locked by us, its record cannot have changed since it was
+    checked). Under the pins' lock."""
+    if held is None or held.entry.key != key:
+        return None
+    held.count += 1
+    return held.entry
+
+
 class SlotPins:
     """This process's lock pins on one pool file, counted per slot.
 
@@ -190,9 +200,10 @@ class SlotPins:
         with self._lock:
             if self._retired or self._fd < 0:
                 return None
-            if slot not in self._held and lock_shared(self._fd, slot):
-                self._check(slot, self._records_bytes(slot, 1), key)
-            return self._count(slot, key)
+            held = self._held.get(slot)
+            if held is None and lock_shared(self._fd, slot):
+                held = self._check(slot, self._records_bytes(slot, 1), key)
+            return _count(held, key)
 
     def pin_many(self, wanted: Sequence[tuple[int, bytes]]) -> list[PinnedEntry | None]:
         """`pin` of each (slot, key), in order, in one hold of the lock. The slots not held yet
@@ -217,11 +228,11 @@ class SlotPins:
                 for slot in slots:
                     at = (slot - first) * SLOT_SIZE
                     self._check(slot, raws[at : at + SLOT_SIZE], fresh[slot])
-            return [self._count(slot, key) for slot, key in wanted]
+            return [_count(self._held.get(slot), key) for slot, key in wanted]
 
-    def _check(self, slot: int, raw: bytes, key: bytes) -> None:
+    def _check(self, slot: int, raw: bytes, key: bytes) -> _Held | None:
         """A slot just locked, whose bytes are `raw`: held (with no pin counted yet) if they are
-        a whole record of `key` that fits the pool, else unlocked. Under the lock."""
+        a whole record of `key` that fits the pool, else unlocked (None). Under the lock."""
         checked = self._checked.get(slot)
         if checked is not None and checked.raw == raw:  # the bytes checked before: no parse
             entry: PinnedEntry | None = checked.entry if checked.entry.key == key else None
@@ -231,17 +242,9 @@ class SlotPins:
                 self._keep(slot, raw, entry)
         if entry is None:
             unlock(self._fd, slot)
-        else:
-            self._held[slot] = _Held(entry, 0)
-
-    def _count(self, slot: int, key: bytes) -> PinnedEntry | None:
-        """One more pin of `key` in `slot` if this process holds the slot for it (locked by us,
-        its record cannot have changed since it was checked). Under the lock."""
-        held = self._held.get(slot)
-        if held is None or held.entry.key != key:
             return None
-        held.count += 1
-        return held.entry
+        held = self._held[slot] = _Held(entry, 0)
+        return held
 
     def read_ahead(self, slot: int, key: bytes) -> None:
         """Read and check the record of `key` in `slot` now, so that a later pin that finds
