@@ -26,6 +26,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -158,8 +159,13 @@ class PoolMapping:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"cannot map pool {info.engine_id!r} ({info.path}): {exc.strerror}",
                 ) from None
-        finally:
-            os.close(fd)  # the mapping keeps the file alive
+        except BaseException:
+            os.close(fd)
+            raise
+        # Kept for check_current's fstat, open as long as this object lives (not just until
+        # close): another thread may check a mapping that an endpoint sharing it just closed.
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # the blocks, for host copies
         self.flat = torch.from_numpy(self.array)
         self.blocks = self.flat.view(info.num_blocks, info.block_size_bytes)
@@ -198,14 +204,19 @@ class PoolMapping:
             raise stale(info, f"file is {file_size} bytes, expected {g.file_size}: truncated")
 
     def check_current(self) -> None:
-        """Raise EcdError (reason pool_changed) if the file at the path is no longer the one
-        mapped (recreated) or was truncated; costs one stat()."""
-        try:
-            stat = os.stat(self.info.path)
-        except FileNotFoundError:
-            raise stale(self.info, "the file was removed (pool dropped)") from None
-        if (stat.st_dev, stat.st_ino) != self.file_id:
-            raise stale(self.info, "the file was recreated (new pool UUID)")
+        """Raise EcdError (reason pool_changed) if the file mapped is no longer at its path
+        (removed: the pool dropped, or dropped and recreated) or was truncated.
+
+        One fstat of the file mapped, not a stat of the path: no path walk, about half the cost
+        cold, and that is the state every batch starts in after large copies (tens of
+        microseconds: docs/performance.md, *A get pins and copies its entries in batches*). A
+        file with no link left is no longer at the path: the daemon unlinks a pool's file and
+        creates its successor anew (O_EXCL), and never renames or links one."""
+        if self._closed:
+            raise stale(self.info, "the mapping was closed (its pool was recreated)")
+        stat = os.fstat(self._fd)
+        if stat.st_nlink == 0:
+            raise stale(self.info, "the file was removed (pool dropped or recreated)")
         if stat.st_size < self.info.file_size:
             raise stale(self.info, f"the file was truncated to {stat.st_size} bytes")
 

@@ -265,6 +265,24 @@ def test_a_pool_recreated_under_a_live_mapping_is_detected(daemon: Daemon) -> No
             PoolMapping(old)  # the old announcement does not match the new file
 
 
+def test_a_closed_mapping_is_not_current_though_its_file_still_is(daemon: Daemon) -> None:
+    # Endpoints share a process's mapping: one that closed it (it found the pool recreated) must
+    # not leave another copying through it (its check holds the file open, so it cannot be
+    # answered by whatever file reused a closed descriptor's number).
+    with daemon.client() as c:
+        mapping = PoolMapping.open(c.open_pool(POOL, BLOCK, CAPACITY))
+        mapping.check_current()
+        mapping.close()
+        opened_since = [os.open(os.devnull, os.O_RDONLY) for _ in range(4)]
+        try:
+            with pytest.raises(EcdError, match="closed") as info:
+                mapping.check_current()
+        finally:
+            for fd in opened_since:
+                os.close(fd)
+        assert info.value.code.name == "FAILED_PRECONDITION"
+
+
 def test_producers_follow_a_recreated_pool(daemon: Daemon) -> None:
     with daemon.client() as c:
         c.open_pool(POOL, BLOCK, CAPACITY)
