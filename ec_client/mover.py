@@ -266,13 +266,7 @@ class TensorMover:
         """One copy per (flat uint8 tensor, span): between the pool and that tensor. On the CPU
         the views are all made first, then the copies run back to back."""
         if self.device.type == "cpu":
-            # numpy views: slicing them costs a fraction of slicing tensors, which matters for
-            # entries of a few hundred KiB
-            pool = self.mapping.array
-            ready = []
-            for tensor, (pool_at, at, n) in copies:
-                blocks, data = pool[pool_at : pool_at + n], tensor.numpy()[at : at + n]
-                ready.append(host_copy(blocks, data) if to_pool else host_copy(data, blocks))
+            ready = [host_copy(self.mapping, tensor, span, to_pool) for tensor, span in copies]
             for copy in ready:
                 copy()
             return
@@ -290,19 +284,30 @@ class TensorMover:
 LARGE_COPY = 4 << 20
 
 
-def host_copy(target: np.ndarray, source: np.ndarray) -> Callable[[], object]:
-    """A memcpy on the host, made ready to run (call it): numpy on this thread when small,
-    torch's `copy_` when large. Made ready first so that a batch's copies run back to back
-    (`TensorMover._copy`).
+def host_copy(
+    mapping: PoolMapping, tensor: torch.Tensor, span: Span, to_pool: bool
+) -> Callable[[], object]:
+    """The memcpy of one span between the pool and a flat uint8 tensor on the host, made ready
+    to run (call it), so that a batch's copies run back to back (`TensorMover._copy`): numpy on
+    this thread when small, torch's `copy_` when large.
 
-    Small copies (a 256 KiB entry) stay off torch's intra-op threads: on a busy host one of them
-    descheduled stalls the whole copy for a scheduler slice, which turned a 256 KiB put's copy of
-    0.04 ms into 3 ms. Large copies want a second core, and torch's threads, spinning between
-    copies, start at once; a thread of our own woken per copy started too late on a 2-core VM
-    to help at all (8 x 8 MiB out of a pool: 3.2 ms split over two such threads, 2.9 ms on one,
-    1.5 ms with `copy_`). Figures: docs/performance.md, *Host copies of 4 MiB or more go
+    Small copies go through numpy views, whose slicing costs a fraction of slicing tensors (it
+    matters for entries of a few hundred KiB), and stay off torch's intra-op threads: on a busy
+    host one of them descheduled stalls the whole copy for a scheduler slice, which turned a
+    256 KiB put's copy of 0.04 ms into 3 ms. Large copies want a second core, and torch's
+    threads, spinning between copies, start at once; a thread of our own woken per copy started
+    too late on a 2-core VM to help at all (8 x 8 MiB out of a pool: 3.2 ms split over two such
+    threads, 2.9 ms on one, 1.5 ms with `copy_`). They slice the tensors themselves: a round
+    trip through numpy views is three more calls per copy, each tens of microseconds the first
+    time after a large copy. Figures: docs/performance.md, *Host copies of 4 MiB or more go
     through torch's copy_*.
     """
-    if target.size < LARGE_COPY:
+    pool_at, at, n = span
+    if n < LARGE_COPY:
+        blocks, data = mapping.array[pool_at : pool_at + n], tensor.numpy()[at : at + n]
+        target, source = (blocks, data) if to_pool else (data, blocks)
         return functools.partial(np.copyto, target, source)
-    return functools.partial(torch.from_numpy(target).copy_, torch.from_numpy(source))
+    region, part = mapping.flat[pool_at : pool_at + n], tensor[at : at + n]
+    return (
+        functools.partial(region.copy_, part) if to_pool else functools.partial(part.copy_, region)
+    )
