@@ -45,9 +45,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+# Looked up once: a get maps each entry's dtype name, and getattr on torch costs more.
+_TORCH_DTYPES = {
+    name: dtype for name in DTYPES if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _TORCH_DTYPES.get(name)
+    if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 
@@ -78,14 +84,6 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError("expected a contiguous tensor")
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def check_shape(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(
-            f"out is {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()}); "
-            f"expected a contiguous {shape} {dtype}"
-        )
 
 
 class Fence(Protocol):
@@ -160,8 +158,7 @@ class TensorMover:
         """Start copying `tensor` into `extents` (a non-contiguous tensor is made contiguous)."""
         self._check_device(tensor, "tensor")
         source = byte_view(tensor.contiguous())
-        self._check_room(extents, source.numel())
-        copies = [(source, span) for span in self._spans(extents, source.numel())]
+        copies = self._copies(source, extents)
         stream = self.save_stream
         if stream is None:
             self._copy(copies, to_pool=True)
@@ -199,17 +196,14 @@ class TensorMover:
             dtype = torch_dtype(load.spec.dtype)
             out = load.out
             if out is not None:
-                self._check_device(out, "out")
-                check_shape(out, load.spec.shape, dtype)
+                self._check_out(out, load.spec.shape, dtype)
             elif stream is None:
                 out = torch.empty(load.spec.shape, dtype=dtype, device=self.device)
             else:
                 with torch.cuda.stream(stream):
                     out = torch.empty(load.spec.shape, dtype=dtype, device=self.device)
-            target = byte_view(out)
-            self._check_room(load.extents, target.numel())
             tensors.append(out)
-            copies.extend((target, span) for span in self._spans(load.extents, target.numel()))
+            copies += self._copies(byte_view(out), load.extents)
         if stream is None:
             self._copy(copies, to_pool=False)
             return tensors, Transfer()
@@ -234,16 +228,19 @@ class TensorMover:
             crc = zlib.crc32(self.mapping.array[pool_at : pool_at + n].data, crc)
         return crc | (1 << 32)
 
-    def _check_room(self, extents: Sequence[Extent], nbytes: int) -> None:
-        room = sum(e.count for e in extents) * self.mapping.block_size
-        if not room - self.mapping.block_size < nbytes <= room:
-            raise ValueError(f"{nbytes} bytes do not fit extents of {room} bytes")
-
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.device != self.device:
             raise ValueError(
                 f"{name} is on {tensor.device}; this mover copies between the pool and "
                 f"{self.device}"
+            )
+
+    def _check_out(self, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._check_device(out, "out")
+        if out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out is {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()}); "
+                f"expected a contiguous {shape} {dtype}"
             )
 
     def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -252,13 +249,25 @@ class TensorMover:
         self.mapping.track(stream, event)
         return event
 
+    def _copies(
+        self, tensor: torch.Tensor, extents: Sequence[Extent]
+    ) -> list[tuple[torch.Tensor, Span]]:
+        """The copies between a flat uint8 tensor and its entry's extents, one per extent."""
+        return [(tensor, span) for span in self._spans(extents, tensor.numel())]
+
     def _spans(self, extents: Sequence[Extent], nbytes: int) -> list[Span]:
-        """(pool offset, tensor offset, length) per extent; the last one cut to nbytes."""
+        """(pool offset, tensor offset, length) per extent, the last one cut to nbytes;
+        ValueError if nbytes do not fit the extents (more than they hold, or so few that their
+        last block would be empty)."""
+        block = self.mapping.block_size
+        room = sum(e.count for e in extents) * block
+        if not room - block < nbytes <= room:
+            raise ValueError(f"{nbytes} bytes do not fit extents of {room} bytes")
         spans = []
         offset = 0
         for extent in extents:
-            length = min(extent.count * self.mapping.block_size, nbytes - offset)
-            spans.append((extent.start * self.mapping.block_size, offset, length))
+            length = min(extent.count * block, nbytes - offset)
+            spans.append((extent.start * block, offset, length))
             offset += length
         return spans
 
@@ -299,15 +308,16 @@ def host_copy(
     too late on a 2-core VM to help at all (8 x 8 MiB out of a pool: 3.2 ms split over two such
     threads, 2.9 ms on one, 1.5 ms with `copy_`). They slice the tensors themselves: a round
     trip through numpy views is three more calls per copy, each tens of microseconds the first
-    time after a large copy. Figures: docs/performance.md, *Host copies of 4 MiB or more go
-    through torch's copy_*.
+    time after a large copy; a tensor that one extent covers whole is not sliced at all.
+    Figures: docs/performance.md, *Host copies of 4 MiB or more go through torch's copy_*.
     """
     pool_at, at, n = span
     if n < LARGE_COPY:
         blocks, data = mapping.array[pool_at : pool_at + n], tensor.numpy()[at : at + n]
         target, source = (blocks, data) if to_pool else (data, blocks)
         return functools.partial(np.copyto, target, source)
-    region, part = mapping.flat[pool_at : pool_at + n], tensor[at : at + n]
+    region = mapping.flat[pool_at : pool_at + n]
+    part = tensor if n == len(tensor) else tensor[at : at + n]  # one extent: all of it
     return (
         functools.partial(region.copy_, part) if to_pool else functools.partial(part.copy_, region)
     )
