@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -52,6 +53,8 @@ from ec_client.layout import (
     slot_offset,
 )
 from ec_client.types import Extent, TensorSpec
+
+log = logging.getLogger("ec_client")
 
 # Linux's open-file-description lock commands (fcntl.h); Python's fcntl module lacks the names.
 F_OFD_GETLK = 36
@@ -324,8 +327,14 @@ class SlotPins:
     def _records_bytes(self, first: int, count: int) -> bytes:
         """The bytes of `count` slots from `first` on (under the lock, the file open). Read with
         pread, not through a mapping: a pool file truncated by someone else is then a miss here,
-        not a SIGBUS (vLLM's scheduler process maps no pool)."""
-        return os.pread(self._fd, count * SLOT_SIZE, HEADER_SIZE + first * SLOT_SIZE)
+        not a SIGBUS (vLLM's scheduler process maps no pool). A read that fails reads nothing,
+        as a truncated file's reads short: misses, whose locks `_check` drops (raised, it would
+        leave the slots just locked with no pin counted, never unlocked)."""
+        try:
+            return os.pread(self._fd, count * SLOT_SIZE, HEADER_SIZE + first * SLOT_SIZE)
+        except OSError as error:
+            log.debug("ecd: reading slot records %d-%d failed: %s", first, first + count, error)
+            return b""
 
     def _parse(self, raw: bytes, key: bytes) -> PinnedEntry | None:
         """The entry `key` if `raw`, a slot's bytes, hold a whole record of it that fits the

@@ -192,6 +192,19 @@ def test_pinning_many_answers_in_order_with_misses_and_counts_each_pin(
     assert pins.held() == 0
 
 
+@pytest.mark.parametrize("slots", [[4], [4, 5, 6]], ids=["one", "a run"])
+def test_a_pin_whose_record_cannot_be_read_is_a_miss_and_leaves_no_lock(
+    pool: PoolFile, pins: SlotPins, monkeypatch: pytest.MonkeyPatch, slots: list[int]
+) -> None:
+    def failing_pread(fd: int, length: int, offset: int) -> bytes:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(slot_locks.os, "pread", failing_pread)
+    assert pins.pin_many([(slot, key(slot)) for slot in slots]) == [None] * len(slots)
+    assert pins.held() == 0
+    assert not _any_byte_locked(pool)
+
+
 def _any_byte_locked(pool: PoolFile) -> bool:
     """Whether any other description holds a lock on any byte of the slot table."""
     probe = os.open(pool.path, os.O_RDONLY)
