@@ -292,7 +292,7 @@ def _cached(client: Client, producer: Producer, keys: Sequence[str]) -> None:
     of them is then a cached read (a lock pin, no round trip), not a wait for our own commit."""
     producer.flush()
     view = client.view(POOL)
-    _wait(lambda: all(view.slot(key.encode()) is not None for key in keys), "their slots")
+    _wait(lambda: view.slots_known(keys), "their slots")
 
 
 def _regions(size: int, batch: int) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S
@@ -101,6 +101,11 @@ class ReadyView:
     def slot(self, key: bytes) -> int | None:
         """Where `key`'s record is, if it is READY here and the view has heard of its slot."""
         return self._ready.get(key) if self.synced else None
+
+    def slots_known(self, keys: Iterable[Key]) -> bool:
+        """Whether the view knows every key's slot: a get of them is a lock-pinned read, no
+        round trip (what a bench or a test waits for after its own puts)."""
+        return all(self.slot(key_bytes(key)) is not None for key in keys)
 
     def pending(self, key: bytes) -> bool:
         """PENDING in this daemon's pool: a producer is writing it; its commit is to come."""

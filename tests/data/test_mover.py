@@ -105,7 +105,7 @@ def lock_pinning(client: Client, tensors: dict[str, torch.Tensor]) -> Consumer:
     Producer(client, POOL).put_many(tensors)
     client.flush(10)
     view = client.view(POOL)
-    wait_until(lambda: all(view.slot(k.encode()) is not None for k in tensors))
+    wait_until(lambda: view.slots_known(tensors))
     return consumer
 
 

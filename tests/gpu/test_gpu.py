@@ -54,7 +54,7 @@ def mapping_of(client: Client) -> PoolMapping:
 def known(client: Client, keys: Iterable[str]) -> None:
     """Wait until the client's view knows the slots of `keys`: a get of them is a local hit."""
     view = client.view(POOL)
-    wait_until(lambda: all(view.slot(key.encode()) is not None for key in keys))
+    wait_until(lambda: view.slots_known(keys))
 
 
 def ready(endpoint_user: Producer | Consumer) -> TensorMover:

@@ -202,6 +202,20 @@ def test_listeners_are_told_the_slot_of_each_entry_committed_here(setup: Any) ->
     assert told == [(b"new", 5)]
 
 
+def test_slots_are_known_only_once_every_key_is_ready_here_with_its_slot(setup: Any) -> None:
+    view, client, _ = setup
+    stream = synced(client)
+    view.add(b"mine")  # committed by this process: READY, its slot still to come
+    stream.items.put(event(EventType.COMMITTED, "there", remote=True))
+    stream.items.put(event(EventType.COMMITTED, "a", slot=0))
+    eventually(lambda: view.slot(b"a") == 0)
+    assert view.slots_known(["a"])
+    assert not view.slots_known(["a", "mine"])
+    assert not view.slots_known(["a", "there"])
+    stream.items.put(event(EventType.COMMITTED, "mine", slot=3))
+    eventually(lambda: view.slots_known(["a", b"mine"]))
+
+
 def test_a_listener_that_fails_does_not_stop_the_view(setup: Any) -> None:
     view, client, _ = setup
     told: list[bytes] = []
