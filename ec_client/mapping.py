@@ -209,7 +209,7 @@ class PoolMapping:
 
         One fstat of the file mapped, not a stat of the path: no path walk, about half the cost
         cold, and that is the state every batch starts in after large copies (tens of
-        microseconds: docs/performance.md, *A get pins and copies its entries in batches*). A
+        microseconds: docs/performance.md, *A large get's own work, where it runs cold*). A
         file with no link left is no longer at the path: the daemon unlinks a pool's file and
         creates its successor anew (O_EXCL), and never renames or links one."""
         if self._closed:
