@@ -263,7 +263,7 @@ class PoolStats:
     remote_seconds_bounds: tuple[float, ...]  # a histogram of remote hits' seconds: bounds,
     remote_seconds_counts: tuple[int, ...]  # the count under each (and one over the last),
     remote_seconds_sum: float  # and their sum
-    held_blocks: int  # blocks of reads from peers given up on, until the engine is done
+    held_blocks: int  # blocks of removed entries still pinned, locked or written (not free yet)
     remote_reads: int  # transfer-engine reads started by pulls (one per remote hit)
     entries_locked: int  # slots readers hold lock pins on now (docs/design.md §5)
     ephemeral: bool = False  # dropped when the last session that opened it ends (§3)

@@ -557,7 +557,7 @@ class PoolIndex:
             remote_seconds_bounds=self.remote_seconds.bounds,
             remote_seconds_counts=tuple(self.remote_seconds.counts),
             remote_seconds_sum=self.remote_seconds.sum,
-            held_blocks=sum(e.blocks for e in self._held),
+            held_blocks=sum(e.blocks for e in (*self._orphans, *self._locked, *self._held)),
             entries_locked=len(self._journal.locked_slots()),
             **dataclasses.asdict(self.counters),
         )

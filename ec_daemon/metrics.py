@@ -87,7 +87,7 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
     ),
     (
         "ecd_pool_held_bytes",
-        "Bytes of blocks held for reads from peers given up on until the transfer is over",
+        "Bytes of blocks of removed entries not free yet (still pinned, locked or written)",
         lambda p: _block_bytes(p, p.held_blocks),
     ),
 )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from ecd_testing import REPO, assert_blocks_accounted, unaccounted_blocks
+from ecd_testing import REPO, assert_blocks_accounted
 
 from ec_client import Client, EntryState
 from ec_client.types import Key, key_bytes
@@ -183,13 +183,11 @@ def assert_intact(client: Client, engine_id: str, version: int | None = 0) -> di
 
 
 def settled(client: Client, engine_id: str) -> bool:
-    """Nothing PENDING or pinned, and every removed entry's blocks back: an entry deleted while a
-    reader lock-pinned it keeps its blocks until the daemon's next sweep after the lock goes
+    """Nothing PENDING or pinned, and every removed entry's blocks free: an entry deleted while
+    a reader lock-pinned it stays held until the daemon's next sweep after the lock goes
     (docs/design.md §4), a moment after its reader died."""
     [pool] = client.stats(engine_id).pools
-    return (
-        pool.entries_pending == 0 and pool.pins == 0 and unaccounted_blocks(client, engine_id) == 0
-    )
+    return pool.entries_pending == 0 and pool.pins == 0 and pool.held_blocks == 0
 
 
 # ---- client processes --------------------------------------------------------------------------

@@ -331,6 +331,25 @@ def test_a_pinned_and_locked_entry_removed_keeps_its_blocks_until_both_are_gone(
     index.check()
 
 
+@pytest.mark.parametrize("reader", ["pinned", "lock-pinned"])
+def test_a_removed_entrys_blocks_count_as_held_until_they_are_free(reader: str) -> None:
+    index, journal, _ = make_index(blocks=8)
+    put(index, b"k", 3)
+    pinned = index.pin(b"k").entry if reader == "pinned" else None
+    if reader == "lock-pinned":
+        journal.lock(b"k")
+    index.delete(b"k")
+    stats = index.stats("")
+    assert (stats.held_blocks, stats.free_blocks, stats.entries_ready) == (3, 5, 0)
+    if pinned is not None:
+        index.unpin(pinned)
+    journal.locked.clear()
+    index.reclaim()
+    stats = index.stats("")
+    assert (stats.held_blocks, stats.free_blocks) == (0, 8)
+    index.check()
+
+
 def test_a_hit_under_a_lock_pin_counts_and_refreshes_recency() -> None:
     index, _, sink = make_index(blocks=2, slots=8)
     put(index, b"a", 1)
