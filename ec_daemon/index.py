@@ -557,7 +557,7 @@ class PoolIndex:
             remote_seconds_bounds=self.remote_seconds.bounds,
             remote_seconds_counts=tuple(self.remote_seconds.counts),
             remote_seconds_sum=self.remote_seconds.sum,
-            held_blocks=sum(e.blocks for e in (*self._orphans, *self._locked, *self._held)),
+            held_blocks=sum(e.blocks for e in self._removed_not_free()),
             entries_locked=len(self._journal.locked_slots()),
             **dataclasses.asdict(self.counters),
         )
@@ -634,6 +634,11 @@ class PoolIndex:
         if event is not None:
             self._emit(event, entry.key, entry.spec.nbytes, entry.slot)
 
+    def _removed_not_free(self) -> Iterator[Entry]:
+        """The removed entries whose blocks are not free yet (Stats' `held_blocks`): each is in
+        exactly one of these, by what keeps its blocks (`_place`)."""
+        return itertools.chain(self._orphans, self._locked, self._held)
+
     def _place(self, entry: Entry) -> None:
         """Where a removed entry's blocks are now. Its record is erased first, as soon as no
         reader locks it (a restart must never adopt an entry whose blocks belong to someone
@@ -681,7 +686,7 @@ class PoolIndex:
     def check(self) -> None:
         """Raise AssertionError unless every block and slot is in exactly one place."""
         self._allocator.check()
-        holders = [*self._entries.values(), *self._orphans, *self._locked, *self._held]
+        holders = [*self._entries.values(), *self._removed_not_free()]
         held = sorted(e for entry in holders for e in entry.extents)
         runs = sorted(held + self._allocator.free_runs())
         assert sum(e.count for e in runs) == self.geometry.num_blocks
