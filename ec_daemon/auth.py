@@ -8,8 +8,14 @@
   ListEntries, Watch and Stats of one pool), admin (Evict, Delete, DropPool, and Stats or Watch of
   every pool at once). An OpenPool that creates the pool needs produce (a consumer that could
   create pools could fill the daemon's budget with pools it can neither fill nor drop); one that
-  attaches needs produce or consume. Session RPCs need only a valid token:
-  a session ID is an unguessable capability, so Release and KeepAlive need no pool grant.
+  attaches needs produce or consume. Session RPCs (KeepAlive, CloseSession, Release) need no
+  pool grant: a session answers only to the caller that opened it.
+- A session is bound to its opener's `identity`: its token, and with mutual TLS its client
+  certificate. Every call naming a session from another identity is answered as a call naming a
+  session that does not exist (ec_daemon.sessions), so another token that learned a session ID
+  can neither use the session nor tell that it exists. With neither tokens nor client
+  certificates (the Unix socket alone) every caller is the same identity: whoever may connect
+  may do anything, sessions included (docs/security.md).
 
 Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); a word that
 starts with `#` starts a comment, a `#` inside a token is part of it (ec_client.token_file, which
@@ -27,11 +33,13 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import hashlib
 import hmac
 import logging
+import ssl
 import stat
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +77,31 @@ RPC_ACTIONS: dict[str, Action] = {
     "Delete": Action.ADMIN,
     "DropPool": Action.ADMIN,
 }
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a call, as far as its token says: the name its grants are looked up by, and the
+    token itself (part of its `identity`). Both empty when tokens are off."""
+
+    name: str = ""
+    token: str = ""
+
+
+def identity(caller: Caller, auth_context: Mapping[str, Iterable[bytes]]) -> bytes:
+    """What a session is bound to: the caller's token (when tokens are on) and its client
+    certificate (with mutual TLS: grpc's `x509_pem_cert`), each as a SHA-256 digest so that the
+    session table holds no secret. b"" with neither: every caller is then the same one.
+
+    The token rather than its name: two lines of the token file may share a name, and a token
+    revoked (the daemon restarted without it) should not leave its sessions to another."""
+    parts = []
+    if caller.token:
+        parts.append(b"token:" + hashlib.sha256(caller.token.encode()).digest())
+    for pem in auth_context.get("x509_pem_cert", ()):
+        der = ssl.PEM_cert_to_DER_cert(pem.decode())
+        parts.append(b"cert:" + hashlib.sha256(der).digest())
+    return b"".join(parts)
 
 
 class AuthConfigError(ValueError):
@@ -159,24 +192,25 @@ class Guard:
         engine_id: str,
         metadata: Sequence[tuple[str, str | bytes]],
         actions: Sequence[Action] = (),
-    ) -> str:
-        """The caller's name; raises CoreError UNAUTHENTICATED or PERMISSION_DENIED.
+    ) -> Caller:
+        """The caller; raises CoreError UNAUTHENTICATED or PERMISSION_DENIED.
 
         `actions`: what the call does when it is not one fixed action (a Step's parts, an OpenPool
         that creates: produce); each must be granted. Otherwise the RPC's own action (an
         OpenPool that attaches: produce or consume)."""
         if not self._tokens:
-            return ""
-        name = self._identify(metadata)
+            return Caller()
+        caller = self._identify(metadata)
+        name = caller.name
         if self._rules is None:
-            return name
+            return caller
         if rpc == "OpenPool" and not actions:
             self._require(name, rpc, engine_id, (Action.PRODUCE, Action.CONSUME))
         for action in actions or (RPC_ACTIONS[rpc],):
             if action is not Action.SESSION:
                 # Without a pool the call concerns every pool at once: an admin's business.
                 self._require(name, rpc, engine_id, (action if engine_id else Action.ADMIN,))
-        return name
+        return caller
 
     def _require(self, name: str, rpc: str, engine_id: str, wanted: tuple[Action, ...]) -> None:
         if not any(r.allows(name, a, engine_id or "*") for r in self._rules or () for a in wanted):
@@ -192,7 +226,7 @@ class Guard:
                 f"{name!r} may not {what} in {where} ({rpc}): no rule grants it{hint}",
             )
 
-    def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> Caller:
         header = next((str(v) for k, v in metadata if k == "authorization"), "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
@@ -203,5 +237,5 @@ class Guard:
             )
         for known, name in self._tokens.items():
             if hmac.compare_digest(known.encode(), token.encode()):
-                return name
+                return Caller(name, known)
         raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")

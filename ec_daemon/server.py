@@ -39,6 +39,7 @@ from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
 from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools, peer_stats
 from ec_daemon.service import EncoderCacheService
+from ec_daemon.sessions import tag
 from ec_daemon.store import Store, StoreConfig
 from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
@@ -334,7 +335,7 @@ async def reap_sessions(store: Store) -> None:
             log.warning(
                 "session lease expired",
                 extra={
-                    "session": end.session_id,
+                    "session": tag(end.session_id),
                     "client": end.client,
                     "pid": end.pid,
                     "aborted": end.aborted,

@@ -10,6 +10,7 @@ never sinking the others.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -23,10 +24,11 @@ from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate, wire
-from ec_daemon.auth import Action, Guard
+from ec_daemon.auth import Action, Guard, identity
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.remote import Remote
+from ec_daemon.sessions import tag
 from ec_daemon.store import Store
 
 log = logging.getLogger("ecd.service")
@@ -36,6 +38,10 @@ R = TypeVar("R")
 Request = TypeVar("Request")
 Reply = TypeVar("Reply")
 Handler = Callable[[Any, Request, grpc.aio.ServicerContext[Any, Any]], Awaitable[Reply]]
+
+# The identity of the caller of the RPC being handled (ec_daemon.auth.identity), set by `rpc`
+# before the handler runs, in the handler's own task: what OpenSession binds its session to.
+CALLER: contextvars.ContextVar[bytes] = contextvars.ContextVar("ecd_caller")
 
 DEFAULT_LIST_LIMIT = 1000
 MAX_LIST_LIMIT = 100_000
@@ -51,7 +57,7 @@ def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
         started = time.perf_counter()
         code = "OK"  # the status the call ends with, for the count of RPCs by method and code
         try:
-            self.authorize(method.__name__, request, context)
+            CALLER.set(self.authorize(method.__name__, request, context))
             return await method(self, request, context)
         except CoreError as exc:
             code = exc.code.value
@@ -129,14 +135,24 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
 
     def authorize(
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
+    ) -> bytes:
+        """Check the caller's token and grants; a call naming a session must come from the
+        session's opener (answered as an unknown session otherwise, before anything else about
+        the request is looked at, so the answer is the same whether the session exists). Returns
+        the caller's identity."""
         engine_id = getattr(request, "engine_id", "")
         actions: tuple[Action, ...] = ()
         if isinstance(request, pb.StepRequest):
             actions = step_actions(request)
         elif isinstance(request, pb.OpenPoolRequest) and self.creates(request):
             actions = (Action.PRODUCE,)
-        self.guard.check(rpc, engine_id, tuple(context.invocation_metadata() or ()), actions)
+        metadata = tuple(context.invocation_metadata() or ())
+        caller = self.guard.check(rpc, engine_id, metadata, actions)
+        who = identity(caller, context.auth_context())
+        session_id = getattr(request, "session_id", None)  # None: a request without the field
+        if isinstance(session_id, str):
+            self.store.owned(session_id, who)
+        return who
 
     def creates(self, request: pb.OpenPoolRequest) -> bool:
         """Whether this OpenPool would create its pool (it gives a geometry and there is none).
@@ -164,9 +180,11 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 f"unknown role {request.role}: expected one of {sorted(wire.ROLES)} (ecd.v1.Role)",
             )
         name = validate.client_name(request.client_name)
-        session_id = self.store.open_session(name, request.pid, wire.ROLES[request.role])
+        session_id = self.store.open_session(
+            name, request.pid, wire.ROLES[request.role], CALLER.get()
+        )
         log.info(
-            "session opened", extra={"session": session_id, "client": name, "pid": request.pid}
+            "session opened", extra={"session": tag(session_id), "client": name, "pid": request.pid}
         )
         return pb.OpenSessionReply(
             boot_epoch=self.epoch, session_id=session_id, lease_ttl_ms=self.lease_ttl_ms
@@ -187,7 +205,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         log.info(
             "session closed",
             extra={
-                "session": end.session_id,
+                "session": tag(end.session_id),
                 "client": end.client,
                 "aborted": end.aborted,
                 "released": end.released,

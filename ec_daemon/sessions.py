@@ -6,10 +6,18 @@ pins it holds, so nothing a dead client held stays held longer than one TTL.
 
 A pin is named by a lease ID that is never reused within a daemon's life, so a late or repeated
 Release cannot drop a pin that someone else took since.
+
+A session answers only to the caller that opened it: it keeps that caller's identity
+(ec_daemon.auth.identity: its token, its client certificate), and a call naming the session with
+another identity gets exactly what a call naming no live session gets (`owned`), so a session ID
+seen elsewhere (a log, a process listing) neither works nor tells whether the session exists. Logs
+name a session by its `tag`, never by its ID.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import uuid
 from collections.abc import Callable
@@ -34,6 +42,12 @@ class Lease:
     entry: Entry
 
 
+def tag(session_id: str) -> str:
+    """What logs call a session: a prefix of its ID's hash, enough to follow one session through
+    a log, useless as the ID (which nobody can work back from it)."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:12]
+
+
 @dataclass(eq=False)
 class Session:
     id: str
@@ -41,9 +55,19 @@ class Session:
     pid: int
     role: Role
     expires_at: float
+    owner: bytes  # the identity of the caller that opened it (ec_daemon.auth.identity)
     pending: set[tuple[str, bytes]] = field(default_factory=set)  # (engine_id, key) it allocated
     leases: dict[int, Lease] = field(default_factory=dict)
     pools: set[str] = field(default_factory=set)  # engine_ids it opened: an ephemeral one's holders
+
+
+def unknown_session(session_id: str) -> CoreError:
+    return CoreError(
+        Code.NOT_FOUND,
+        f"unknown session {session_id!r}: it was closed, its lease ran out, or the "
+        "daemon restarted; open a new session",
+        Reason.UNKNOWN_SESSION,
+    )
 
 
 class SessionTable:
@@ -61,8 +85,8 @@ class SessionTable:
     def all(self) -> list[Session]:
         return list(self._sessions.values())
 
-    def open(self, name: str, pid: int, role: Role) -> Session:
-        session = Session(uuid.uuid4().hex, name, pid, role, self._clock() + self.ttl_s)
+    def open(self, name: str, pid: int, role: Role, owner: bytes) -> Session:
+        session = Session(uuid.uuid4().hex, name, pid, role, self._clock() + self.ttl_s, owner)
         self._sessions[session.id] = session
         return session
 
@@ -70,13 +94,14 @@ class SessionTable:
         """The live session; NOT_FOUND (reason unknown_session) if it closed or expired."""
         session = self._sessions.get(session_id)
         if session is None or session.expires_at <= self._clock():
-            raise CoreError(
-                Code.NOT_FOUND,
-                f"unknown session {session_id!r}: it was closed, its lease ran out, or the "
-                "daemon restarted; open a new session",
-                Reason.UNKNOWN_SESSION,
-            )
+            raise unknown_session(session_id)
         return session
+
+    def owned(self, session_id: str, caller: bytes) -> None:
+        """Raise what `get` raises for a session that is not live unless the session is live and
+        `caller` opened it: another caller learns nothing, not even that the session exists."""
+        if not hmac.compare_digest(self.get(session_id).owner, caller):
+            raise unknown_session(session_id)
 
     def find(self, session_id: str) -> Session | None:
         """The session with this ID if the table still holds it, expired or not."""

@@ -6,7 +6,9 @@ service calls it and translates; nothing here knows about gRPC or asyncio, and t
 injected clock.
 
 Every call that names a session renews its lease (any RPC of a session is a sign of life), and
-checks the session's role for calls that write entries (PRODUCE) or pin them (CONSUME).
+checks the session's role for calls that write entries (PRODUCE) or pin them (CONSUME). Whether
+the caller is the session's opener is asked first, once per RPC (`owned`): session IDs are
+never reused and a session's opener never changes, so the answer holds for the whole call.
 """
 
 from __future__ import annotations
@@ -118,9 +120,15 @@ class Store:
     def lease_ttl_s(self) -> float:
         return self._sessions.ttl_s
 
-    def open_session(self, name: str, pid: int, role: api.Role) -> str:
-        """A new session; returns its ID."""
-        return self._sessions.open(name, pid, role).id
+    def open_session(self, name: str, pid: int, role: api.Role, owner: bytes = b"") -> str:
+        """A new session, bound to the identity of the caller that opens it (ec_daemon.auth:
+        b"", every caller, when the daemon tells none apart); returns its ID."""
+        return self._sessions.open(name, pid, role, owner).id
+
+    def owned(self, session_id: str, caller: bytes) -> None:
+        """NOT_FOUND (unknown_session) unless the session is live and `caller` opened it; the
+        same answer either way. The service asks this before any call naming a session."""
+        self._sessions.owned(session_id, caller)
 
     def keep_alive(self, session_id: str) -> None:
         self._sessions.touch(session_id)

@@ -1,10 +1,11 @@
 """A throwaway certificate authority for TLS tests: a CA, a server certificate for 127.0.0.1 and
-a client certificate, written as PEM files."""
+client certificates, written as PEM files; a daemon's TLS arguments."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +59,17 @@ def _issue(
 
 def make_pki(directory: Path) -> tuple[Path, Pair, Pair]:
     """(CA certificate, server pair for 127.0.0.1, client pair), all signed by the CA."""
+    ca, server, [client] = make_pki_for(directory, ("engine",))
+    return ca, server, client
+
+
+def make_pki_for(directory: Path, clients: Sequence[str]) -> tuple[Path, Pair, list[Pair]]:
+    """(CA certificate, server pair for 127.0.0.1, a pair for each of `clients`, by name), all
+    signed by the CA."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = _issue("ecd test CA", ca_key, None, ca=True)
     pairs = []
-    for name, ip in (("ecd", "127.0.0.1"), ("engine", None)):
+    for name, ip in (("ecd", "127.0.0.1"), *((client, None) for client in clients)):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _issue(name, key, (ca_cert.subject, ca_key), ip=ip)
         pair = Pair(directory / f"{name}.crt", directory / f"{name}.key")
@@ -70,4 +78,11 @@ def make_pki(directory: Path) -> tuple[Path, Pair, Pair]:
         pairs.append(pair)
     ca_path = directory / "ca.crt"
     ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    return ca_path, pairs[0], pairs[1]
+    return ca_path, pairs[0], pairs[1:]
+
+
+def tls_args(port: int, server: Pair, client_ca: Path | None = None) -> tuple[str, ...]:
+    """A daemon's arguments for TLS on 127.0.0.1:port, mutual with `client_ca`."""
+    mutual = ("--tls-client-ca", str(client_ca)) if client_ca else ()
+    return ("--max-bytes", "64MiB", "--tcp", f"127.0.0.1:{port}", "--tls-cert",
+            str(server.cert), "--tls-key", str(server.key), *mutual)  # fmt: skip

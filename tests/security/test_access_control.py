@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from ecd_testing import Daemon, running_daemon
-from pki_testing import Pair, make_pki
+from pki_testing import make_pki, tls_args
 
 from ec_client import AllocateItem, Client, EcdError, Status, TLSFiles, check_health
 
@@ -182,12 +182,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def tls_args(port: int, server: Pair, client_ca: Path | None = None) -> tuple[str, ...]:
-    mutual = ("--tls-client-ca", str(client_ca)) if client_ca else ()
-    return ("--max-bytes", "64MiB", "--tcp", f"127.0.0.1:{port}", "--tls-cert",
-            str(server.cert), "--tls-key", str(server.key), *mutual)  # fmt: skip
 
 
 def test_tls_on_tcp_serves_clients_that_trust_the_ca_and_not_plaintext(tmp_path: Path) -> None:

@@ -35,7 +35,9 @@ class EncoderCacheStub:
     token's grants, or the session's role, do not allow the call), RESOURCE_EXHAUSTED (a batch or
     message over the limit), UNAVAILABLE (the daemon is stopping or unreachable). Calls that take a
     session_id also fail with NOT_FOUND and `ecd-reason: unknown_session` when the session closed,
-    its lease ran out or the daemon restarted (open a new one); calls on a pool with NOT_FOUND and
+    its lease ran out or the daemon restarted (open a new one), and, the same answer, when the
+    caller is not the one that opened it (another token or client certificate: docs/security.md);
+    this is checked before anything else in the request. Calls on a pool fail with NOT_FOUND and
     `ecd-reason: unknown_pool` when it does not exist. Other whole-call errors are listed below.
     """
 
@@ -142,7 +144,9 @@ class EncoderCacheServicer:
     token's grants, or the session's role, do not allow the call), RESOURCE_EXHAUSTED (a batch or
     message over the limit), UNAVAILABLE (the daemon is stopping or unreachable). Calls that take a
     session_id also fail with NOT_FOUND and `ecd-reason: unknown_session` when the session closed,
-    its lease ran out or the daemon restarted (open a new one); calls on a pool with NOT_FOUND and
+    its lease ran out or the daemon restarted (open a new one), and, the same answer, when the
+    caller is not the one that opened it (another token or client certificate: docs/security.md);
+    this is checked before anything else in the request. Calls on a pool fail with NOT_FOUND and
     `ecd-reason: unknown_pool` when it does not exist. Other whole-call errors are listed below.
     """
 
@@ -397,7 +401,9 @@ class EncoderCache:
     token's grants, or the session's role, do not allow the call), RESOURCE_EXHAUSTED (a batch or
     message over the limit), UNAVAILABLE (the daemon is stopping or unreachable). Calls that take a
     session_id also fail with NOT_FOUND and `ecd-reason: unknown_session` when the session closed,
-    its lease ran out or the daemon restarted (open a new one); calls on a pool with NOT_FOUND and
+    its lease ran out or the daemon restarted (open a new one), and, the same answer, when the
+    caller is not the one that opened it (another token or client certificate: docs/security.md);
+    this is checked before anything else in the request. Calls on a pool fail with NOT_FOUND and
     `ecd-reason: unknown_pool` when it does not exist. Other whole-call errors are listed below.
     """
 
