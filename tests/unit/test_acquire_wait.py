@@ -37,6 +37,9 @@ class Context:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()
 
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}  # a Unix socket's: no certificate
+
     def set_trailing_metadata(self, metadata: Any) -> None:
         self.trailing = dict(metadata)
 
