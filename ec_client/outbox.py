@@ -30,7 +30,8 @@ its LRU order every hit. They ride on the next Step to the pool, or go alone onc
 quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwhile). Handing
 them over wakes nobody (a wake costs the caller tens of microseconds, on the vLLM scheduler
 thread at every step): the background thread looks at least every ANSWERED_LINGER_S. A Step
-carries at most MAX_HITS_PER_STEP of them; a full Step's worth goes at once. A Step that
+carries at most MAX_HITS_PER_STEP hits and MAX_MISSES_PER_STEP misses, the rest owed to the next
+one; a full Step's worth of either goes at once. A Step that
 does not reach the daemon (UNAVAILABLE, CANCELLED) gives them back to the next one; one the daemon
 refused drops them, logged.
 """
@@ -53,6 +54,7 @@ from ec_client import _wire
 from ec_client.errors import EcdError
 from ec_client.types import (
     MAX_HITS_PER_STEP,
+    MAX_MISSES_PER_STEP,
     AllocateItem,
     CommitItem,
     Key,
@@ -124,11 +126,15 @@ class Answered:
         self.misses += other.misses
         self.hits += other.hits
 
+    def full(self) -> bool:
+        """Whether a Step's worth of hits or misses is owed: it goes at once."""
+        return len(self.hits) >= MAX_HITS_PER_STEP or self.misses >= MAX_MISSES_PER_STEP
+
     def take(self) -> Answered:
-        """What one Step carries, taken out: the misses and the first MAX_HITS_PER_STEP hits
-        (the rest wait for the next Step)."""
-        taken = Answered(self.misses, self.hits[:MAX_HITS_PER_STEP])
-        self.misses = 0
+        """What one Step carries, taken out: at most MAX_MISSES_PER_STEP misses and the first
+        MAX_HITS_PER_STEP hits (the rest wait for the next Step)."""
+        taken = Answered(min(self.misses, MAX_MISSES_PER_STEP), self.hits[:MAX_HITS_PER_STEP])
+        self.misses -= taken.misses
         del self.hits[:MAX_HITS_PER_STEP]
         return taken
 
@@ -266,12 +272,12 @@ class _Pool:
         return self.ops() or bool(self.answered)
 
     def due_at(self, linger_s: float) -> float:
-        """When the background thread sends what is owed, if no Step goes before: hits that
-        fill a Step go at once (a busy engine reads thousands a second under lock pins, more
-        than one Step may carry)."""
+        """When the background thread sends what is owed, if no Step goes before: hits or misses
+        that fill a Step go at once (a busy engine reads thousands a second under lock pins,
+        more than one Step may carry)."""
         if self.ops():
             return self.last_step + linger_s
-        if len(self.answered.hits) >= MAX_HITS_PER_STEP:
+        if self.answered.full():
             return self.last_step
         return self.last_step + max(linger_s, ANSWERED_LINGER_S)
 
@@ -335,7 +341,7 @@ class Outbox:
         with self._lock:
             pool = self._pool(engine_id)
             pool.answered.add(answered)
-            self._wake(notify=len(pool.answered.hits) >= MAX_HITS_PER_STEP)
+            self._wake(notify=pool.answered.full())
 
     def _returned(self, pool: _Pool, answered: Answered) -> None:
         with self._lock:

@@ -194,10 +194,12 @@ class LeaseResult:
     message: str
 
 
-# StepRequest.hits carries at most this many keys, whatever the daemon's --max-batch (a limit of
-# the protocol, so that a client needs no word from the daemon to keep to it): a client owing
-# more sends the rest in its next Step.
+# StepRequest.hits carries at most this many keys, and StepRequest.misses at most this many
+# misses, whatever the daemon's --max-batch (limits of the protocol, so that a client needs no
+# word from the daemon to keep to them): a client owing more sends the rest in its next Step.
+# Bounded so that no caller can drive the daemon's counters far with one call.
 MAX_HITS_PER_STEP = 4096
+MAX_MISSES_PER_STEP = MAX_HITS_PER_STEP
 
 
 @dataclass(frozen=True)

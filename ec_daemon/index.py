@@ -87,9 +87,21 @@ class Outcome:
     entry: Entry | None = None
 
 
+# The most a counter shows (StatsReply's uint64 fields, and the metrics, which show what Stats
+# does): past it a counter stays there, saturated, where encoding it would fail every Stats.
+# Per-Step bounds keep any caller far from it (MAX_HITS_PER_STEP, MAX_MISSES_PER_STEP); this is
+# what holds whatever a count comes to.
+COUNTER_MAX = 2**64 - 1
+
+
+def saturated(count: int) -> int:
+    return min(count, COUNTER_MAX)
+
+
 @dataclass
 class PoolCounters:
-    """Monotonic counts since the daemon started (not persisted across restarts)."""
+    """Monotonic counts since the daemon started (not persisted across restarts), saturating at
+    COUNTER_MAX when shown (`shown`)."""
 
     hits: int = 0
     misses: int = 0
@@ -101,6 +113,9 @@ class PoolCounters:
     remote_misses: int = 0  # pulls that fetched nothing
     remote_bytes: int = 0
     remote_reads: int = 0  # transfer-engine reads started for pulls
+
+    def shown(self) -> PoolCounters:
+        return PoolCounters(*(saturated(count) for count in dataclasses.astuple(self)))
 
 
 # How many slots a commit tries for its record while readers hold them locked (the entry's own,
@@ -463,11 +478,13 @@ class PoolIndex:
             self._set_evictable(entry, True)
 
     def touch(self, key: bytes) -> None:
-        """A reader hit the entry under a lock pin, with no round trip (StepRequest.hits): a hit
-        all the same, and recency for the policy if the entry is still here."""
-        self.counters.hits += 1
+        """A reader hit the entry under a lock pin, with no round trip (StepRequest.hits): a hit,
+        and recency for the policy. Only for a READY entry: a key the pool does not hold counts
+        nothing, so that a client cannot count hits it never had (one read just before its
+        entry went, a moment before the hit was sent, goes uncounted)."""
         entry = self._entries.get(key)
         if entry is not None and entry.state is EntryState.READY:
+            self.counters.hits += 1
             self._policy.on_access(key)
 
     def get(self, key: bytes) -> Entry | None:
@@ -555,11 +572,11 @@ class PoolIndex:
             reserved_bytes=self.geometry.file_size,
             max_entries=self.geometry.num_slots,
             remote_seconds_bounds=self.remote_seconds.bounds,
-            remote_seconds_counts=tuple(self.remote_seconds.counts),
+            remote_seconds_counts=tuple(map(saturated, self.remote_seconds.counts)),
             remote_seconds_sum=self.remote_seconds.sum,
             held_blocks=sum(e.blocks for e in self._removed_not_free()),
             entries_locked=len(self._journal.locked_slots()),
-            **dataclasses.asdict(self.counters),
+            **dataclasses.asdict(self.counters.shown()),
         )
 
     def pins(self) -> int:

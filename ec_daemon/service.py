@@ -106,11 +106,12 @@ def per_item(
 
 
 def step_actions(request: pb.StepRequest) -> tuple[Action, ...]:
-    """What a Step does, part by part, for the access lists."""
+    """What a Step does, part by part, for the access lists. Hits and misses a client answered
+    itself are a consumer's to owe: they move the pool's counters and its eviction order."""
     actions = [Action.SESSION]
     if request.commits or request.aborts or request.allocates:
         actions.append(Action.PRODUCE)
-    if request.acquires:
+    if request.acquires or request.hits or request.misses:
         actions.append(Action.CONSUME)
     return tuple(actions)
 
@@ -419,7 +420,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             request.allocates,
         ):
             validate.batch(len(part), self.limits)
-        validate.hits(len(request.hits))
+        validate.answered(len(request.hits), request.misses)
         commits, aborts = wire.checked_commits(request.commits), wire.checked_keys(request.aborts)
         acquires, allocates = (
             wire.checked_keys(request.acquires),

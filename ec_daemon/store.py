@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ec_client import __version__
 from ec_client import types as api
 from ec_daemon.errors import Code, CoreError
-from ec_daemon.index import Entry, Outcome
+from ec_daemon.index import Entry, Outcome, saturated
 from ec_daemon.pools import Pool, PoolListener, PoolRegistry, PoolSettings
 from ec_daemon.sessions import CONSUME, PRODUCE, Session, SessionTable
 
@@ -353,8 +353,9 @@ class Store:
             pool.index.counters.misses += misses
 
     def touch(self, engine_id: str, keys: Sequence[bytes]) -> None:
-        """Hits a client answered under lock pins, with no round trip (StepRequest.hits): counted,
-        and each entry still here refreshed for eviction. None counted for a pool gone."""
+        """Hits a client answered under lock pins, with no round trip (StepRequest.hits): each
+        naming a READY entry counts and refreshes it for eviction; the others count nothing
+        (ec_daemon.index.Index.touch). None counted for a pool gone."""
         pool = self._pools.find(engine_id)
         if pool is not None:
             for key in keys:
@@ -582,7 +583,7 @@ class Store:
             capacity_bytes=self._pools.capacity_bytes(),
             reserved_bytes=self._pools.reserved_bytes(),
             sessions=len(self._sessions),
-            lease_expiries=self.lease_expiries,
+            lease_expiries=saturated(self.lease_expiries),
             version=__version__,
             pools=tuple(
                 dataclasses.replace(p.stats(), ephemeral=p.engine_id in self._ephemeral)

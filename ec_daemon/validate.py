@@ -18,7 +18,7 @@ from ec_client.layout import (
     MAX_NDIM,
     tensor_nbytes,
 )
-from ec_client.types import MAX_HITS_PER_STEP, TensorSpec
+from ec_client.types import MAX_HITS_PER_STEP, MAX_MISSES_PER_STEP, TensorSpec
 from ec_daemon.errors import Code, CoreError
 
 MAX_WAIT_MS = 600_000
@@ -52,16 +52,21 @@ def batch(size: int, limits: Limits) -> None:
         )
 
 
-def hits(count: int) -> None:
-    """StepRequest.hits: bounded by the protocol (MAX_HITS_PER_STEP, which clients keep to
-    without asking), not by --max-batch: they are counts and recency, no work per item beyond a
-    lookup, and a busy engine reads thousands a second under lock pins."""
-    if count > MAX_HITS_PER_STEP:
-        raise CoreError(
-            Code.RESOURCE_EXHAUSTED,
-            f"{count} hits in one Step, over the protocol's {MAX_HITS_PER_STEP}: send the rest "
-            "in the next Step",
-        )
+def answered(hits: int, misses: int) -> None:
+    """StepRequest.hits and .misses: bounded by the protocol (MAX_HITS_PER_STEP,
+    MAX_MISSES_PER_STEP, which clients keep to without asking), not by --max-batch: they are
+    counts and recency, no work per item beyond a lookup, and a busy engine reads thousands a
+    second under lock pins. The bound keeps one call from driving the pool's counters far."""
+    for count, what, limit in (
+        (hits, "hits", MAX_HITS_PER_STEP),
+        (misses, "misses", MAX_MISSES_PER_STEP),
+    ):
+        if count > limit:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"{count} {what} in one Step, over the protocol's {limit}: send the rest "
+                "in the next Step",
+            )
 
 
 def key_problem(key: bytes) -> str | None:

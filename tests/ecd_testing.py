@@ -34,6 +34,7 @@ __all__ = [
     "REPO",
     "Daemon",
     "assert_blocks_accounted",
+    "auth_args",
     "count_record_parses",
     "new_shm_dir",
     "run_ecd",
@@ -119,6 +120,17 @@ class Daemon:
     def client(self, **kwargs: Any) -> Client:
         kwargs.setdefault("name", "test")
         return Client(self.address, **kwargs)
+
+
+def auth_args(directory: Path, tokens: dict[str, str], acl: str) -> tuple[str, ...]:
+    """A daemon's arguments for these tokens (name -> token) and this access list (TOML), written
+    into `directory`."""
+    token_file = directory / "tokens"
+    token_file.write_text("".join(f"{name} {token}\n" for name, token in tokens.items()))
+    token_file.chmod(0o600)
+    acl_file = directory / "acl.toml"
+    acl_file.write_text(acl)
+    return ("--token-file", str(token_file), "--acl-file", str(acl_file))
 
 
 @contextmanager

@@ -9,10 +9,13 @@ the fuzz tests only, never to the other hypothesis tests of the run.
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections import Counter
+from collections.abc import Callable
 
 import grpc
 from hypothesis import HealthCheck, settings
+from prometheus_client.parser import text_string_to_metric_families
 
 PROFILE = os.environ.get("ECD_FUZZ_PROFILE", "sample")
 # Examples per fuzz test: (each RPC's request fuzzer, malformed bodies, raw socket bytes).
@@ -59,3 +62,14 @@ CASES: Counter[str] = Counter()
 # What the answers were ("Allocate ITEM_ALLOCATED", "Commit NOT_FOUND", ...): evidence that the
 # fuzzers reach real state rather than bouncing off the first check.
 ANSWERS: Counter[str] = Counter()
+
+
+def assert_still_observable(stats: Callable[[], object], metrics_port: int) -> None:
+    """Stats (`stats`, a call of it) and the metrics page still answer: a daemon can stay up
+    and SERVING while what a client did makes every Stats fail for everyone (a Step's misses of
+    2**64-1 once did: its counter no longer fit StatsReply)."""
+    stats()
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:  # an error page raises
+        families = list(text_string_to_metric_families(reply.read().decode()))
+    assert any(family.name == "ecd_pool_misses" for family in families)

@@ -7,7 +7,8 @@ so that real state is reached: entries get allocated, committed, pinned, evicted
 and dropped. Whatever is sent, the daemon must
 - answer every request with success or a documented status code (never INTERNAL or UNKNOWN),
   with one result per item, in order;
-- stay up (same process, same boot epoch) and SERVING;
+- stay up (same process, same boot epoch) and SERVING, and still answer Stats and the metrics
+  page after every case (a daemon can be up while what a client did fails every Stats);
 - leak no block: once every session is closed and a lease has passed, every pool's free blocks
   plus the blocks of its READY entries make up the pool, with nothing PENDING or pinned.
 """
@@ -31,6 +32,7 @@ from fuzz_testing import (
     MALFORMED,
     PER_RPC,
     PROFILE,
+    assert_still_observable,
     fuzz_settings,
 )
 from google.protobuf import message_factory
@@ -43,6 +45,7 @@ from hypothesis import strategies as st
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client.layout import DTYPES, ENGINE_ID_PATTERN
+from ec_daemon.spawn import free_port
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EncoderCache"]
 UNARY = [m.name for m in SERVICE.methods if not m.server_streaming]
@@ -61,8 +64,9 @@ class World:
     A few anchor sessions are kept alive by a thread (and replaced when a fuzzed CloseSession
     ends one); everything else is learned from replies."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, metrics_port: int) -> None:
         self.daemon = daemon
+        self.metrics_port = metrics_port
         self.pid = daemon.proc.pid if daemon.proc else 0
         self.channel = grpc.insecure_channel(daemon.address)
         self.stub = pb_grpc.EncoderCacheStub(self.channel)
@@ -117,6 +121,12 @@ class World:
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:  # a fuzzed CloseSession
                         self.anchors[i] = self.open_session()
+
+    def assert_observable(self) -> None:
+        stats = self.stub.Stats
+        assert_still_observable(
+            lambda: stats(pb.StatsRequest(), timeout=CALL_TIMEOUT), self.metrics_port
+        )
 
     def close(self) -> None:
         if not self._stop.is_set():
@@ -368,6 +378,17 @@ def plausible(rpc: str, known: dict[str, list[Any]]) -> st.SearchStrategy[Messag
             lambda lease: pb.ReleaseRequest(session_id=lease[0], lease_ids=[lease[1]]),
             sample(known["leases"], ("", 0)),
         )
+    if rpc == "Step":  # the counts a client owes, hostile ones among them
+        return st.builds(
+            lambda s, p, acquires, hits, misses: pb.StepRequest(
+                session_id=s, engine_id=p[0], acquires=acquires, hits=hits, misses=misses
+            ),
+            sessions,
+            pools,
+            st.lists(st.one_of(sample(known["keys"], b"no-key"), fresh_keys), max_size=4),
+            st.lists(st.one_of(sample(known["keys"], b"no-key"), fresh_keys), max_size=6),
+            st.one_of(st.integers(0, 8), st.just(2**64 - 1), st.integers(0, 2**64 - 1)),
+        )
     if rpc in ("Lookup", "Evict", "Delete"):
         cls = message_factory.GetMessageClass(SERVICE.methods_by_name[rpc].input_type)
         return st.builds(
@@ -451,6 +472,7 @@ def send(world: World, rpc: str, request: Message) -> None:
         check_reply(world, rpc, request, reply)
         world.learn(rpc, request, reply)
     assert world.daemon.running, world.daemon.log()[-3000:]
+    world.assert_observable()
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -459,8 +481,10 @@ def send(world: World, rpc: str, request: Message) -> None:
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
     args = ("--max-bytes", "64MiB", "--lease-ttl", str(LEASE_TTL), "--max-batch", str(MAX_BATCH))
-    with running_daemon(*args) as daemon:
-        w = World(daemon)
+    port = free_port()
+    metrics = ("--metrics-host", "127.0.0.1", "--metrics-port", str(port))
+    with running_daemon(*args, *metrics) as daemon:
+        w = World(daemon, port)
         yield w
         w.close()
 
@@ -507,6 +531,7 @@ def test_any_watch_streams_events_or_ends_with_a_documented_error(
         else:
             check_error("Watch", request, error)
     assert world.daemon.running
+    world.assert_observable()
 
 
 @fuzz_settings(PER_RPC)
@@ -545,6 +570,7 @@ def test_a_body_that_is_not_a_request_never_harms_the_daemon(
         if rpc not in STREAMING:
             assert error.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
     assert world.daemon.running, world.daemon.log()[-3000:]
+    world.assert_observable()
 
 
 @pytest.mark.parametrize(
@@ -556,6 +582,13 @@ def test_a_body_that_does_not_parse_is_invalid_argument(world: World, body: byte
     with pytest.raises(grpc.RpcError) as caught:
         raw_method(world, "Lookup")(body, timeout=CALL_TIMEOUT)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_steps_owing_more_misses_than_a_counter_holds_leave_stats_answering(world: World) -> None:
+    """Two Steps of 2**64-1 misses each: once both were counted, no Stats could be encoded."""
+    request = pb.StepRequest(session_id=world.anchors[0], engine_id="fz-small", misses=2**64 - 1)
+    for _ in range(2):
+        send(world, "Step", request)
 
 
 def test_after_all_of_it_the_daemon_serves_and_no_block_is_leaked(world: World) -> None:

@@ -1,8 +1,9 @@
 """Bytes written straight to the daemon's Unix socket: garbage, a truncated HTTP/2 preface, a
 valid preface followed by junk frames, and gRPC calls whose frames or messages are mangled.
 
-Whatever arrives, the daemon stays up and SERVING, answers real clients as before, and closes
-what it opened for the hostile connections (its file descriptors return to where they were).
+Whatever arrives, the daemon stays up and SERVING, answers real clients as before (Stats and the
+metrics page after every case), and closes what it opened for the hostile connections (its file
+descriptors return to where they were).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from ecd_testing import Daemon, running_daemon
-from fuzz_testing import CASES, RAW, fuzz_settings
+from fuzz_testing import CASES, RAW, assert_still_observable, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 from workload_testing import daemon_fds
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_daemon.spawn import free_port
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SETTINGS, HEADERS, DATA = 0x4, 0x1, 0x0
@@ -146,8 +148,14 @@ HOSTILE = {
 
 
 @pytest.fixture(scope="module")
-def target() -> Iterator[Daemon]:
-    with running_daemon("--max-bytes", "64MiB", "--lease-ttl", "2") as daemon:
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def target(metrics_port: int) -> Iterator[Daemon]:
+    metrics = ("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port))
+    with running_daemon("--max-bytes", "64MiB", "--lease-ttl", "2", *metrics) as daemon:
         yield daemon
 
 
@@ -162,7 +170,7 @@ def test_a_hand_built_grpc_call_reaches_the_service(target: Daemon) -> None:
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
-def test_hostile_bytes_never_harm_the_daemon(target: Daemon, kind: str) -> None:
+def test_hostile_bytes_never_harm_the_daemon(target: Daemon, metrics_port: int, kind: str) -> None:
     with target.client(name="observer") as c:
         c.open_pool("bystander", 4096, 64 * 4096)
         baseline = daemon_fds(target.proc.pid)  # type: ignore[union-attr]
@@ -174,6 +182,7 @@ def test_hostile_bytes_never_harm_the_daemon(target: Daemon, kind: str) -> None:
             until = b"grpc-status" if kind == "socket mangled gRPC call" else b""
             send_raw(target, payload, read_s=0.15, until=until)
             assert target.running, target.log()[-3000:]
+            assert_still_observable(c.stats, metrics_port)
 
         attack()
         assert c.health() == "SERVING"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, auth_args, running_daemon
 from google.protobuf.message import Message
 from pki_testing import Pair, make_pki_for, tls_args
 
@@ -118,14 +118,8 @@ def assert_victim_intact(victim: Client, session_id: str, lease: int, pool: str)
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    directory = tmp_path_factory.mktemp("sessions")
-    tokens = directory / "tokens"
-    tokens.write_text("".join(f"{name} {token}\n" for name, token in TOKENS.items()))
-    tokens.chmod(0o600)
-    acl = directory / "acl.toml"
-    acl.write_text(ACL)
-    args = ("--max-bytes", "64MiB", "--token-file", str(tokens), "--acl-file", str(acl))
-    with running_daemon(*args) as daemon:
+    args = auth_args(tmp_path_factory.mktemp("sessions"), TOKENS, ACL)
+    with running_daemon("--max-bytes", "64MiB", *args) as daemon:
         yield daemon
 
 

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 from core_testing import FakeClock, spec
 
+from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.layout import Geometry, RecordFields, SlotRecord, read_record
 from ec_client.types import EntryState, EventType, Extent, Status
 from ec_daemon.eviction import FIFOPolicy, LRUPolicy
-from ec_daemon.index import MAX_SLOT_TRIES, PoolIndex
+from ec_daemon.index import COUNTER_MAX, MAX_SLOT_TRIES, PoolIndex
 
 BLOCK = 1024
 
@@ -355,10 +356,26 @@ def test_a_hit_under_a_lock_pin_counts_and_refreshes_recency() -> None:
     put(index, b"a", 1)
     put(index, b"b", 1)
     index.touch(b"a")  # a read a moment ago: b is now the least recently used
-    index.touch(b"gone")  # read before it went: a hit all the same
     index.allocate(b"c", spec(BLOCK), "s", "producer")
     assert (EventType.EVICTED, b"b") in sink.events and index.state(b"a") is EntryState.READY
-    assert index.counters.hits == 2
+    assert index.counters.hits == 1
+
+
+def test_a_hit_naming_no_ready_entry_counts_nothing() -> None:
+    index, _, _ = make_index(blocks=2, slots=8)
+    index.allocate(b"pending", spec(BLOCK), "s", "producer")
+    index.touch(b"absent")
+    index.touch(b"pending")
+    assert index.counters.hits == 0
+
+
+def test_counters_saturate_at_what_stats_can_carry() -> None:
+    index, _, _ = make_index()
+    index.counters.misses = COUNTER_MAX + 12345
+    index.counters.hits = 7
+    stats = index.stats("")
+    assert (stats.misses, stats.hits) == (COUNTER_MAX, 7)
+    assert pb.PoolStats(misses=stats.misses).SerializeToString()  # what StatsReply carries
 
 
 def test_restore_adopts_records_oldest_commit_first() -> None:

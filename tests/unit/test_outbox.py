@@ -32,6 +32,7 @@ from ec_client.errors import EcdError
 from ec_client.outbox import Answered, DeferredOp, Outbox, OutboxBatch
 from ec_client.types import (
     MAX_HITS_PER_STEP,
+    MAX_MISSES_PER_STEP,
     AcquireResult,
     AllocateItem,
     ItemResult,
@@ -516,6 +517,18 @@ def test_a_step_carries_at_most_the_protocols_hits_and_the_rest_go_at_once(
     wait_until(lambda: len(sender.batches) == 1)  # due at once, not after the linger
     assert sender.batches[0][1].answered.hits == keys[:MAX_HITS_PER_STEP]
     assert o.take(POOL).answered.hits == keys[MAX_HITS_PER_STEP:]  # owed to the next Step
+    o.close()
+
+
+def test_a_step_carries_at_most_the_protocols_misses_and_the_rest_go_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)
+    o, sender = owed(linger_s=60.0)
+    o.misses(POOL, MAX_MISSES_PER_STEP + 10)  # more than one Step may carry
+    wait_until(lambda: len(sender.batches) == 1)  # due at once, not after the linger
+    assert sender.batches[0][1].answered.misses == MAX_MISSES_PER_STEP
+    assert o.take(POOL).answered.misses == 10  # owed to the next Step, none dropped
     o.close()
 
 
