@@ -512,12 +512,14 @@ class Outbox:
             self._batch_done(pool, batch)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Send everything owed now, from the caller's thread, and wait for what the background
-        thread is sending and the Steps asked of it so far (TimeoutError past timeout_s)."""
+        """Send everything owed now, from the caller's thread (as many Steps as the hits and
+        misses owed fill), and wait for what the background thread is sending and the Steps
+        asked of it so far (TimeoutError past timeout_s)."""
         with self._lock:
             engine_ids = [e for e, p in self._pools.items() if p.owing()]
         for engine_id in engine_ids:
-            self._send_alone(engine_id, self.take(engine_id, wait=True))
+            while self._send_alone(engine_id, self.take(engine_id, wait=True)):
+                pass
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._lock:
             while self._sending or self._asks or any(p.in_transit for p in self._pools.values()):
@@ -637,12 +639,17 @@ class Outbox:
                     log.exception("ecd: an op's handler raised as it heard: %s", error)
             raise error from exc
 
-    def _send_alone(self, engine_id: str, batch: OutboxBatch) -> None:
+    def _send_alone(self, engine_id: str, batch: OutboxBatch) -> bool:
         """A Step of the batch alone, if it carries anything (flush's: what it raises, the
-        caller hears)."""
-        if batch:
-            with contextlib.suppress(EcdError):  # each op heard of it
-                self._send(engine_id, batch, (), ())
+        caller hears). Whether it went with a full Step's worth of hits or misses: more of them
+        may be owed."""
+        if not batch:
+            return False
+        try:
+            self._send(engine_id, batch, (), ())
+        except EcdError:  # each op heard of it; what it carried is owed again, or dropped
+            return False
+        return batch.answered.full()
 
     def _pool(self, engine_id: str) -> _Pool:
         pool = self._pools.get(engine_id)

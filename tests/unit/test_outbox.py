@@ -532,6 +532,16 @@ def test_a_step_carries_at_most_the_protocols_misses_and_the_rest_go_at_once(
     o.close()
 
 
+def test_a_flush_sends_every_miss_owed_in_as_many_steps_as_they_fill() -> None:
+    o, sender = owed()
+    o.misses(POOL, 2 * MAX_MISSES_PER_STEP + 5)
+    o.flush()
+    sent = [batch.answered.misses for _, batch in sender.batches]
+    assert sum(sent) == 2 * MAX_MISSES_PER_STEP + 5 and max(sent) <= MAX_MISSES_PER_STEP
+    assert not o.take(POOL).answered
+    o.close()
+
+
 def test_a_step_that_did_not_reach_the_daemon_leaves_its_hits_to_the_next_one() -> None:
     o, _ = owed()
     o.hits(POOL, [b"a"])
