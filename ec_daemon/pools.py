@@ -169,6 +169,28 @@ class PoolRegistry:
                 "pool adopted",
                 extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
             )
+        self._warn_over_budget()
+
+    def _warn_over_budget(self) -> None:
+        """Pools adopted at start are kept whatever the budget (they are the cache, and clients
+        may be reading them): a budget below them only stops new pools until enough are dropped.
+        Said once, at start, with the numbers."""
+        used, budget = self.capacity_bytes(), self.settings.max_bytes
+        if used <= budget:
+            return
+        log.warning(
+            "pools adopted over the budget: all kept and served, but no pool can be created "
+            "until pools are dropped (ecd drop) below the budget or --max-bytes is raised",
+            extra={
+                "capacity": format_size(used),
+                "max_bytes": format_size(budget),
+                "over_by": format_size(used - budget),
+                "pools": ", ".join(
+                    f"{p.engine_id}={format_size(p.file.header.geometry.capacity_bytes)}"
+                    for p in self._pools.values()
+                ),
+            },
+        )
 
     def refuse(self, engine_id: str, path: Path, why: str) -> None:
         self._refused[engine_id] = why
@@ -216,12 +238,18 @@ class PoolRegistry:
     def _create(self, engine_id: str, geometry: Geometry, compat_key: str) -> Pool:
         used, budget = self.capacity_bytes(), self.settings.max_bytes
         if used + geometry.capacity_bytes > budget:
+            left = (
+                f"only {format_size(budget - used)} of the daemon's {format_size(budget)} budget "
+                f"(--max-bytes) are left ({len(self._pools)} pools hold the rest)"
+                if used <= budget
+                else f"the {len(self._pools)} pools it serves hold {format_size(used)}, "
+                f"{format_size(used - budget)} over the daemon's {format_size(budget)} budget "
+                "(--max-bytes): pools adopted at start that a smaller budget does not cover"
+            )
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
-                f"pool {engine_id!r} asks for {format_size(geometry.capacity_bytes)} but only "
-                f"{format_size(budget - used)} of the daemon's {format_size(budget)} budget "
-                f"(--max-bytes) are left ({len(self._pools)} pools hold the rest); ask for less "
-                "capacity_bytes, drop a pool, or raise --max-bytes",
+                f"pool {engine_id!r} asks for {format_size(geometry.capacity_bytes)} but {left}; "
+                "ask for less capacity_bytes, drop a pool, or raise --max-bytes",
                 Reason.BUDGET,
             )
         try:

@@ -4,6 +4,8 @@ budget, and pool files that cost little more than their capacity."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -87,3 +89,35 @@ def test_a_pool_file_whose_name_ecd_would_refuse_is_not_adopted_at_restart(
         assert [p.engine_id for p in c.stats().pools] == [POOL]
     assert stray.exists()
     assert "is not a pool ecd could have made" in daemon.log()
+
+
+@contextmanager
+def restarted_under_a_smaller_budget() -> Iterator[Daemon]:
+    """A daemon that made pools of 48 MiB and 32 MiB, restarted with --max-bytes 64MiB: it
+    adopts 80 MiB of capacity, 16 MiB over its budget."""
+    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", "2") as daemon:
+        with daemon.client() as c:
+            c.open_pool("big", MiB, 48 * MiB)
+            c.open_pool("small", MiB, 32 * MiB)
+        daemon.stop()
+        daemon.args = ("--max-bytes", "64MiB", "--lease-ttl", "2")
+        yield daemon.start()
+
+
+def test_a_daemon_restarted_under_a_budget_smaller_than_its_pools_says_so_and_keeps_them() -> None:
+    with restarted_under_a_smaller_budget() as daemon, daemon.client() as c:
+        assert sorted(p.engine_id for p in c.stats().pools) == ["big", "small"]  # still served
+        log = daemon.log()
+        assert "pools adopted over the budget" in log
+        for figure in ('capacity="80.0 MiB"', 'max_bytes="64.0 MiB"', 'over_by="16.0 MiB"'):
+            assert figure in log
+        assert 'pools="big=48.0 MiB, small=32.0 MiB"' in log
+
+
+def test_a_pool_asked_for_over_an_exceeded_budget_is_refused_without_a_negative_size() -> None:
+    with restarted_under_a_smaller_budget() as daemon, daemon.client() as c:
+        with pytest.raises(EcdError) as over:
+            c.open_pool("one-more", MiB, MiB)
+        assert over.value.code.name == "RESOURCE_EXHAUSTED"
+        assert "-" not in over.value.message.replace("--max-bytes", "").replace("one-more", "")
+        assert "hold 80.0 MiB, 16.0 MiB over the daemon's 64.0 MiB budget" in over.value.message
