@@ -100,7 +100,12 @@ def close_session() -> Call[tuple[int, int]]:
 
 
 def open_pool(
-    engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str, ephemeral: bool
+    engine_id: str,
+    block_size_bytes: int,
+    capacity_bytes: int,
+    compat_key: str,
+    ephemeral: bool,
+    max_entries: int = 0,
 ) -> Call[api.PoolInfo]:
     def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
         return mirror(api.PoolInfo, reply.pool, created=reply.created)
@@ -114,6 +119,7 @@ def open_pool(
             capacity_bytes=capacity_bytes,
             compat_key=compat_key,
             ephemeral=ephemeral,
+            max_entries=max_entries,
         ),
         parse,
         safe_to_retry=True,

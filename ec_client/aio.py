@@ -163,8 +163,11 @@ class AsyncClient(BaseClient):
         capacity_bytes: int = 0,
         compat_key: str = "",
         ephemeral: bool = False,
+        max_entries: int = 0,
     ) -> PoolInfo:
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
+        call = _wire.open_pool(
+            engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries
+        )
         return await self._drive(self._state.open_pool(call))
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:

@@ -207,6 +207,7 @@ class Client(BaseClient):
         capacity_bytes: int = 0,
         compat_key: str = "",
         ephemeral: bool = False,
+        max_entries: int = 0,
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
         With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
@@ -217,11 +218,19 @@ class Client(BaseClient):
         it when the last of them ends, closed or killed (its lease runs out). For a name nobody
         else knows, whose pool would otherwise outlive a client killed before it dropped it.
 
+        `max_entries`: how many entries the pool holds at once (its slot table, 512 bytes of
+        file each); 0 takes the daemon's default (--entries-per-pool, or one per 32 KiB of
+        capacity). A pool of entries smaller than that evicts to free slots with blocks to spare
+        (Stats' evictions_for_entries): ask for more. At most one per block and the daemon's
+        limit (RESOURCE_EXHAUSTED over it); given, it must match an existing pool's.
+
         Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
         not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
         file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
         directory is full)."""
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
+        call = _wire.open_pool(
+            engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries
+        )
         return self._drive(self._state.open_pool(call))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from ec_client.layout import (
     ENGINE_ID_PATTERN,
+    MAX_AUTO_SLOTS,
     POOL_FILE_PREFIX,
     POOL_FILE_SUFFIX,
     Geometry,
@@ -201,17 +202,23 @@ class PoolRegistry:
             log.error("pool file removed from under the daemon: pool forgotten", extra=extra)
 
     def open(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+        self,
+        engine_id: str,
+        block_size_bytes: int,
+        capacity_bytes: int,
+        compat_key: str,
+        max_entries: int = 0,
     ) -> tuple[Pool, bool]:
         """Attach to the pool of this engine_id or create it; returns (pool, created).
 
         Without a geometry (block_size_bytes and capacity_bytes 0) it only attaches: NOT_FOUND
-        when the pool does not exist, and compat_key, if given, must match."""
+        when the pool does not exist, and compat_key, if given, must match. max_entries: the
+        slots to create it with (0: the default), or, given, the slots it must have."""
         attach = block_size_bytes == 0
-        geometry = None if attach else self._geometry(block_size_bytes, capacity_bytes)
+        geometry = None if attach else self._geometry(block_size_bytes, capacity_bytes, max_entries)
         pool = self._pools.get(engine_id)
         if pool is not None:
-            self._check_same(pool, geometry, compat_key)
+            self._check_same(pool, geometry, compat_key, max_entries)
             return pool, False
         refusal = self._refusal(engine_id)
         if refusal is not None and self._file_in_place(engine_id):
@@ -221,9 +228,25 @@ class PoolRegistry:
         self._refused.pop(engine_id, None)  # its file is gone (as the refusal asked): start anew
         return self._create(engine_id, geometry, compat_key), True
 
-    def _geometry(self, block_size_bytes: int, capacity_bytes: int) -> Geometry:
+    def _geometry(self, block_size_bytes: int, capacity_bytes: int, max_entries: int) -> Geometry:
+        # The most slots a pool may ask for (its slot table is file outside the budget):
+        # --entries-per-pool when set (every pool that asks for none gets that many), else the
+        # most that sizing from the capacity gives any pool.
+        bound = self.settings.entries_per_pool or MAX_AUTO_SLOTS
+        if max_entries > bound:
+            setting = (
+                "--entries-per-pool"
+                if self.settings.entries_per_pool
+                else "the most any pool gets with --entries-per-pool auto; setting it raises it"
+            )
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"max_entries {max_entries} is over the daemon's limit of {bound} entries per "
+                f"pool ({setting}); ask for at most {bound}",
+                Reason.BUDGET,
+            )
         geometry = Geometry.for_capacity(
-            block_size_bytes, capacity_bytes, self.settings.entries_per_pool
+            block_size_bytes, capacity_bytes, max_entries or self.settings.entries_per_pool
         )
         limit = self.settings.max_pool_bytes
         if limit is not None and geometry.capacity_bytes > limit:
@@ -289,11 +312,24 @@ class PoolRegistry:
         return Pool(file, index, transfer)
 
     @staticmethod
-    def _check_same(pool: Pool, geometry: Geometry | None, compat_key: str) -> None:
-        """An attach matches the pool's geometry (unless it gave none) and compat_key (unless
-        it gave none and no geometry either: attaching by name alone)."""
+    def _check_same(
+        pool: Pool, geometry: Geometry | None, compat_key: str, max_entries: int
+    ) -> None:
+        """An attach matches the pool's geometry (unless it gave none), its slots (unless it
+        asked for none) and compat_key (unless it gave none and no geometry either: attaching
+        by name alone)."""
         have = pool.file.header
         found = have.geometry
+        # The slots a creation would have made: at most one per block.
+        slots = min(max_entries, geometry.num_blocks if geometry else found.num_blocks)
+        if max_entries and slots != found.num_slots:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {pool.engine_id!r} exists with max_entries={found.num_slots}; requested "
+                f"max_entries={max_entries}"
+                + (f" (at most one per block: {slots})" if slots != max_entries else ""),
+                Reason.POOL_MISMATCH,
+            )
         if geometry is not None and (found.block_size_bytes, found.num_blocks) != (
             geometry.block_size_bytes,
             geometry.num_blocks,

@@ -204,7 +204,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.OpenPoolRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenPoolReply:
         engine_id = validate.engine_id(request.engine_id)
-        validate.pool_request(request.block_size_bytes, request.capacity_bytes, request.compat_key)
+        r = request
+        validate.pool_request(r.block_size_bytes, r.capacity_bytes, r.compat_key, r.max_entries)
         try:
             info = self.store.open_pool(
                 request.session_id,
@@ -213,6 +214,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 request.capacity_bytes,
                 request.compat_key,
                 request.ephemeral,
+                request.max_entries,
             )
         except CoreError as exc:
             peer_has_it = (

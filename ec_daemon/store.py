@@ -184,11 +184,15 @@ class Store:
         capacity_bytes: int,
         compat_key: str,
         ephemeral: bool = False,
+        max_entries: int = 0,
     ) -> api.PoolInfo:
         """Attach to the pool of this engine_id or create it. The session holds it from now on;
-        `ephemeral` makes it go when the last session holding it ends."""
+        `ephemeral` makes it go when the last session holding it ends; `max_entries` is its slot
+        count (0: the daemon's default)."""
         session = self._sessions.touch(session_id)
-        pool, created = self._pools.open(engine_id, block_size_bytes, capacity_bytes, compat_key)
+        pool, created = self._pools.open(
+            engine_id, block_size_bytes, capacity_bytes, compat_key, max_entries
+        )
         session.pools.add(engine_id)
         self._unclaimed.discard(engine_id)
         if ephemeral and engine_id not in self._ephemeral:

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, run_ecd, running_daemon
 
-from ec_client import Consumer, EcdError, Producer, PutStatus
+from ec_client import AllocateItem, Client, Consumer, EcdError, Producer, PutStatus, Status
 
 POOL = "qwen-vl-node1"
 BLOCK = 7168
@@ -121,3 +121,41 @@ def test_a_pool_asked_for_over_an_exceeded_budget_is_refused_without_a_negative_
         assert over.value.code.name == "RESOURCE_EXHAUSTED"
         assert "-" not in over.value.message.replace("--max-bytes", "").replace("one-more", "")
         assert "hold 80.0 MiB, 16.0 MiB over the daemon's 64.0 MiB budget" in over.value.message
+
+
+def put_small_entries(c: Client, engine_id: str, count: int) -> None:
+    """`count` entries of 64 bytes, committed in batches."""
+    for first in range(0, count, 1000):
+        keys = [f"k{i}" for i in range(first, min(first + 1000, count))]
+        results = c.allocate(engine_id, [AllocateItem(k, (64,), "uint8") for k in keys])
+        assert {r.status for r in results} == {Status.ALLOCATED}
+        assert {r.status for r in c.commit(engine_id, keys)} == {Status.OK}
+
+
+def test_a_pool_that_asks_for_more_entries_holds_more_and_evictions_say_why(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        default = c.open_pool("default", 512, 8 * MiB)
+        asks = c.open_pool("asks", 512, 8 * MiB, max_entries=6000)
+        assert (default.max_entries, asks.max_entries) == (4088, 6000)
+        put_small_entries(c, "default", 6000)
+        put_small_entries(c, "asks", 6000)
+        by_name = {p.engine_id: p for p in c.stats().pools}
+        held = by_name["default"]  # 4088 slots of 16,384 blocks: evicted for slots, not space
+        assert (held.entries_ready, held.evictions) == (4088, 1912)
+        assert (held.evictions_for_entries, held.evictions_for_space) == (1912, 0)
+        assert by_name["asks"].entries_ready == 6000 and by_name["asks"].evictions == 0
+        stats = run_ecd("stats", "default", "--address", daemon.address, check=True).stdout
+        assert "FOR_SPACE/ENTRIES" in stats and " 0/1912 " in stats
+
+
+def test_open_pool_with_another_max_entries_than_the_pools_is_refused_naming_both(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        c.open_pool("asks", 512, 8 * MiB, max_entries=6000)
+        with pytest.raises(EcdError) as info:
+            c.open_pool("asks", 512, 8 * MiB, max_entries=8000)
+    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert "max_entries=6000" in info.value.message and "max_entries=8000" in info.value.message

@@ -101,6 +101,47 @@ def test_open_pool_with_another_compat_key_is_refused(store: Store) -> None:
     assert "model-a" in info.value.message and "model-b" in info.value.message
 
 
+def test_a_pool_that_asks_for_max_entries_gets_that_many_slots(store: Store) -> None:
+    assert open_pool(store, "small-entries", 512, 64 << 20).max_entries == 4088  # the default
+    assert open_pool(store, "asks", 512, 64 << 20, max_entries=20_000).max_entries == 20_000
+
+
+def test_a_pool_asking_for_more_entries_than_blocks_gets_one_per_block(store: Store) -> None:
+    assert open_pool(store, "q", BLOCK, 16 * BLOCK, max_entries=100).max_entries == 16
+
+
+def test_open_pool_with_another_max_entries_is_refused_naming_both(store: Store) -> None:
+    open_pool(store, "q", 512, 64 << 20, max_entries=20_000)
+    assert open_pool(store, "q", 512, 64 << 20).max_entries == 20_000  # asking none attaches
+    assert open_pool(store, "q", 0, 0, max_entries=20_000).max_entries == 20_000
+    with pytest.raises(CoreError) as info:
+        open_pool(store, "q", 512, 64 << 20, max_entries=30_000)
+    assert info.value.code is Code.FAILED_PRECONDITION
+    assert "max_entries=20000" in info.value.message
+    assert "max_entries=30000" in info.value.message
+
+
+@pytest.mark.parametrize(("entries_per_pool", "limit"), [(None, 65536), (10_000, 10_000)])
+def test_max_entries_over_the_daemons_limit_is_refused_naming_it(
+    shm_dir: Path, clock: FakeClock, entries_per_pool: int | None, limit: int
+) -> None:
+    store = make_store(shm_dir, clock, entries_per_pool=entries_per_pool)
+    assert open_pool(store, "at", 512, 64 << 20, max_entries=limit).max_entries == limit
+    with pytest.raises(CoreError) as info:
+        open_pool(store, "over", 512, 64 << 20, max_entries=limit + 1)
+    assert info.value.code is Code.RESOURCE_EXHAUSTED
+    assert f"limit of {limit} entries per pool" in info.value.message
+    assert not (shm_dir / pool_file_name("over")).exists()
+
+
+def test_a_set_entries_per_pool_is_every_pools_default_and_a_pool_may_ask_for_fewer(
+    shm_dir: Path, clock: FakeClock
+) -> None:
+    store = make_store(shm_dir, clock, entries_per_pool=10_000)
+    assert open_pool(store, "default", 512, 64 << 20).max_entries == 10_000
+    assert open_pool(store, "fewer", 512, 64 << 20, max_entries=100).max_entries == 100
+
+
 def test_pools_whose_capacities_fill_the_budget_fit_and_one_more_block_is_refused(
     shm_dir: Path, clock: FakeClock
 ) -> None:
