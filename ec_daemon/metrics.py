@@ -169,8 +169,8 @@ class StoreCollector(Collector):
             yield gauge
         evictions = CounterMetricFamily(
             "ecd_pool_evictions",
-            "READY entries evicted, by cause: space (blocks for an allocation), entries (a slot "
-            "for one, every slot taken), operator (Evict)",
+            "READY entries evicted, by cause: space (blocks for an allocation), entries (only a "
+            "slot for one, every slot taken), operator (Evict)",
             labels=["engine_id", "cause"],
         )
         for pool in snap.pools:

@@ -252,6 +252,13 @@ def test_an_eviction_for_a_slot_with_blocks_to_spare_counts_as_for_entries() -> 
     assert (index.counters.evictions_for_space, index.counters.evictions_for_entries) == (0, 1)
 
 
+def test_an_eviction_for_a_slot_where_blocks_lacked_too_counts_as_for_space() -> None:
+    index, _, _ = make_index(blocks=2, slots=2)
+    for key in (b"a", b"b", b"c"):
+        put(index, key, 1)
+    assert (index.counters.evictions_for_space, index.counters.evictions_for_entries) == (1, 0)
+
+
 def test_an_operators_evict_counts_as_neither_space_nor_entries() -> None:
     index, _, _ = make_index()
     put(index, b"a", 1)
