@@ -33,6 +33,11 @@ log = logging.getLogger("ecd.store")
 # _connection), so a lease and a second at most; two leave room for a slow start.
 UNCLAIMED_LEASES = 2
 
+# Evictions are told at info at most once per this many seconds per pool, summed, with their
+# causes: a full pool evicts at every Allocate, and a line each would drown the log (and cost
+# the hot path); each batch's own line is at debug.
+EVICTION_SUMMARY_S = 10.0
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -49,6 +54,18 @@ class SessionEnd:
     pid: int
     aborted: int
     released: int
+
+
+@dataclass(frozen=True)
+class EvictionsTold:
+    """A pool's eviction counters when they were last told at info, and when: the next summary
+    says what changed since. Of one pool file: a pool made anew under the name starts over."""
+
+    pool_uuid: str
+    at: float
+    space: int = 0
+    entries: int = 0
+    total: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,7 @@ class Store:
         self._unclaimed: set[str] = set()
         self._clock = clock
         self._started = clock()
+        self._evictions_told: dict[str, EvictionsTold] = {}
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -378,12 +396,50 @@ class Store:
                 api.AllocateResult(key, outcome.status, outcome.message, extents, allocation)
             )
         evicted = index.counters.evictions - evictions_before
-        if evicted:  # one line per batch, never one per entry
-            log.info(
-                "entries evicted",
+        if evicted:  # one line per batch, never one per entry; at info, `summarize_evictions`
+            log.debug(
+                "entries evicted for an allocation",
                 extra={"engine_id": pool.engine_id, "evicted": evicted, "client": session.name},
             )
         return results
+
+    def summarize_evictions(self) -> None:
+        """Tell at info, per pool, the evictions since it was last told, by cause, unless that
+        was less than EVICTION_SUMMARY_S ago (called periodically: by the daemon's reaper)."""
+        now = self._clock()
+        pools = {pool.engine_id: pool for pool in self._pools.all()}
+        for gone in self._evictions_told.keys() - pools.keys():
+            del self._evictions_told[gone]
+        for engine_id, pool in pools.items():
+            counters = pool.index.counters
+            pool_uuid = str(pool.file.header.pool_uuid)
+            told = self._evictions_told.get(engine_id)
+            if told is None or told.pool_uuid != pool_uuid:  # the first evictions: told at once
+                told = self._evictions_told[engine_id] = EvictionsTold(
+                    pool_uuid, now - EVICTION_SUMMARY_S
+                )
+            if counters.evictions == told.total or now - told.at < EVICTION_SUMMARY_S:
+                continue
+            space = counters.evictions_for_space - told.space
+            entries = counters.evictions_for_entries - told.entries
+            evicted = counters.evictions - told.total
+            log.info(
+                "entries evicted",
+                extra={
+                    "engine_id": engine_id,
+                    "evicted": evicted,
+                    "for_space": space,
+                    "for_entries": entries,
+                    "by_operator": evicted - space - entries,
+                },
+            )
+            self._evictions_told[engine_id] = EvictionsTold(
+                pool_uuid,
+                now,
+                counters.evictions_for_space,
+                counters.evictions_for_entries,
+                counters.evictions,
+            )
 
     def _commit(
         self, session: Session, pool: Pool, items: Sequence[api.CommitItem]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from ec_client.layout import HEADER_SIZE, Header, pool_file_name
 from ec_client.slot_locks import SlotPins
 from ec_client.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
 from ec_daemon.errors import Code, CoreError, Reason
-from ec_daemon.store import Store
+from ec_daemon.store import EVICTION_SUMMARY_S, Store
 
 BLOCK = 4096
 
@@ -405,6 +406,63 @@ def test_a_session_cannot_release_another_sessions_lease(store: Store) -> None:
 
 
 # ---- eviction ------------------------------------------------------------------------------------
+
+
+def told_evictions(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    """The info-level summaries of evictions logged so far: their figures."""
+    figures = ("engine_id", "evicted", "for_space", "for_entries", "by_operator")
+    return [
+        {name: getattr(r, name) for name in figures}
+        for r in caplog.records
+        if r.levelno == logging.INFO and r.msg == "entries evicted"
+    ]
+
+
+def test_evictions_are_told_at_info_at_most_once_per_interval_per_pool(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="ecd.store")
+    sid = session(store)
+    for i in range(16):  # the pool is full
+        put(store, sid, f"fill-{i}".encode(), 1)
+    store.summarize_evictions()
+    assert told_evictions(caplog) == []
+    for second in range(25):  # 10 puts a second, each evicting one entry
+        for i in range(10):
+            put(store, sid, f"k{second}-{i}".encode(), 1)
+        store.summarize_evictions()  # as the daemon's reaper does, every second
+        clock.advance(1)
+    # The first at once, then the sum of each 10 s; the last 4 s's wait for theirs.
+    assert [t["evicted"] for t in told_evictions(caplog)] == [10, 100, 100]
+    clock.advance(EVICTION_SUMMARY_S)
+    store.summarize_evictions()
+    assert [t["evicted"] for t in told_evictions(caplog)] == [10, 100, 100, 40]
+    per_batch = [r for r in caplog.records if r.msg == "entries evicted for an allocation"]
+    assert len(per_batch) == 250 and {r.levelno for r in per_batch} == {logging.DEBUG}
+
+
+def test_told_evictions_say_why_they_were_evicted(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ecd.store")
+    open_pool(store, "slots", BLOCK, 16 * BLOCK, max_entries=2)
+    sid = session(store)
+    for key in (b"a", b"b", b"c", b"d"):  # two evicted for slots, 14 blocks free
+        assert statuses(store.allocate(sid, "slots", [(key, spec(BLOCK))])) == [Status.ALLOCATED]
+        store.commit(sid, "slots", [(key, 0, 0)])
+    store.evict("slots", [b"c"])
+    for i in range(17):  # the other pool: one evicted for blocks
+        put(store, sid, f"k{i}".encode(), 1)
+    store.summarize_evictions()
+    told = {t["engine_id"]: t for t in told_evictions(caplog)}
+    assert told["slots"] == {
+        "engine_id": "slots",
+        "evicted": 3,
+        "for_space": 0,
+        "for_entries": 2,
+        "by_operator": 1,
+    }
+    assert (told["p"]["evicted"], told["p"]["for_space"]) == (1, 1)
 
 
 def test_lru_evicts_the_least_recently_used_entry_first(store: Store) -> None:
