@@ -165,10 +165,9 @@ class AsyncClient(BaseClient):
         ephemeral: bool = False,
         max_entries: int = 0,
     ) -> PoolInfo:
-        call = _wire.open_pool(
-            engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries
-        )
-        return await self._drive(self._state.open_pool(call))
+        asked = (engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries)
+        call, again = _wire.open_pool(*asked), _wire.open_pool(*asked, reopen=True)
+        return await self._drive(self._state.open_pool(call, again))
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:
         return await self._drive(self._state.drop_pool(engine_id, force))

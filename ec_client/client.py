@@ -188,8 +188,10 @@ class Client(BaseClient):
         self._views.known_ready(engine_id, keys)
 
     def reopen_pool(self, engine_id: str) -> PoolInfo:
-        """OpenPool again with what this client opened it with (after a restart, or once a
-        dropped or refused pool's file is gone)."""
+        """OpenPool again with what this client opened it with (after a restart, or a pool file
+        replaced): attaches, or makes again a pool the daemon lost (a refused file removed, say),
+        but never one dropped while this client had it open (FAILED_PRECONDITION, reason
+        pool_dropped): only `open_pool` makes that again."""
         return self._drive(self._state.reopen_pool(engine_id))
 
     def __enter__(self) -> Client:
@@ -228,10 +230,9 @@ class Client(BaseClient):
         not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
         file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
         directory is full)."""
-        call = _wire.open_pool(
-            engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries
-        )
-        return self._drive(self._state.open_pool(call))
+        asked = (engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries)
+        call, again = _wire.open_pool(*asked), _wire.open_pool(*asked, reopen=True)
+        return self._drive(self._state.open_pool(call, again))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
         """Delete the pool and its file; returns the entries dropped. FAILED_PRECONDITION while

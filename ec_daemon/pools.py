@@ -12,6 +12,12 @@ in place for inspection; OpenPool of its engine_id fails until an operator remov
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
 slot table, at most about 2% more (see ec_client.layout), counted apart as reserved bytes.
+
+A pool dropped (DropPool) while other sessions held it is remembered (`Dropped`), in memory and
+by a mark beside its path: the client libraries of those sessions open their pools again by
+themselves (after a restart, a lost lease, a replaced file), and must not make this one anew;
+only an explicit OpenPool does (docs/design.md §3).
+
 A `PoolListener` (the transport, when the daemon has peers: docs/design.md §13) is told when a
 pool is served (created or adopted) and when it is withdrawn (dropped or refused); what it
 answers, where peers read the pool, travels in the pool's PoolInfo.
@@ -42,7 +48,14 @@ from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.eviction import POLICIES
 from ec_daemon.index import PoolIndex
-from ec_daemon.pool import PoolFile, creation_interrupted
+from ec_daemon.pool import (
+    DROPPED_MARK_SUFFIX,
+    PoolFile,
+    creation_interrupted,
+    dropped_mark,
+    mark_dropped,
+    read_dropped_mark,
+)
 
 log = logging.getLogger("ecd.pools")
 
@@ -58,6 +71,20 @@ class PoolSettings:
     # Pool files: 0600, or 0660 with the group consumers run as (--pool-mode, --pool-group).
     file_mode: int = 0o600
     file_gid: int | None = None
+
+
+@dataclass
+class Dropped:
+    """A pool dropped while other sessions held it. Their clients, opening it again by
+    themselves (OpenPool's reopen), are refused with FAILED_PRECONDITION pool_dropped instead
+    of making it anew, empty, behind the dropper's back; an explicit OpenPool with a geometry
+    makes it and forgets this. Kept while a session that held it (or was refused since) lives,
+    then a grace (`forget_dropped`), for a client whose lease ran out to come back and be told
+    too."""
+
+    by: str  # who dropped it, for the error: a client's name and pid
+    holders: set[str]  # the sessions that held it, or asked to reopen it since
+    until: float | None = None  # forgotten then, once no holder lives
 
 
 @dataclass(frozen=True)
@@ -128,13 +155,22 @@ class PoolRegistry:
         self._listener = listener
         self._pools: dict[str, Pool] = {}
         self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
+        self._dropped: dict[str, Dropped] = {}
         # Allocation IDs, shared by the pools, from a random start: a client's Commit retried
         # after a restart names an allocation of the daemon before, never one of this daemon
         # (40 random bits, then 2**24 allocations before a boot's IDs could meet another's).
         self._allocations = itertools.count((secrets.randbits(40) << 24) + 1)
 
-    def adopt_all(self) -> None:
-        """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries."""
+    def adopt_all(self, dropped_grace_s: float = 0.0) -> None:
+        """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries,
+        and the marks of pools dropped while others held them (kept dropped_grace_s, for those
+        clients to come back and be told)."""
+        suffix = POOL_FILE_SUFFIX + DROPPED_MARK_SUFFIX
+        for mark in sorted(self.settings.shm_dir.glob(f"{POOL_FILE_PREFIX}*{suffix}")):
+            engine_id = mark.name[len(POOL_FILE_PREFIX) : -len(suffix)]
+            if ENGINE_ID_PATTERN.fullmatch(engine_id):
+                by = read_dropped_mark(mark) or "a client of the daemon before this one"
+                self._dropped[engine_id] = Dropped(by, set(), self._clock() + dropped_grace_s)
         for path in sorted(self.settings.shm_dir.glob(f"{POOL_FILE_PREFIX}*{POOL_FILE_SUFFIX}")):
             engine_id = path.name[len(POOL_FILE_PREFIX) : -len(POOL_FILE_SUFFIX)]
             if not ENGINE_ID_PATTERN.fullmatch(engine_id):
@@ -208,12 +244,15 @@ class PoolRegistry:
         capacity_bytes: int,
         compat_key: str,
         max_entries: int = 0,
+        reopen: bool = False,
     ) -> tuple[Pool, bool]:
         """Attach to the pool of this engine_id or create it; returns (pool, created).
 
         Without a geometry (block_size_bytes and capacity_bytes 0) it only attaches: NOT_FOUND
         when the pool does not exist, and compat_key, if given, must match. max_entries: the
-        slots to create it with (0: the default), or, given, the slots it must have."""
+        slots to create it with (0: the default), or, given, the slots it must have. reopen: a
+        client library opening again by itself a pool it opened before, which must not make
+        one dropped since (FAILED_PRECONDITION pool_dropped)."""
         attach = block_size_bytes == 0
         geometry = None if attach else self._geometry(block_size_bytes, capacity_bytes, max_entries)
         pool = self._pools.get(engine_id)
@@ -223,10 +262,12 @@ class PoolRegistry:
         refusal = self._refusal(engine_id)
         if refusal is not None and self._file_in_place(engine_id):
             raise CoreError(Code.FAILED_PRECONDITION, refusal, Reason.POOL_UNVERIFIED)
-        if geometry is None:
+        if geometry is None or (reopen and engine_id in self._dropped):
             raise self._missing(engine_id)
         self._refused.pop(engine_id, None)  # its file is gone (as the refusal asked): start anew
-        return self._create(engine_id, geometry, compat_key), True
+        pool = self._create(engine_id, geometry, compat_key)
+        self._forget_dropped(engine_id)
+        return pool, True
 
     def _geometry(self, block_size_bytes: int, capacity_bytes: int, max_entries: int) -> Geometry:
         # The most slots a pool may ask for (its slot table is file outside the budget):
@@ -292,14 +333,6 @@ class PoolRegistry:
             ) from exc
         pool = self._serve(file, self._new_index(engine_id, geometry, file))
         self._pools[engine_id] = pool
-        log.info(
-            "pool created",
-            extra={
-                "engine_id": engine_id,
-                "capacity_bytes": geometry.capacity_bytes,
-                "file_bytes": geometry.file_size,
-            },
-        )
         return pool
 
     def _serve(self, file: PoolFile, index: PoolIndex) -> Pool:
@@ -369,7 +402,18 @@ class PoolRegistry:
         return self._pools.get(engine_id)
 
     def _missing(self, engine_id: str) -> CoreError:
-        """NOT_FOUND for a pool that is not served, saying why: refused, or not there."""
+        """NOT_FOUND for a pool that is not served, saying why: refused, or not there;
+        FAILED_PRECONDITION pool_dropped for one dropped while others held it."""
+        dropped = self._dropped.get(engine_id)
+        if dropped is not None:
+            return CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {engine_id!r} was dropped (by {dropped.by}): the clients that had it "
+                "open do not make it again by themselves; open_pool with its geometry "
+                "(block_size_bytes, capacity_bytes) creates it anew, empty, if it is still "
+                "wanted",
+                Reason.POOL_DROPPED,
+            )
         why = self._refusal(engine_id) or (
             f"pool {engine_id!r} does not exist (never created, or dropped): a producer creates "
             "it with OpenPool and its geometry; `ecd stats` lists the pools that exist"
@@ -394,6 +438,44 @@ class PoolRegistry:
 
     def _file_in_place(self, engine_id: str) -> bool:
         return os.path.lexists(self.settings.shm_dir / pool_file_name(engine_id))
+
+    def dropped(self, engine_id: str, by: str, holders: set[str]) -> None:
+        """The pool was dropped (DropPool) while these other sessions held it: remember it (see
+        `Dropped`), on disk too; nothing to remember when no other session held it."""
+        if not holders:
+            return
+        self._dropped[engine_id] = Dropped(by, set(holders))
+        try:
+            mark_dropped(self.settings.shm_dir / pool_file_name(engine_id), by)
+        except OSError as exc:
+            log.warning(
+                "cannot mark the pool dropped on disk: a daemon restarted before its clients "
+                "heard of it lets them make it again",
+                extra={"engine_id": engine_id, "error": str(exc)},
+            )
+
+    def refused_reopening(self, engine_id: str, session_id: str) -> None:
+        """A session was told the pool was dropped: it holds the memory of it from now on."""
+        dropped = self._dropped.get(engine_id)
+        if dropped is not None:
+            dropped.holders.add(session_id)
+            dropped.until = None
+
+    def forget_dropped(self, live_sessions: set[str], grace_s: float) -> None:
+        """Forget the dropped pools whose holders are all gone, grace_s after the last went."""
+        now = self._clock()
+        for engine_id, dropped in list(self._dropped.items()):
+            dropped.holders &= live_sessions
+            if dropped.holders:
+                dropped.until = None
+            elif dropped.until is None:
+                dropped.until = now + grace_s
+            elif now >= dropped.until:
+                self._forget_dropped(engine_id)
+
+    def _forget_dropped(self, engine_id: str) -> None:
+        if self._dropped.pop(engine_id, None) is not None:
+            dropped_mark(self.settings.shm_dir / pool_file_name(engine_id)).unlink(missing_ok=True)
 
     def all(self) -> list[Pool]:
         return list(self._pools.values())

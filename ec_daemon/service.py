@@ -215,6 +215,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 request.compat_key,
                 request.ephemeral,
                 request.max_entries,
+                request.reopen,
             )
         except CoreError as exc:
             peer_has_it = (
@@ -232,7 +233,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     async def DropPool(
         self, request: pb.DropPoolRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DropPoolReply:
-        dropped = self.store.drop_pool(validate.engine_id(request.engine_id), request.force)
+        engine_id = validate.engine_id(request.engine_id)
+        dropped = self.store.drop_pool(engine_id, request.force, request.session_id)
         return pb.DropPoolReply(boot_epoch=self.epoch, entries_dropped=dropped)
 
     # ---- entries -------------------------------------------------------------------------------

@@ -248,6 +248,106 @@ def restarted(shm_dir: Path, clock: FakeClock) -> Store:
     return store
 
 
+def reopen(store: Store, sid: str, engine_id: str = "p") -> None:
+    """What a client library sends to open again by itself a pool it opened before."""
+    store.open_pool(sid, engine_id, BLOCK, 16 * BLOCK, "model-a", reopen=True)
+
+
+def dropped_under(store: Store) -> tuple[str, str]:
+    """Pool p dropped by an operator's session while a reader's session held it: (reader,
+    operator)."""
+    reader, operator = session(store, "reader"), session(store, "ecd-cli", Role.ADMIN)
+    reopen(store, reader)
+    store.drop_pool("p", force=True, session_id=operator)
+    return reader, operator
+
+
+def test_a_pool_dropped_while_another_session_held_it_is_not_reopened_by_its_client(
+    store: Store,
+) -> None:
+    reader, _ = dropped_under(store)
+    with pytest.raises(CoreError) as info:
+        reopen(store, reader)
+    assert (info.value.code, info.value.reason) == (Code.FAILED_PRECONDITION, Reason.POOL_DROPPED)
+    assert "pool 'p' was dropped (by ecd-cli (pid 1))" in info.value.message
+    assert store.engine_ids() == []
+
+
+def test_every_call_naming_a_pool_dropped_under_its_clients_says_it_was_dropped(
+    store: Store,
+) -> None:
+    reader, _ = dropped_under(store)
+    with pytest.raises(CoreError) as info:
+        store.acquire(reader, "p", [b"k"])
+    assert info.value.reason is Reason.POOL_DROPPED
+
+
+def test_an_explicit_open_pool_makes_a_pool_dropped_under_its_clients_again(
+    store: Store, shm_dir: Path
+) -> None:
+    reader, _ = dropped_under(store)
+    assert open_pool(store, "p", BLOCK, 16 * BLOCK, "model-a").created
+    reopen(store, reader)  # attaches to the new pool
+    assert not (shm_dir / (pool_file_name("p") + ".dropped")).exists()
+
+
+def test_a_pool_dropped_that_no_other_session_held_is_reopened_by_its_client(
+    store: Store,
+) -> None:
+    operator = session(store, "ecd-cli", Role.ADMIN)
+    store.drop_pool("p", force=True, session_id=operator)
+    reopen(store, session(store))  # a daemon that lost it: the client makes it again
+    assert store.engine_ids() == ["p"]
+
+
+def test_a_pool_dropped_under_its_clients_is_forgotten_two_leases_after_the_last_one_ends(
+    store: Store, clock: FakeClock
+) -> None:
+    reader, _ = dropped_under(store)
+    store.close_session(reader)
+    store.expire_sessions()
+    clock.advance(2 * store.lease_ttl_s - 1)
+    store.expire_sessions()
+    back = session(store)  # a client whose lease ran out, back in time: told too
+    with pytest.raises(CoreError):
+        reopen(store, back)
+    store.close_session(back)
+    for _ in range(2):
+        clock.advance(2 * store.lease_ttl_s)
+        store.expire_sessions()
+    reopen(store, session(store))
+    assert store.engine_ids() == ["p"]
+
+
+def test_a_restarted_daemon_still_refuses_to_reopen_a_pool_dropped_under_its_clients(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    dropped_under(store)
+    again = restarted(shm_dir, clock)
+    refused = session(again, "reader")
+    with pytest.raises(CoreError) as info:
+        reopen(again, refused)
+    assert "by ecd-cli (pid 1)" in info.value.message
+    for _ in range(10):  # the refused session lives on: it holds the memory
+        clock.advance(again.lease_ttl_s / 2)
+        again.keep_alive(refused)
+        again.expire_sessions()
+    with pytest.raises(CoreError):
+        reopen(again, refused)
+
+
+def test_a_restarted_daemon_forgets_a_drop_no_client_came_back_for_in_two_leases(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    dropped_under(store)
+    again = restarted(shm_dir, clock)
+    clock.advance(2 * again.lease_ttl_s)
+    again.expire_sessions()
+    reopen(again, session(again))
+    assert again.engine_ids() == ["p"]
+    assert not (shm_dir / (pool_file_name("p") + ".dropped")).exists()
+
+
 def ephemeral_pools(store: Store) -> set[str]:
     return {p.engine_id for p in store.stats().pools if p.ephemeral}
 

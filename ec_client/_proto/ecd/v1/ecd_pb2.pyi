@@ -150,7 +150,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., aborted: _Optional[int] = ..., released: _Optional[int] = ...) -> None: ...
 
 class OpenPoolRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral", "max_entries")
+    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral", "max_entries", "reopen")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class OpenPoolRequest(_message.Message):
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REOPEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     block_size_bytes: int
@@ -165,7 +166,8 @@ class OpenPoolRequest(_message.Message):
     compat_key: str
     ephemeral: bool
     max_entries: int
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., max_entries: _Optional[int] = ...) -> None: ...
+    reopen: bool
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., max_entries: _Optional[int] = ..., reopen: _Optional[bool] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base")
@@ -204,12 +206,14 @@ class OpenPoolReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class DropPoolRequest(_message.Message):
-    __slots__ = ("engine_id", "force")
+    __slots__ = ("engine_id", "force", "session_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     force: bool
-    def __init__(self, engine_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    session_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DropPoolReply(_message.Message):
     __slots__ = ("boot_epoch", "entries_dropped")
