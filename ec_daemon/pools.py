@@ -408,8 +408,8 @@ class PoolRegistry:
         if dropped is not None:
             return CoreError(
                 Code.FAILED_PRECONDITION,
-                f"pool {engine_id!r} was dropped (by {dropped.by}): the clients that had it "
-                "open do not make it again by themselves; open_pool with its geometry "
+                f"pool was dropped: {engine_id!r}, by {dropped.by}; the clients that had it "
+                "open do not make it again by themselves: open_pool with its geometry "
                 "(block_size_bytes, capacity_bytes) creates it anew, empty, if it is still "
                 "wanted",
                 Reason.POOL_DROPPED,

@@ -63,7 +63,7 @@ async def test_reopen_pool_does_not_make_a_pool_dropped_by_someone_else_again(
         first = await c.open_pool(POOL, BLOCK, 64 * BLOCK, "model-a")
         async with AsyncClient(daemon.address, name="ops", role="admin") as ops:
             await ops.drop_pool(POOL)
-        with pytest.raises(EcdError, match="was dropped") as refused:
+        with pytest.raises(EcdError, match="pool was dropped") as refused:
             await c.reopen_pool(POOL)
         assert refused.value.code.name == "FAILED_PRECONDITION"
         again = await c.open_pool(POOL, BLOCK, 64 * BLOCK, "model-a")  # explicitly: made again

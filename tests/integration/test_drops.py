@@ -54,7 +54,7 @@ def assert_says_dropped(call: Callable[[], object]) -> None:
     with pytest.raises(EcdError) as error:
         call()
     assert error.value.code.name == "FAILED_PRECONDITION"
-    assert f"pool {POOL!r} was dropped (by ecd-cli" in error.value.message
+    assert f"pool was dropped: {POOL!r}, by ecd-cli (pid " in error.value.message
     assert "open_pool with its geometry" in error.value.message
 
 

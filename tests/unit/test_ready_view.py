@@ -159,7 +159,7 @@ def test_a_pool_dropped_while_followed_is_said_once_at_warning_not_at_every_try(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     client = FakeClient()
-    dropped = EcdError(grpc.StatusCode.FAILED_PRECONDITION, "pool 'p' was dropped", "pool_dropped")
+    dropped = EcdError(grpc.StatusCode.FAILED_PRECONDITION, "pool was dropped: 'p'", "pool_dropped")
     tries: list[int] = []
 
     def reattach() -> None:

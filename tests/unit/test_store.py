@@ -269,7 +269,7 @@ def test_a_pool_dropped_while_another_session_held_it_is_not_reopened_by_its_cli
     with pytest.raises(CoreError) as info:
         reopen(store, reader)
     assert (info.value.code, info.value.reason) == (Code.FAILED_PRECONDITION, Reason.POOL_DROPPED)
-    assert "pool 'p' was dropped (by ecd-cli (pid 1))" in info.value.message
+    assert "pool was dropped: 'p', by ecd-cli (pid 1);" in info.value.message
     assert store.engine_ids() == []
 
 

@@ -137,7 +137,7 @@ def test_a_pool_an_operator_dropped_under_an_engine_stays_gone_and_the_engine_sa
             assert [p.engine_id for p in c.stats().pools] == [], "the engine made it again"
         time.sleep(0.05)
     told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(f"pool {e.pool!r} was dropped (by ecd-cli" in message for message in told), told
+    assert any(f"pool was dropped: {e.pool!r}, by ecd-cli" in message for message in told), told
     result = e.step(request("r1", "img-a"))  # the engine goes on without the cache
     assert result.step.encode == {"img-a": ROWS} and not result.failed
 
