@@ -23,6 +23,11 @@ any rule of its own. The rules:
   the pin is held until this session ends).
 - NOT_FOUND with reason unknown_session (lease ran out, or the daemon restarted): open a new
   session, reopen the pools this client had opened, tell on_restart callbacks, retry once.
+- The client opens its pools again by itself (a new session, a pool file replaced, a Watch
+  stream that ended) with OpenPool's `reopen`: the daemon attaches, or makes the pool again
+  where it lost it, but never makes anew one dropped while this client held it (an operator's
+  `ecd drop` sticks): that is FAILED_PRECONDITION pool_dropped, raised to the caller; only the
+  application's own open_pool makes it again.
 - A reply whose boot epoch differs from the session's: the daemon restarted; do the same.
 - A reopen happens once however many callers noticed: `Reopen` carries the generation the
   caller saw, and the driver skips it when the session moved on meanwhile.
@@ -157,7 +162,8 @@ class SessionState:
     lease_ttl_s: float = 0.0
     generation: int = 0  # bumped at every (re)open, so concurrent callers reopen only once
     closed: bool = False
-    pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)  # replayed on reopen
+    # OpenPool with reopen, as the application opened each pool: sent again on reopen.
+    pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)
     pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
 
@@ -256,17 +262,20 @@ class SessionState:
         self.closed = True
         yield from self.send(_wire.close_session(), retry=False)
 
-    def open_pool(self, call: _wire.Call[PoolInfo]) -> Plan[PoolInfo]:
-        """OpenPool, remembered so that a reopened session opens the pool again."""
+    def open_pool(self, call: _wire.Call[PoolInfo], again: _wire.Call[PoolInfo]) -> Plan[PoolInfo]:
+        """OpenPool, remembered (as `again`: the same with reopen) so that a reopened session
+        opens the pool again."""
         info = yield from self.call(call)
-        self.pool_opened(call, info)
+        self.pool_opened(again, info)
         return info
 
     def reopen_pool(self, engine_id: str) -> Plan[PoolInfo]:
-        call = self.pools.get(engine_id)
-        if call is None:
+        again = self.pools.get(engine_id)
+        if again is None:
             raise not_opened(engine_id)
-        return (yield from self.open_pool(call))
+        info = yield from self.call(again)
+        self.pool_opened(again, info)
+        return info
 
     def drop_pool(self, engine_id: str, force: bool) -> Plan[int]:
         dropped = yield from self.call(_wire.drop_pool(engine_id, force))

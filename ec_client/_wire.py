@@ -100,8 +100,17 @@ def close_session() -> Call[tuple[int, int]]:
 
 
 def open_pool(
-    engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str, ephemeral: bool
+    engine_id: str,
+    block_size_bytes: int,
+    capacity_bytes: int,
+    compat_key: str,
+    ephemeral: bool,
+    max_entries: int = 0,
+    reopen: bool = False,
 ) -> Call[api.PoolInfo]:
+    """reopen: the client opening again by itself a pool it opened (see _session), which never
+    makes anew one dropped while it held it."""
+
     def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
         return mirror(api.PoolInfo, reply.pool, created=reply.created)
 
@@ -114,6 +123,8 @@ def open_pool(
             capacity_bytes=capacity_bytes,
             compat_key=compat_key,
             ephemeral=ephemeral,
+            max_entries=max_entries,
+            reopen=reopen,
         ),
         parse,
         safe_to_retry=True,
@@ -123,7 +134,7 @@ def open_pool(
 def drop_pool(engine_id: str, force: bool) -> Call[int]:
     return Call(
         "DropPool",
-        lambda _: pb.DropPoolRequest(engine_id=engine_id, force=force),
+        lambda sid: pb.DropPoolRequest(engine_id=engine_id, force=force, session_id=sid),
         lambda reply: reply.entries_dropped,
     )
 

@@ -163,9 +163,11 @@ class AsyncClient(BaseClient):
         capacity_bytes: int = 0,
         compat_key: str = "",
         ephemeral: bool = False,
+        max_entries: int = 0,
     ) -> PoolInfo:
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
-        return await self._drive(self._state.open_pool(call))
+        asked = (engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries)
+        call, again = _wire.open_pool(*asked), _wire.open_pool(*asked, reopen=True)
+        return await self._drive(self._state.open_pool(call, again))
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:
         return await self._drive(self._state.drop_pool(engine_id, force))

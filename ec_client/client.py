@@ -188,8 +188,10 @@ class Client(BaseClient):
         self._views.known_ready(engine_id, keys)
 
     def reopen_pool(self, engine_id: str) -> PoolInfo:
-        """OpenPool again with what this client opened it with (after a restart, or once a
-        dropped or refused pool's file is gone)."""
+        """OpenPool again with what this client opened it with (after a restart, or a pool file
+        replaced): attaches, or makes again a pool the daemon lost (a refused file removed, say),
+        but never one dropped while this client had it open (FAILED_PRECONDITION, reason
+        pool_dropped): only `open_pool` makes that again."""
         return self._drive(self._state.reopen_pool(engine_id))
 
     def __enter__(self) -> Client:
@@ -207,6 +209,7 @@ class Client(BaseClient):
         capacity_bytes: int = 0,
         compat_key: str = "",
         ephemeral: bool = False,
+        max_entries: int = 0,
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
         With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
@@ -217,12 +220,19 @@ class Client(BaseClient):
         it when the last of them ends, closed or killed (its lease runs out). For a name nobody
         else knows, whose pool would otherwise outlive a client killed before it dropped it.
 
+        `max_entries`: how many entries the pool holds at once (its slot table, 512 bytes of
+        file each); 0 takes the daemon's default (--entries-per-pool, or one per 32 KiB of
+        capacity). A pool of entries smaller than that evicts to free slots with blocks to spare
+        (Stats' evictions_for_entries): ask for more. At most one per block and the daemon's
+        limit (RESOURCE_EXHAUSTED over it); given, it must match an existing pool's.
+
         Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
         not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
         file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
         directory is full)."""
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
-        return self._drive(self._state.open_pool(call))
+        asked = (engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries)
+        call, again = _wire.open_pool(*asked), _wire.open_pool(*asked, reopen=True)
+        return self._drive(self._state.open_pool(call, again))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
         """Delete the pool and its file; returns the entries dropped. FAILED_PRECONDITION while

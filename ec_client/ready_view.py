@@ -10,8 +10,10 @@ Acquire that follows finds out) and miss a key committed a moment ago (while its
 its way). Until the stream has delivered its snapshot, and whenever it is
 broken (daemon down or restarting, pool dropped), it knows nothing: `synced` is False, and users
 fall back to asking the daemon (Consumer) or to encoding (vLLM). The thread reconnects with
-backoff, reattaching first (reopening the pool: notices a restarted daemon, recreates a dropped
-pool), and takes a fresh snapshot.
+backoff, reattaching first (reopening the pool: notices a restarted daemon, a pool made anew),
+and takes a fresh snapshot. A pool dropped while this client had it is not made again by the
+reattaching (docs/design.md §3): the view says so once, at warning, and stays unsynced until
+someone opens the pool with its geometry again.
 
 With peer daemons (docs/design.md §13) the stream also carries the keys peers hold (include_remote:
 events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
@@ -140,10 +142,11 @@ class ReadyView:
 
     def _run(self) -> None:
         delay = FIRST_BACKOFF_S
+        told_dropped = False  # a pool dropped under it is said once, not at every try
         while not self._closed.is_set():
             try:
                 if self._follow():
-                    delay = FIRST_BACKOFF_S
+                    delay, told_dropped = FIRST_BACKOFF_S, False
             except EcdError as error:
                 log.debug("watch of pool %s broke: %s", self._engine_id, error)
             self.synced = False
@@ -154,7 +157,11 @@ class ReadyView:
             try:
                 self._reattach()
             except EcdError as error:
-                log.debug("cannot reattach pool %s yet: %s", self._engine_id, error)
+                if error.reason == "pool_dropped" and not told_dropped:
+                    told_dropped = True
+                    log.warning("ecd: the view of pool %s stops: %s", self._engine_id, error)
+                else:
+                    log.debug("cannot reattach pool %s yet: %s", self._engine_id, error)
 
     def _follow(self) -> bool:
         """Follow one Watch stream until it ends; returns whether it got as far as SYNCED."""
@@ -206,7 +213,7 @@ class ReadyView:
                         self._added.discard(event.key)
                         self._pending.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:
-                break  # reattaching recreates the pool; then a fresh snapshot
+                break  # reattached once the pool is there again; then a fresh snapshot
         stream.cancel()
         return self.synced
 

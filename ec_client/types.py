@@ -269,6 +269,10 @@ class PoolStats:
     remote_reads: int  # transfer-engine reads started by pulls (one per remote hit)
     entries_locked: int  # slots readers hold lock pins on now (docs/design.md §5)
     ephemeral: bool = False  # dropped when the last session that opened it ends (§3)
+    # Of `evictions`, those that made room for an allocation: its blocks, or only a slot, the
+    # slot table full while the blocks were free (the rest are operators' Evicts).
+    evictions_for_space: int = 0
+    evictions_for_entries: int = 0
 
 
 @dataclass(frozen=True)

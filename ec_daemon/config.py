@@ -226,9 +226,10 @@ SETTINGS: tuple[Setting, ...] = (
         "entries_per_pool",
         _count_or_auto,
         None,
-        "entries each pool can hold (a slot of 512 bytes of its file each); auto = one per 32 "
-        "KiB of capacity in whole 2 MiB, at least 4088, at most 65536: a number is for pools of "
-        "smaller entries, and costs their files more",
+        "entries each pool can hold (a slot of 512 bytes of its file each) unless it asks for "
+        "its own number (OpenPool's max_entries), and the most it may ask for; auto = one per "
+        "32 KiB of capacity in whole 2 MiB, at least 4088, at most 65536, and pools may ask for "
+        "up to 65536: a number is for pools of smaller entries, and costs their files more",
         "N",
         "auto",
     ),

@@ -22,6 +22,7 @@ class Reason(enum.Enum):
 
     UNKNOWN_SESSION = "unknown_session"
     UNKNOWN_POOL = "unknown_pool"
+    POOL_DROPPED = "pool_dropped"  # dropped while this client held it: only OpenPool makes it anew
     POOL_MISMATCH = "pool_mismatch"
     POOL_UNVERIFIED = "pool_unverified"
     BUDGET = "budget"

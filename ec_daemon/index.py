@@ -105,7 +105,11 @@ class PoolCounters:
 
     hits: int = 0
     misses: int = 0
-    evictions: int = 0
+    evictions: int = 0  # all of them: for space, for entries, and an operator's Evict
+    # Evicted to make room: blocks for an allocation, or only a slot, the slot table full with
+    # blocks to spare (a pool of entries smaller than its slots were sized for: max_entries).
+    evictions_for_space: int = 0
+    evictions_for_entries: int = 0
     no_space: int = 0
     commits: int = 0
     aborts: int = 0
@@ -608,6 +612,12 @@ class PoolIndex:
             victim = self._victim()
             if victim is None:
                 return None
+            # For entries only where the blocks were there and a slot was not: the pool holds
+            # entries smaller than its slots were sized for (asking for more would help).
+            if not self._free_slots and self._allocator.free_blocks >= blocks:
+                self.counters.evictions_for_entries += 1
+            else:
+                self.counters.evictions_for_space += 1
             self._remove(victim, EventType.EVICTED)
             self.counters.evictions += 1
 

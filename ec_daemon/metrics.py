@@ -96,7 +96,6 @@ POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
 POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("hits", "Acquire items answered HIT, and hits clients answered under lock pins"),
     ("misses", "Acquire items answered MISS, and misses clients answered from their view"),
-    ("evictions", "READY entries evicted to make room, or by an operator"),
     ("no_space", "Allocate items answered NO_SPACE (what was left was PENDING or pinned)"),
     ("commits", "Entries committed"),
     ("aborts", "PENDING entries aborted"),
@@ -105,6 +104,16 @@ POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("remote_bytes", "Tensor bytes pulled from peer daemons"),
     ("remote_reads", "Transfer-engine reads started by pulls (one per remote hit)"),
 )
+
+
+def evictions_by_cause(pool: PoolStats) -> dict[str, int]:
+    """A pool's evictions by why: to make room (space, entries), or an operator's Evict."""
+    made_room = pool.evictions_for_space + pool.evictions_for_entries
+    return {
+        "space": pool.evictions_for_space,
+        "entries": pool.evictions_for_entries,
+        "operator": pool.evictions - made_room,
+    }
 
 
 def _buckets(pool: PoolStats) -> list[tuple[str, float]]:
@@ -158,6 +167,16 @@ class StoreCollector(Collector):
             for pool in snap.pools:
                 gauge.add_metric([pool.engine_id], value(pool))
             yield gauge
+        evictions = CounterMetricFamily(
+            "ecd_pool_evictions",
+            "READY entries evicted, by cause: space (blocks for an allocation), entries (only a "
+            "slot for one, every slot taken), operator (Evict)",
+            labels=["engine_id", "cause"],
+        )
+        for pool in snap.pools:
+            for cause, count in evictions_by_cause(pool).items():
+                evictions.add_metric([pool.engine_id, cause], count)
+        yield evictions
         for field, doc in POOL_COUNTERS:
             counter = CounterMetricFamily(f"ecd_pool_{field}", doc, labels=["engine_id"])
             for pool in snap.pools:

@@ -174,7 +174,7 @@ class PeerFollower:
         try:
             return await client.open_pool(engine_id, 0, 0)
         except EcdError as exc:
-            if exc.code is not grpc.StatusCode.NOT_FOUND:
+            if exc.code is not grpc.StatusCode.NOT_FOUND and exc.reason != "pool_dropped":
                 log.warning(
                     "peer pool cannot be attached: not read from",
                     extra={"peer": self.address, "engine_id": engine_id, "why": exc.message},

@@ -40,6 +40,8 @@ SlotRecords = list[tuple[int, RecordFields]]  # records read from a slot table, 
 # it outlives the daemon, so that a restarted one knows which adopted pools go with their
 # sessions.
 EPHEMERAL_MARK_SUFFIX = ".ephemeral"
+DROPPED_MARK_SUFFIX = ".dropped"
+MAX_DROPPED_BY = 512  # bytes of who dropped a pool kept in its mark
 # The slot table is read this many slots at a time, into one buffer: read whole (51 MiB for
 # 100,000 slots), it is as many new pages for the process to fault in, each costing microseconds
 # on a VM (docs/performance.md, *A warm restart*).
@@ -253,3 +255,28 @@ class PoolFile:
 
 def _ephemeral_mark(pool_path: Path) -> Path:
     return pool_path.with_name(pool_path.name + EPHEMERAL_MARK_SUFFIX)
+
+
+def dropped_mark(pool_path: Path) -> Path:
+    """Where the mark of a pool dropped while other clients held it goes (docs/design.md §3): a
+    small file beside the pool's path, naming who dropped it, that outlives the daemon."""
+    return pool_path.with_name(pool_path.name + DROPPED_MARK_SUFFIX)
+
+
+def mark_dropped(pool_path: Path, by: str) -> None:
+    """Write the dropped mark; OSError if it cannot be made."""
+    fd = os.open(
+        dropped_mark(pool_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+    )
+    try:
+        os.write(fd, by.encode()[:MAX_DROPPED_BY])
+    finally:
+        os.close(fd)
+
+
+def read_dropped_mark(mark: Path) -> str:
+    """Who dropped the pool, as its mark says ("" if it cannot be read)."""
+    try:
+        return mark.read_bytes()[:MAX_DROPPED_BY].decode(errors="replace")
+    except OSError:
+        return ""

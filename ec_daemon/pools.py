@@ -12,6 +12,12 @@ in place for inspection; OpenPool of its engine_id fails until an operator remov
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
 slot table, at most about 2% more (see ec_client.layout), counted apart as reserved bytes.
+
+A pool dropped (DropPool) while other sessions held it is remembered (`Dropped`), in memory and
+by a mark beside its path: the client libraries of those sessions open their pools again by
+themselves (after a restart, a lost lease, a replaced file), and must not make this one anew;
+only an explicit OpenPool does (docs/design.md §3).
+
 A `PoolListener` (the transport, when the daemon has peers: docs/design.md §13) is told when a
 pool is served (created or adopted) and when it is withdrawn (dropped or refused); what it
 answers, where peers read the pool, travels in the pool's PoolInfo.
@@ -30,6 +36,7 @@ from typing import Protocol
 
 from ec_client.layout import (
     ENGINE_ID_PATTERN,
+    MAX_AUTO_SLOTS,
     POOL_FILE_PREFIX,
     POOL_FILE_SUFFIX,
     Geometry,
@@ -41,7 +48,14 @@ from ec_client.units import format_size
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.eviction import POLICIES
 from ec_daemon.index import PoolIndex
-from ec_daemon.pool import PoolFile, creation_interrupted
+from ec_daemon.pool import (
+    DROPPED_MARK_SUFFIX,
+    PoolFile,
+    creation_interrupted,
+    dropped_mark,
+    mark_dropped,
+    read_dropped_mark,
+)
 
 log = logging.getLogger("ecd.pools")
 
@@ -57,6 +71,20 @@ class PoolSettings:
     # Pool files: 0600, or 0660 with the group consumers run as (--pool-mode, --pool-group).
     file_mode: int = 0o600
     file_gid: int | None = None
+
+
+@dataclass
+class Dropped:
+    """A pool dropped while other sessions held it. Their clients, opening it again by
+    themselves (OpenPool's reopen), are refused with FAILED_PRECONDITION pool_dropped instead
+    of making it anew, empty, behind the dropper's back; an explicit OpenPool with a geometry
+    makes it and forgets this. Kept while a session that held it (or was refused since) lives,
+    then a grace (`forget_dropped`), for a client whose lease ran out to come back and be told
+    too."""
+
+    by: str  # who dropped it, for the error: a client's name and pid
+    holders: set[str]  # the sessions that held it, or asked to reopen it since
+    until: float | None = None  # forgotten then, once no holder lives
 
 
 @dataclass(frozen=True)
@@ -127,13 +155,22 @@ class PoolRegistry:
         self._listener = listener
         self._pools: dict[str, Pool] = {}
         self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
+        self._dropped: dict[str, Dropped] = {}
         # Allocation IDs, shared by the pools, from a random start: a client's Commit retried
         # after a restart names an allocation of the daemon before, never one of this daemon
         # (40 random bits, then 2**24 allocations before a boot's IDs could meet another's).
         self._allocations = itertools.count((secrets.randbits(40) << 24) + 1)
 
-    def adopt_all(self) -> None:
-        """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries."""
+    def adopt_all(self, dropped_grace_s: float = 0.0) -> None:
+        """Re-adopt the pool files a previous daemon left in shm_dir, with their READY entries,
+        and the marks of pools dropped while others held them (kept dropped_grace_s, for those
+        clients to come back and be told)."""
+        suffix = POOL_FILE_SUFFIX + DROPPED_MARK_SUFFIX
+        for mark in sorted(self.settings.shm_dir.glob(f"{POOL_FILE_PREFIX}*{suffix}")):
+            engine_id = mark.name[len(POOL_FILE_PREFIX) : -len(suffix)]
+            if ENGINE_ID_PATTERN.fullmatch(engine_id):
+                by = read_dropped_mark(mark) or "a client of the daemon before this one"
+                self._dropped[engine_id] = Dropped(by, set(), self._clock() + dropped_grace_s)
         for path in sorted(self.settings.shm_dir.glob(f"{POOL_FILE_PREFIX}*{POOL_FILE_SUFFIX}")):
             engine_id = path.name[len(POOL_FILE_PREFIX) : -len(POOL_FILE_SUFFIX)]
             if not ENGINE_ID_PATTERN.fullmatch(engine_id):
@@ -169,6 +206,28 @@ class PoolRegistry:
                 "pool adopted",
                 extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
             )
+        self._warn_over_budget()
+
+    def _warn_over_budget(self) -> None:
+        """Pools adopted at start are kept whatever the budget (they are the cache, and clients
+        may be reading them): a budget below them only stops new pools until enough are dropped.
+        Said once, at start, with the numbers."""
+        used, budget = self.capacity_bytes(), self.settings.max_bytes
+        if used <= budget:
+            return
+        log.warning(
+            "pools adopted over the budget: all kept and served, but no pool can be created "
+            "until pools are dropped (ecd drop) below the budget or --max-bytes is raised",
+            extra={
+                "capacity": format_size(used),
+                "max_bytes": format_size(budget),
+                "over_by": format_size(used - budget),
+                "pools": ", ".join(
+                    f"{p.engine_id}={format_size(p.file.header.geometry.capacity_bytes)}"
+                    for p in self._pools.values()
+                ),
+            },
+        )
 
     def refuse(self, engine_id: str, path: Path, why: str) -> None:
         self._refused[engine_id] = why
@@ -179,29 +238,56 @@ class PoolRegistry:
             log.error("pool file removed from under the daemon: pool forgotten", extra=extra)
 
     def open(
-        self, engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str
+        self,
+        engine_id: str,
+        block_size_bytes: int,
+        capacity_bytes: int,
+        compat_key: str,
+        max_entries: int = 0,
+        reopen: bool = False,
     ) -> tuple[Pool, bool]:
         """Attach to the pool of this engine_id or create it; returns (pool, created).
 
         Without a geometry (block_size_bytes and capacity_bytes 0) it only attaches: NOT_FOUND
-        when the pool does not exist, and compat_key, if given, must match."""
+        when the pool does not exist, and compat_key, if given, must match. max_entries: the
+        slots to create it with (0: the default), or, given, the slots it must have. reopen: a
+        client library opening again by itself a pool it opened before, which must not make
+        one dropped since (FAILED_PRECONDITION pool_dropped)."""
         attach = block_size_bytes == 0
-        geometry = None if attach else self._geometry(block_size_bytes, capacity_bytes)
+        geometry = None if attach else self._geometry(block_size_bytes, capacity_bytes, max_entries)
         pool = self._pools.get(engine_id)
         if pool is not None:
-            self._check_same(pool, geometry, compat_key)
+            self._check_same(pool, geometry, compat_key, max_entries)
             return pool, False
         refusal = self._refusal(engine_id)
         if refusal is not None and self._file_in_place(engine_id):
             raise CoreError(Code.FAILED_PRECONDITION, refusal, Reason.POOL_UNVERIFIED)
-        if geometry is None:
+        if geometry is None or (reopen and engine_id in self._dropped):
             raise self._missing(engine_id)
         self._refused.pop(engine_id, None)  # its file is gone (as the refusal asked): start anew
-        return self._create(engine_id, geometry, compat_key), True
+        pool = self._create(engine_id, geometry, compat_key)
+        self._forget_dropped(engine_id)
+        return pool, True
 
-    def _geometry(self, block_size_bytes: int, capacity_bytes: int) -> Geometry:
+    def _geometry(self, block_size_bytes: int, capacity_bytes: int, max_entries: int) -> Geometry:
+        # The most slots a pool may ask for (its slot table is file outside the budget):
+        # --entries-per-pool when set (every pool that asks for none gets that many), else the
+        # most that sizing from the capacity gives any pool.
+        bound = self.settings.entries_per_pool or MAX_AUTO_SLOTS
+        if max_entries > bound:
+            setting = (
+                "--entries-per-pool"
+                if self.settings.entries_per_pool
+                else "the most any pool gets with --entries-per-pool auto; setting it raises it"
+            )
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"max_entries {max_entries} is over the daemon's limit of {bound} entries per "
+                f"pool ({setting}); ask for at most {bound}",
+                Reason.BUDGET,
+            )
         geometry = Geometry.for_capacity(
-            block_size_bytes, capacity_bytes, self.settings.entries_per_pool
+            block_size_bytes, capacity_bytes, max_entries or self.settings.entries_per_pool
         )
         limit = self.settings.max_pool_bytes
         if limit is not None and geometry.capacity_bytes > limit:
@@ -216,12 +302,18 @@ class PoolRegistry:
     def _create(self, engine_id: str, geometry: Geometry, compat_key: str) -> Pool:
         used, budget = self.capacity_bytes(), self.settings.max_bytes
         if used + geometry.capacity_bytes > budget:
+            left = (
+                f"only {format_size(budget - used)} of the daemon's {format_size(budget)} budget "
+                f"(--max-bytes) are left ({len(self._pools)} pools hold the rest)"
+                if used <= budget
+                else f"the {len(self._pools)} pools it serves hold {format_size(used)}, "
+                f"{format_size(used - budget)} over the daemon's {format_size(budget)} budget "
+                "(--max-bytes): pools adopted at start that a smaller budget does not cover"
+            )
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
-                f"pool {engine_id!r} asks for {format_size(geometry.capacity_bytes)} but only "
-                f"{format_size(budget - used)} of the daemon's {format_size(budget)} budget "
-                f"(--max-bytes) are left ({len(self._pools)} pools hold the rest); ask for less "
-                "capacity_bytes, drop a pool, or raise --max-bytes",
+                f"pool {engine_id!r} asks for {format_size(geometry.capacity_bytes)} but {left}; "
+                "ask for less capacity_bytes, drop a pool, or raise --max-bytes",
                 Reason.BUDGET,
             )
         try:
@@ -241,14 +333,6 @@ class PoolRegistry:
             ) from exc
         pool = self._serve(file, self._new_index(engine_id, geometry, file))
         self._pools[engine_id] = pool
-        log.info(
-            "pool created",
-            extra={
-                "engine_id": engine_id,
-                "capacity_bytes": geometry.capacity_bytes,
-                "file_bytes": geometry.file_size,
-            },
-        )
         return pool
 
     def _serve(self, file: PoolFile, index: PoolIndex) -> Pool:
@@ -261,11 +345,24 @@ class PoolRegistry:
         return Pool(file, index, transfer)
 
     @staticmethod
-    def _check_same(pool: Pool, geometry: Geometry | None, compat_key: str) -> None:
-        """An attach matches the pool's geometry (unless it gave none) and compat_key (unless
-        it gave none and no geometry either: attaching by name alone)."""
+    def _check_same(
+        pool: Pool, geometry: Geometry | None, compat_key: str, max_entries: int
+    ) -> None:
+        """An attach matches the pool's geometry (unless it gave none), its slots (unless it
+        asked for none) and compat_key (unless it gave none and no geometry either: attaching
+        by name alone)."""
         have = pool.file.header
         found = have.geometry
+        # The slots a creation would have made: at most one per block.
+        slots = min(max_entries, geometry.num_blocks if geometry else found.num_blocks)
+        if max_entries and slots != found.num_slots:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {pool.engine_id!r} exists with max_entries={found.num_slots}; requested "
+                f"max_entries={max_entries}"
+                + (f" (at most one per block: {slots})" if slots != max_entries else ""),
+                Reason.POOL_MISMATCH,
+            )
         if geometry is not None and (found.block_size_bytes, found.num_blocks) != (
             geometry.block_size_bytes,
             geometry.num_blocks,
@@ -305,7 +402,18 @@ class PoolRegistry:
         return self._pools.get(engine_id)
 
     def _missing(self, engine_id: str) -> CoreError:
-        """NOT_FOUND for a pool that is not served, saying why: refused, or not there."""
+        """NOT_FOUND for a pool that is not served, saying why: refused, or not there;
+        FAILED_PRECONDITION pool_dropped for one dropped while others held it."""
+        dropped = self._dropped.get(engine_id)
+        if dropped is not None:
+            return CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool was dropped: {engine_id!r}, by {dropped.by}; the clients that had it "
+                "open do not make it again by themselves: open_pool with its geometry "
+                "(block_size_bytes, capacity_bytes) creates it anew, empty, if it is still "
+                "wanted",
+                Reason.POOL_DROPPED,
+            )
         why = self._refusal(engine_id) or (
             f"pool {engine_id!r} does not exist (never created, or dropped): a producer creates "
             "it with OpenPool and its geometry; `ecd stats` lists the pools that exist"
@@ -330,6 +438,44 @@ class PoolRegistry:
 
     def _file_in_place(self, engine_id: str) -> bool:
         return os.path.lexists(self.settings.shm_dir / pool_file_name(engine_id))
+
+    def dropped(self, engine_id: str, by: str, holders: set[str]) -> None:
+        """The pool was dropped (DropPool) while these other sessions held it: remember it (see
+        `Dropped`), on disk too; nothing to remember when no other session held it."""
+        if not holders:
+            return
+        self._dropped[engine_id] = Dropped(by, set(holders))
+        try:
+            mark_dropped(self.settings.shm_dir / pool_file_name(engine_id), by)
+        except OSError as exc:
+            log.warning(
+                "cannot mark the pool dropped on disk: a daemon restarted before its clients "
+                "heard of it lets them make it again",
+                extra={"engine_id": engine_id, "error": str(exc)},
+            )
+
+    def refused_reopening(self, engine_id: str, session_id: str) -> None:
+        """A session was told the pool was dropped: it holds the memory of it from now on."""
+        dropped = self._dropped.get(engine_id)
+        if dropped is not None:
+            dropped.holders.add(session_id)
+            dropped.until = None
+
+    def forget_dropped(self, live_sessions: set[str], grace_s: float) -> None:
+        """Forget the dropped pools whose holders are all gone, grace_s after the last went."""
+        now = self._clock()
+        for engine_id, dropped in list(self._dropped.items()):
+            dropped.holders &= live_sessions
+            if dropped.holders:
+                dropped.until = None
+            elif dropped.until is None:
+                dropped.until = now + grace_s
+            elif now >= dropped.until:
+                self._forget_dropped(engine_id)
+
+    def _forget_dropped(self, engine_id: str) -> None:
+        if self._dropped.pop(engine_id, None) is not None:
+            dropped_mark(self.settings.shm_dir / pool_file_name(engine_id)).unlink(missing_ok=True)
 
     def all(self) -> list[Pool]:
         return list(self._pools.values())

@@ -326,11 +326,12 @@ def secure_socket(config: Config) -> None:
 
 async def reap_sessions(store: Store) -> None:
     """End sessions whose lease ran out, a few times per TTL so nothing outlives it by much;
-    free what removed entries held once their readers' lock pins are gone."""
+    free what removed entries held once their readers' lock pins are gone; tell evictions."""
     period = min(store.lease_ttl_s / 4, 1.0)
     while True:
         await asyncio.sleep(period)
         store.reclaim()
+        store.summarize_evictions()
         for end in store.expire_sessions():
             log.warning(
                 "session lease expired",

@@ -223,7 +223,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self, request: pb.OpenPoolRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenPoolReply:
         engine_id = validate.engine_id(request.engine_id)
-        validate.pool_request(request.block_size_bytes, request.capacity_bytes, request.compat_key)
+        r = request
+        validate.pool_request(r.block_size_bytes, r.capacity_bytes, r.compat_key, r.max_entries)
         try:
             info = self.store.open_pool(
                 request.session_id,
@@ -232,6 +233,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 request.capacity_bytes,
                 request.compat_key,
                 request.ephemeral,
+                request.max_entries,
+                request.reopen,
             )
         except CoreError as exc:
             peer_has_it = (
@@ -249,7 +252,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     async def DropPool(
         self, request: pb.DropPoolRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DropPoolReply:
-        dropped = self.store.drop_pool(validate.engine_id(request.engine_id), request.force)
+        engine_id = validate.engine_id(request.engine_id)
+        dropped = self.store.drop_pool(engine_id, request.force, request.session_id)
         return pb.DropPoolReply(boot_epoch=self.epoch, entries_dropped=dropped)
 
     # ---- entries -------------------------------------------------------------------------------

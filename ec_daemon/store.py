@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ec_client import __version__
 from ec_client import types as api
-from ec_daemon.errors import Code, CoreError
+from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.index import Entry, Outcome, saturated
 from ec_daemon.pools import Pool, PoolListener, PoolRegistry, PoolSettings
 from ec_daemon.sessions import CONSUME, PRODUCE, Session, SessionTable
@@ -34,6 +34,11 @@ log = logging.getLogger("ecd.store")
 # third of a lease, and its channel tries to reconnect at least every second (ec_client's
 # _connection), so a lease and a second at most; two leave room for a slow start.
 UNCLAIMED_LEASES = 2
+
+# Evictions are told at info at most once per this many seconds per pool, summed, with their
+# causes: a full pool evicts at every Allocate, and a line each would drown the log (and cost
+# the hot path); each batch's own line is at debug.
+EVICTION_SUMMARY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,18 @@ class SessionEnd:
     pid: int
     aborted: int
     released: int
+
+
+@dataclass(frozen=True)
+class EvictionsTold:
+    """A pool's eviction counters when they were last told at info, and when: the next summary
+    says what changed since. Of one pool file: a pool made anew under the name starts over."""
+
+    pool_uuid: str
+    at: float
+    space: int = 0
+    entries: int = 0
+    total: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,7 @@ class Store:
         self._unclaimed: set[str] = set()
         self._clock = clock
         self._started = clock()
+        self._evictions_told: dict[str, EvictionsTold] = {}
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -140,6 +158,7 @@ class Store:
         """End every session whose lease ran out: abort its PENDING entries, release its pins."""
         ends = [self._end_session(s) for s in self._sessions.expired()]
         self.lease_expiries += len(ends)
+        self._pools.forget_dropped({s.id for s in self._sessions.all()}, self._dropped_grace_s)
         if self._unclaimed and self._clock() - self._started >= UNCLAIMED_LEASES * self.lease_ttl_s:
             unclaimed, self._unclaimed = self._unclaimed, set()
             self._drop_unheld(unclaimed, "no session opened it again after the daemon restarted")
@@ -160,7 +179,10 @@ class Store:
         session.pending.clear()
         session.leases.clear()
         self._sessions.remove(session)
-        self._drop_unheld(session.pools, "the last session that opened it ended")
+        self._drop_unheld(
+            session.pools,
+            f"the last session that opened it ended: {session.name} (pid {session.pid})",
+        )
         return SessionEnd(session.id, session.name, session.pid, aborted, released)
 
     def _drop_unheld(self, engine_ids: set[str], why: str) -> None:
@@ -177,10 +199,17 @@ class Store:
 
     # ---- pools ---------------------------------------------------------------------------------
 
+    @property
+    def _dropped_grace_s(self) -> float:
+        """How long a pool dropped while others held it stays refused to their clients' own
+        reopening once none of them lives: long enough for one whose lease ran out, or that a
+        restart cut off, to come back (as for unclaimed ephemeral pools)."""
+        return UNCLAIMED_LEASES * self.lease_ttl_s
+
     def adopt_pools(self) -> None:
         """Re-adopt the pool files a previous daemon left, with their READY entries (and which
         of them are ephemeral, to go unless a session opens them soon)."""
-        self._pools.adopt_all()
+        self._pools.adopt_all(self._dropped_grace_s)
         self._unclaimed = {p.engine_id for p in self._pools.all() if p.file.marked_ephemeral()}
         self._ephemeral |= self._unclaimed
 
@@ -192,11 +221,34 @@ class Store:
         capacity_bytes: int,
         compat_key: str,
         ephemeral: bool = False,
+        max_entries: int = 0,
+        reopen: bool = False,
     ) -> api.PoolInfo:
         """Attach to the pool of this engine_id or create it. The session holds it from now on;
-        `ephemeral` makes it go when the last session holding it ends."""
+        `ephemeral` makes it go when the last session holding it ends; `max_entries` is its slot
+        count (0: the daemon's default); `reopen`: the client's library opens it again by
+        itself, which never makes anew a pool dropped while its clients held it."""
         session = self._sessions.touch(session_id)
-        pool, created = self._pools.open(engine_id, block_size_bytes, capacity_bytes, compat_key)
+        try:
+            pool, created = self._pools.open(
+                engine_id, block_size_bytes, capacity_bytes, compat_key, max_entries, reopen
+            )
+        except CoreError as error:
+            if error.reason is Reason.POOL_DROPPED:
+                self._pools.refused_reopening(engine_id, session.id)
+            raise
+        if created:
+            geometry = pool.file.header.geometry
+            log.info(
+                "pool created",
+                extra={
+                    "engine_id": engine_id,
+                    "capacity_bytes": geometry.capacity_bytes,
+                    "file_bytes": geometry.file_size,
+                    "client": session.name,
+                    "pid": session.pid,
+                },
+            )
         session.pools.add(engine_id)
         self._unclaimed.discard(engine_id)
         if ephemeral and engine_id not in self._ephemeral:
@@ -221,9 +273,11 @@ class Store:
     def engine_ids(self) -> list[str]:
         return [pool.engine_id for pool in self._pools.all()]
 
-    def drop_pool(self, engine_id: str, force: bool) -> int:
+    def drop_pool(self, engine_id: str, force: bool, session_id: str = "") -> int:
         """Delete a pool and its file; refused while entries are PENDING, pinned or locked,
-        unless forced (readers keep the pages they mapped). Returns how many entries went."""
+        unless forced (readers keep the pages they mapped). Returns how many entries went.
+        session_id: the caller's session, if it named one (for the log, and the error the other
+        sessions that held the pool get: see pools.Dropped)."""
         pool = self._pools.get(engine_id)
         stats = pool.stats()
         if (stats.entries_pending or stats.pins or stats.entries_locked) and not force:
@@ -233,8 +287,21 @@ class Store:
                 f"{stats.pins} pins outstanding and {stats.entries_locked} entries being read "
                 "under lock pins; wait, or drop with force",
             )
+        caller = self._sessions.find(session_id) if session_id else None
+        holders = {s.id for s in self._sessions.all() if engine_id in s.pools} - {session_id}
         dropped = self._drop(pool)
-        log.info("pool dropped", extra={"engine_id": engine_id, "entries": dropped})
+        client, pid = (caller.name, caller.pid) if caller is not None else ("(no session)", 0)
+        self._pools.dropped(engine_id, f"{client} (pid {pid})", holders)
+        log.info(
+            "pool dropped",
+            extra={
+                "engine_id": engine_id,
+                "entries": dropped,
+                "client": client,
+                "pid": pid,
+                "held_by_others": len(holders),
+            },
+        )
         return dropped
 
     def _drop(self, pool: Pool) -> int:
@@ -383,12 +450,50 @@ class Store:
                 api.AllocateResult(key, outcome.status, outcome.message, extents, allocation)
             )
         evicted = index.counters.evictions - evictions_before
-        if evicted:  # one line per batch, never one per entry
-            log.info(
-                "entries evicted",
+        if evicted:  # one line per batch, never one per entry; at info, `summarize_evictions`
+            log.debug(
+                "entries evicted for an allocation",
                 extra={"engine_id": pool.engine_id, "evicted": evicted, "client": session.name},
             )
         return results
+
+    def summarize_evictions(self) -> None:
+        """Tell at info, per pool, the evictions since it was last told, by cause, unless that
+        was less than EVICTION_SUMMARY_S ago (called periodically: by the daemon's reaper)."""
+        now = self._clock()
+        pools = {pool.engine_id: pool for pool in self._pools.all()}
+        for gone in self._evictions_told.keys() - pools.keys():
+            del self._evictions_told[gone]
+        for engine_id, pool in pools.items():
+            counters = pool.index.counters
+            pool_uuid = str(pool.file.header.pool_uuid)
+            told = self._evictions_told.get(engine_id)
+            if told is None or told.pool_uuid != pool_uuid:  # the first evictions: told at once
+                told = self._evictions_told[engine_id] = EvictionsTold(
+                    pool_uuid, now - EVICTION_SUMMARY_S
+                )
+            if counters.evictions == told.total or now - told.at < EVICTION_SUMMARY_S:
+                continue
+            space = counters.evictions_for_space - told.space
+            entries = counters.evictions_for_entries - told.entries
+            evicted = counters.evictions - told.total
+            log.info(
+                "entries evicted",
+                extra={
+                    "engine_id": engine_id,
+                    "evicted": evicted,
+                    "for_space": space,
+                    "for_entries": entries,
+                    "by_operator": evicted - space - entries,
+                },
+            )
+            self._evictions_told[engine_id] = EvictionsTold(
+                pool_uuid,
+                now,
+                counters.evictions_for_space,
+                counters.evictions_for_entries,
+                counters.evictions,
+            )
 
     def _commit(
         self, session: Session, pool: Pool, items: Sequence[api.CommitItem]

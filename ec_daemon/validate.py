@@ -97,10 +97,17 @@ def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
     return TensorSpec(shape, dtype, nbytes)
 
 
-def pool_request(block_size_bytes: int, capacity_bytes: int, compat_key: str) -> None:
+def pool_request(
+    block_size_bytes: int, capacity_bytes: int, compat_key: str, max_entries: int = 0
+) -> None:
     """A geometry to create the pool with (or attach with), or none at all: attach by name."""
     if len(compat_key.encode()) > MAX_COMPAT_KEY_BYTES:
         raise _invalid(f"compat_key is longer than {MAX_COMPAT_KEY_BYTES} bytes")
+    if max_entries < 0:
+        raise _invalid(
+            f"max_entries {max_entries} is negative: expected a number of entries, or 0 for the "
+            "daemon's default"
+        )
     if block_size_bytes == 0 and capacity_bytes == 0:
         return
     if not 0 < block_size_bytes <= MAX_BLOCK_SIZE:

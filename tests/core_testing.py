@@ -36,11 +36,16 @@ def make_store(
 
 
 def open_pool(
-    store: Store, engine_id: str, block: int, capacity: int, compat_key: str = ""
+    store: Store,
+    engine_id: str,
+    block: int,
+    capacity: int,
+    compat_key: str = "",
+    max_entries: int = 0,
 ) -> PoolInfo:
     """OpenPool in a session of its own, closed at once (so no test sees it expire)."""
     setup = store.open_session("setup", 1, Role.ADMIN)
-    info = store.open_pool(setup, engine_id, block, capacity, compat_key)
+    info = store.open_pool(setup, engine_id, block, capacity, compat_key, max_entries=max_entries)
     store.close_session(setup)
     return info
 

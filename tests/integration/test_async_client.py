@@ -54,17 +54,21 @@ async def test_iter_entries_pages_through_every_entry_in_key_order(daemon: Daemo
     assert listed == keys
 
 
-async def test_reopen_pool_makes_a_pool_dropped_by_someone_else_again(daemon: Daemon) -> None:
+async def test_reopen_pool_does_not_make_a_pool_dropped_by_someone_else_again(
+    daemon: Daemon,
+) -> None:
     async with AsyncClient(daemon.address, name="owner") as c:
         with pytest.raises(EcdError, match="not opened by this client"):
             await c.reopen_pool(POOL)
         first = await c.open_pool(POOL, BLOCK, 64 * BLOCK, "model-a")
         async with AsyncClient(daemon.address, name="ops", role="admin") as ops:
             await ops.drop_pool(POOL)
-        again = await c.reopen_pool(POOL)
+        with pytest.raises(EcdError, match="pool was dropped") as refused:
+            await c.reopen_pool(POOL)
+        assert refused.value.code.name == "FAILED_PRECONDITION"
+        again = await c.open_pool(POOL, BLOCK, 64 * BLOCK, "model-a")  # explicitly: made again
         assert again.created and again.pool_uuid != first.pool_uuid
-        assert (again.num_blocks, again.compat_key) == (64, "model-a")
-        assert c.pool_info(POOL) == again
+        assert (await c.reopen_pool(POOL)).pool_uuid == again.pool_uuid
 
 
 async def test_a_step_carries_what_is_owed_ahead_of_its_own_parts(daemon: Daemon) -> None:

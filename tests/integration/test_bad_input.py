@@ -81,7 +81,12 @@ def wire(bad_daemon: Daemon) -> Iterator[Wire]:
 
 
 def open_pool(
-    w: Wire, engine_id: str = "p2", block: int = BLOCK, capacity: int = 64 * BLOCK, compat: str = ""
+    w: Wire,
+    engine_id: str = "p2",
+    block: int = BLOCK,
+    capacity: int = 64 * BLOCK,
+    compat: str = "",
+    max_entries: int = 0,
 ) -> object:
     return w.stub.OpenPool(
         pb.OpenPoolRequest(
@@ -90,6 +95,7 @@ def open_pool(
             block_size_bytes=block,
             capacity_bytes=capacity,
             compat_key=compat,
+            max_entries=max_entries,
         )
     )
 
@@ -127,6 +133,7 @@ def acquire(w: Wire, keys: list[bytes], wait_ms: int = 0) -> pb.AcquireReply:
 CASES = [
     ("engine_id with a path", lambda w: open_pool(w, engine_id="../x"), INVALID, "engine_id"),
     ("empty engine_id", lambda w: open_pool(w, engine_id=""), INVALID, "engine_id"),
+    ("negative max_entries", lambda w: open_pool(w, max_entries=-1), INVALID, "max_entries -1"),
     (
         "engine_id ending in a newline",
         lambda w: open_pool(w, engine_id="p\n"),

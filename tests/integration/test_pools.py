@@ -4,12 +4,14 @@ budget, and pool files that cost little more than their capacity."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, run_ecd, running_daemon
 
-from ec_client import Consumer, EcdError, Producer, PutStatus
+from ec_client import AllocateItem, Client, Consumer, EcdError, Producer, PutStatus, Status
 
 POOL = "qwen-vl-node1"
 BLOCK = 7168
@@ -87,3 +89,73 @@ def test_a_pool_file_whose_name_ecd_would_refuse_is_not_adopted_at_restart(
         assert [p.engine_id for p in c.stats().pools] == [POOL]
     assert stray.exists()
     assert "is not a pool ecd could have made" in daemon.log()
+
+
+@contextmanager
+def restarted_under_a_smaller_budget() -> Iterator[Daemon]:
+    """A daemon that made pools of 48 MiB and 32 MiB, restarted with --max-bytes 64MiB: it
+    adopts 80 MiB of capacity, 16 MiB over its budget."""
+    with running_daemon("--max-bytes", "256MiB", "--lease-ttl", "2") as daemon:
+        with daemon.client() as c:
+            c.open_pool("big", MiB, 48 * MiB)
+            c.open_pool("small", MiB, 32 * MiB)
+        daemon.stop()
+        daemon.args = ("--max-bytes", "64MiB", "--lease-ttl", "2")
+        yield daemon.start()
+
+
+def test_a_daemon_restarted_under_a_budget_smaller_than_its_pools_says_so_and_keeps_them() -> None:
+    with restarted_under_a_smaller_budget() as daemon, daemon.client() as c:
+        assert sorted(p.engine_id for p in c.stats().pools) == ["big", "small"]  # still served
+        log = daemon.log()
+        assert "pools adopted over the budget" in log
+        for figure in ('capacity="80.0 MiB"', 'max_bytes="64.0 MiB"', 'over_by="16.0 MiB"'):
+            assert figure in log
+        assert 'pools="big=48.0 MiB, small=32.0 MiB"' in log
+
+
+def test_a_pool_asked_for_over_an_exceeded_budget_is_refused_without_a_negative_size() -> None:
+    with restarted_under_a_smaller_budget() as daemon, daemon.client() as c:
+        with pytest.raises(EcdError) as over:
+            c.open_pool("one-more", MiB, MiB)
+        assert over.value.code.name == "RESOURCE_EXHAUSTED"
+        assert "-" not in over.value.message.replace("--max-bytes", "").replace("one-more", "")
+        assert "hold 80.0 MiB, 16.0 MiB over the daemon's 64.0 MiB budget" in over.value.message
+
+
+def put_small_entries(c: Client, engine_id: str, count: int) -> None:
+    """`count` entries of 64 bytes, committed in batches."""
+    for first in range(0, count, 1000):
+        keys = [f"k{i}" for i in range(first, min(first + 1000, count))]
+        results = c.allocate(engine_id, [AllocateItem(k, (64,), "uint8") for k in keys])
+        assert {r.status for r in results} == {Status.ALLOCATED}
+        assert {r.status for r in c.commit(engine_id, keys)} == {Status.OK}
+
+
+def test_a_pool_that_asks_for_more_entries_holds_more_and_evictions_say_why(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        default = c.open_pool("default", 512, 8 * MiB)
+        asks = c.open_pool("asks", 512, 8 * MiB, max_entries=6000)
+        assert (default.max_entries, asks.max_entries) == (4088, 6000)
+        put_small_entries(c, "default", 6000)
+        put_small_entries(c, "asks", 6000)
+        by_name = {p.engine_id: p for p in c.stats().pools}
+        held = by_name["default"]  # 4088 slots of 16,384 blocks: evicted for slots, not space
+        assert (held.entries_ready, held.evictions) == (4088, 1912)
+        assert (held.evictions_for_entries, held.evictions_for_space) == (1912, 0)
+        assert by_name["asks"].entries_ready == 6000 and by_name["asks"].evictions == 0
+        stats = run_ecd("stats", "default", "--address", daemon.address, check=True).stdout
+        assert "FOR_SPACE/ENTRIES" in stats and " 0/1912 " in stats
+
+
+def test_open_pool_with_another_max_entries_than_the_pools_is_refused_naming_both(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        c.open_pool("asks", 512, 8 * MiB, max_entries=6000)
+        with pytest.raises(EcdError) as info:
+            c.open_pool("asks", 512, 8 * MiB, max_entries=8000)
+    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert "max_entries=6000" in info.value.message and "max_entries=8000" in info.value.message

@@ -51,6 +51,7 @@ def test_json_lines_one_per_event_never_per_item() -> None:
             big = [AllocateItem(f"big-{i}", (4, BLOCK), "uint8") for i in range(4)]
             assert all(r.status is Status.ALLOCATED for r in client.allocate(POOL, big))
             client.commit(POOL, [item.key for item in big])
+            wait_for(daemon, "entries evicted")  # told by the daemon's reaper, within a second
             Client(daemon.address, name="silent", keepalive=False)  # goes silent, lease runs out
             wait_for(daemon, "session lease expired")
         assert daemon.stop() == 0
@@ -75,6 +76,7 @@ def test_json_lines_one_per_event_never_per_item() -> None:
     ], events
     by_msg = {line["msg"]: line for line in info}
     assert by_msg["entries evicted"]["evicted"] == SMALL
+    assert by_msg["entries evicted"]["for_space"] == SMALL
     assert by_msg["entries evicted"]["engine_id"] == POOL
     assert by_msg["session lease expired"]["client"] == "silent"
     assert by_msg["session lease expired"]["level"] == "warning"
@@ -85,6 +87,19 @@ def test_json_lines_one_per_event_never_per_item() -> None:
 
     adopted = [line for line in second_run if line["msg"] == "pool adopted"]
     assert [(a["engine_id"], a["entries"]) for a in adopted] == [(POOL, 4)]
+
+
+def test_a_full_pool_evicting_at_every_allocate_logs_one_summary_not_a_line_each() -> None:
+    args = ("--log-format", "json", "--log-level", "info", "--max-bytes", "64MiB")
+    with running_daemon(*args, "--lease-ttl", "1") as daemon, daemon.client() as client:
+        client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=16 * BLOCK)
+        for i in range(100):  # from the 17th on, each evicts one
+            client.allocate(POOL, [AllocateItem(f"k{i}", (BLOCK,), "uint8")])
+            client.commit(POOL, [f"k{i}"])
+        wait_for(daemon, "entries evicted")
+        told = [line for line in lines(daemon) if line["msg"] == "entries evicted"]
+    assert len(told) == 1, told  # the next not before 10 s
+    assert 1 <= told[0]["evicted"] <= 84
 
 
 @needs_mooncake

@@ -82,7 +82,6 @@ def assert_pool_equals(samples: Samples, pool: PoolStats) -> None:
     for counter in (
         "hits",
         "misses",
-        "evictions",
         "no_space",
         "commits",
         "aborts",
@@ -92,6 +91,10 @@ def assert_pool_equals(samples: Samples, pool: PoolStats) -> None:
         "remote_reads",
     ):
         assert pool_value(samples, f"ecd_pool_{counter}_total") == getattr(pool, counter), counter
+    made_room = pool.evictions_for_space + pool.evictions_for_entries
+    by_cause = {"space": pool.evictions_for_space, "entries": pool.evictions_for_entries}
+    for cause, count in {**by_cause, "operator": pool.evictions - made_room}.items():
+        assert pool_value(samples, "ecd_pool_evictions_total", cause=cause) == count, cause
     hits = pool_value(samples, "ecd_pool_remote_seconds_count")
     assert hits == sum(pool.remote_seconds_counts) == pool.remote_hits
     assert pool_value(samples, "ecd_pool_remote_seconds_sum") == pool.remote_seconds_sum
@@ -136,9 +139,10 @@ def test_metrics_move_with_traffic_and_equal_stats(metrics_daemon: tuple[Daemon,
 
         after = scrape(port)
         assert_equals_stats(after, client.stats())
-        expected = {"hits": 1, "misses": 1, "no_space": 1, "evictions": 1, "commits": 1}
+        expected = {"hits": 1, "misses": 1, "no_space": 1, "commits": 1}
         for counter, value in expected.items():
             assert pool_value(after, f"ecd_pool_{counter}_total") == value, counter
+        assert pool_value(after, "ecd_pool_evictions_total", cause="space") == 1
         assert pool_value(after, "ecd_pool_entries", state="pending") == 1
         assert pool_value(after, "ecd_pool_entries", state="ready") == 0
         assert pool_value(after, "ecd_pool_pins") == 0
@@ -150,6 +154,22 @@ def test_metrics_move_with_traffic_and_equal_stats(metrics_daemon: tuple[Daemon,
         assert rpc_count(after, "Stats") == 1  # the assert_equals_stats above the pin
         bucket = frozenset({("method", "Allocate"), ("le", "+Inf")})
         assert after[("ecd_rpc_duration_seconds_bucket", bucket)] == 3
+
+
+def test_evictions_are_counted_by_cause(metrics_daemon: tuple[Daemon, int]) -> None:
+    daemon, port = metrics_daemon
+    one_block = [AllocateItem(k, (1024,), "float32") for k in ("a", "b", "c")]
+    with daemon.client(name="metrics", keepalive=False) as client:
+        client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=CAPACITY, max_entries=2)
+        for item in one_block:  # c takes a's slot: 14 of 16 blocks free
+            client.allocate(POOL, [item])
+            client.commit(POOL, [item.key])
+        client.evict(POOL, ["b"])  # an operator's
+        client.allocate(POOL, [FULL])  # c's block is needed too
+        samples = scrape(port)
+        assert_equals_stats(samples, client.stats())
+    for cause in ("space", "entries", "operator"):
+        assert pool_value(samples, "ecd_pool_evictions_total", cause=cause) == 1, cause
 
 
 def test_misses_answered_from_the_clients_view_are_counted(

@@ -31,6 +31,7 @@ ACL = """
 pools = ["shared-*"]
 produce = ["victim", "intruder"]
 consume = ["victim", "intruder"]
+admin = ["victim", "intruder"]
 """
 BLOCK = 4096
 READY, PENDING = b"ready", b"pending"
@@ -56,6 +57,7 @@ REQUESTS: dict[str, Callable[[str, int, str], Message]] = {
         items=[pb.AllocateItem(key=b"forged", tensor=pb.TensorSpec(shape=[16], dtype="uint8"))],
     ),
     "OpenPool": lambda s, lease, pool: pb.OpenPoolRequest(session_id=s, engine_id=pool),
+    "DropPool": lambda s, lease, pool: pb.DropPoolRequest(session_id=s, engine_id=pool),
 }
 # What the intruder could do to the victim in each protocol, before sessions had owners.
 SESSION_RPCS = ("Release", "KeepAlive", "CloseSession")

@@ -238,6 +238,40 @@ def test_an_allocation_that_cannot_fit_evicts_nothing_and_counts_no_space() -> N
     assert not any(t is EventType.EVICTED for t, _ in sink.events)
 
 
+def test_an_eviction_for_blocks_counts_as_for_space() -> None:
+    index, _, _ = make_index(blocks=2, slots=8)
+    put(index, b"a", 2)
+    put(index, b"b", 1)  # a goes: its blocks were needed, slots were free
+    assert (index.counters.evictions_for_space, index.counters.evictions_for_entries) == (1, 0)
+
+
+def test_an_eviction_for_a_slot_with_blocks_to_spare_counts_as_for_entries() -> None:
+    index, _, _ = make_index(blocks=8, slots=2)
+    for key in (b"a", b"b", b"c"):  # c needs a slot: a goes, with 6 blocks free
+        put(index, key, 1)
+    assert index.state(b"a") is EntryState.ABSENT
+    assert (index.counters.evictions_for_space, index.counters.evictions_for_entries) == (0, 1)
+
+
+def test_an_eviction_for_a_slot_where_blocks_lacked_too_counts_as_for_space() -> None:
+    index, _, _ = make_index(blocks=2, slots=2)
+    for key in (b"a", b"b", b"c"):
+        put(index, key, 1)
+    assert (index.counters.evictions_for_space, index.counters.evictions_for_entries) == (1, 0)
+
+
+def test_an_operators_evict_counts_as_neither_space_nor_entries() -> None:
+    index, _, _ = make_index()
+    put(index, b"a", 1)
+    assert index.evict(b"a").status is Status.OK
+    counters = index.counters
+    assert (counters.evictions, counters.evictions_for_space, counters.evictions_for_entries) == (
+        1,
+        0,
+        0,
+    )
+
+
 def test_an_entry_removed_while_pinned_keeps_its_blocks_until_the_last_unpin() -> None:
     index, _, _ = make_index(blocks=4)
     put(index, b"k", 4)

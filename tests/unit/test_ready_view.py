@@ -4,6 +4,7 @@ snapshot after reattaching; its listeners told of each local commit's slot."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -152,6 +153,30 @@ def test_a_dropped_pool_ends_the_stream_and_takes_a_fresh_snapshot(setup: Any) -
     synced(client)
     eventually(lambda: view.synced and not view.has(b"a"))
     assert reattached
+
+
+def test_a_pool_dropped_while_followed_is_said_once_at_warning_not_at_every_try(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = FakeClient()
+    dropped = EcdError(grpc.StatusCode.FAILED_PRECONDITION, "pool was dropped: 'p'", "pool_dropped")
+    tries: list[int] = []
+
+    def reattach() -> None:
+        tries.append(1)
+        raise dropped
+
+    view = ReadyView(client, "p", reattach)
+    try:
+        synced(client).items.put(event(EventType.POOL_DROPPED))
+        for _ in range(2):  # a Watch of the dropped pool fails too: then the next try
+            client.streams.get(timeout=5).items.put(BROKEN)
+        eventually(lambda: len(tries) >= 3)
+    finally:
+        view.close()
+    assert not view.synced
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warned] == ["ecd: the view of pool p stops: " + str(dropped)]
 
 
 def test_what_the_scheduler_learned_first_is_known_before_the_event(setup: Any) -> None:

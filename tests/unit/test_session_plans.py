@@ -40,6 +40,7 @@ class ScriptedDaemon:
         self.state = state
         self.script = list(script)
         self.sent: list[str] = []
+        self.requests: list[Any] = []  # each Send's request, as built
         self.pauses: list[float] = []
 
     def run(self, plan: Plan[Any], reply: Any = None, error: EcdError | None = None) -> Any:
@@ -51,6 +52,7 @@ class ScriptedDaemon:
                 return step.value
             if isinstance(step, Send):
                 self.sent.append(step.call.method)
+                self.requests.append(step.call.build(step.session_id))
                 outcome = self.script.pop(0)
                 if isinstance(outcome, EcdError):
                     error = outcome
@@ -90,7 +92,9 @@ def opened(connect_timeout_s: float = 5.0) -> SessionState:
     state = SessionState(options)
     daemon = ScriptedDaemon(state, session(), pool_reply())
     daemon.run(state.open())
-    daemon.run(state.open_pool(_wire.open_pool("p", 4096, 16 * 4096, "", False)))
+    asked = ("p", 4096, 16 * 4096, "", False)
+    daemon.run(state.open_pool(_wire.open_pool(*asked), _wire.open_pool(*asked, reopen=True)))
+    assert not daemon.requests[-1].reopen
     return state
 
 
@@ -125,6 +129,16 @@ def test_a_lost_session_is_reopened_with_its_pools_and_the_call_retried_once() -
     daemon.run(state.call(_wire.lookup("p", ["k"])))
     assert daemon.sent == ["Lookup", "OpenSession", "OpenPool", "Lookup"]
     assert (state.session_id, state.boot_epoch, restarts) == ("s2", "epoch-2", ["epoch-2"])
+    [reopened] = [r for r in daemon.requests if isinstance(r, pb.OpenPoolRequest)]
+    # By itself: the daemon may make a pool it lost again, never one dropped under this client.
+    assert reopened.reopen and reopened.block_size_bytes == 4096
+
+
+def test_a_pool_reopened_when_its_file_changed_is_opened_with_reopen() -> None:
+    state = opened()
+    daemon = ScriptedDaemon(state, pool_reply())
+    daemon.run(state.reopen_pool("p"))
+    assert daemon.requests[-1].reopen
 
 
 def test_a_reply_from_a_restarted_daemon_reopens_the_session_and_still_answers() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from ec_client.layout import HEADER_SIZE, Header, pool_file_name
 from ec_client.slot_locks import SlotPins
 from ec_client.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
 from ec_daemon.errors import Code, CoreError, Reason
-from ec_daemon.store import Store
+from ec_daemon.store import EVICTION_SUMMARY_S, Store
 
 BLOCK = 4096
 
@@ -99,6 +100,47 @@ def test_open_pool_with_another_compat_key_is_refused(store: Store) -> None:
         open_pool(store, "p", BLOCK, 16 * BLOCK, "model-b")
     assert info.value.code is Code.FAILED_PRECONDITION
     assert "model-a" in info.value.message and "model-b" in info.value.message
+
+
+def test_a_pool_that_asks_for_max_entries_gets_that_many_slots(store: Store) -> None:
+    assert open_pool(store, "small-entries", 512, 64 << 20).max_entries == 4088  # the default
+    assert open_pool(store, "asks", 512, 64 << 20, max_entries=20_000).max_entries == 20_000
+
+
+def test_a_pool_asking_for_more_entries_than_blocks_gets_one_per_block(store: Store) -> None:
+    assert open_pool(store, "q", BLOCK, 16 * BLOCK, max_entries=100).max_entries == 16
+
+
+def test_open_pool_with_another_max_entries_is_refused_naming_both(store: Store) -> None:
+    open_pool(store, "q", 512, 64 << 20, max_entries=20_000)
+    assert open_pool(store, "q", 512, 64 << 20).max_entries == 20_000  # asking none attaches
+    assert open_pool(store, "q", 0, 0, max_entries=20_000).max_entries == 20_000
+    with pytest.raises(CoreError) as info:
+        open_pool(store, "q", 512, 64 << 20, max_entries=30_000)
+    assert info.value.code is Code.FAILED_PRECONDITION
+    assert "max_entries=20000" in info.value.message
+    assert "max_entries=30000" in info.value.message
+
+
+@pytest.mark.parametrize(("entries_per_pool", "limit"), [(None, 65536), (10_000, 10_000)])
+def test_max_entries_over_the_daemons_limit_is_refused_naming_it(
+    shm_dir: Path, clock: FakeClock, entries_per_pool: int | None, limit: int
+) -> None:
+    store = make_store(shm_dir, clock, entries_per_pool=entries_per_pool)
+    assert open_pool(store, "at", 512, 64 << 20, max_entries=limit).max_entries == limit
+    with pytest.raises(CoreError) as info:
+        open_pool(store, "over", 512, 64 << 20, max_entries=limit + 1)
+    assert info.value.code is Code.RESOURCE_EXHAUSTED
+    assert f"limit of {limit} entries per pool" in info.value.message
+    assert not (shm_dir / pool_file_name("over")).exists()
+
+
+def test_a_set_entries_per_pool_is_every_pools_default_and_a_pool_may_ask_for_fewer(
+    shm_dir: Path, clock: FakeClock
+) -> None:
+    store = make_store(shm_dir, clock, entries_per_pool=10_000)
+    assert open_pool(store, "default", 512, 64 << 20).max_entries == 10_000
+    assert open_pool(store, "fewer", 512, 64 << 20, max_entries=100).max_entries == 100
 
 
 def test_pools_whose_capacities_fill_the_budget_fit_and_one_more_block_is_refused(
@@ -204,6 +246,106 @@ def restarted(shm_dir: Path, clock: FakeClock) -> Store:
     store = make_store(shm_dir, clock)
     store.adopt_pools()
     return store
+
+
+def reopen(store: Store, sid: str, engine_id: str = "p") -> None:
+    """What a client library sends to open again by itself a pool it opened before."""
+    store.open_pool(sid, engine_id, BLOCK, 16 * BLOCK, "model-a", reopen=True)
+
+
+def dropped_under(store: Store) -> tuple[str, str]:
+    """Pool p dropped by an operator's session while a reader's session held it: (reader,
+    operator)."""
+    reader, operator = session(store, "reader"), session(store, "ecd-cli", Role.ADMIN)
+    reopen(store, reader)
+    store.drop_pool("p", force=True, session_id=operator)
+    return reader, operator
+
+
+def test_a_pool_dropped_while_another_session_held_it_is_not_reopened_by_its_client(
+    store: Store,
+) -> None:
+    reader, _ = dropped_under(store)
+    with pytest.raises(CoreError) as info:
+        reopen(store, reader)
+    assert (info.value.code, info.value.reason) == (Code.FAILED_PRECONDITION, Reason.POOL_DROPPED)
+    assert "pool was dropped: 'p', by ecd-cli (pid 1);" in info.value.message
+    assert store.engine_ids() == []
+
+
+def test_every_call_naming_a_pool_dropped_under_its_clients_says_it_was_dropped(
+    store: Store,
+) -> None:
+    reader, _ = dropped_under(store)
+    with pytest.raises(CoreError) as info:
+        store.acquire(reader, "p", [b"k"])
+    assert info.value.reason is Reason.POOL_DROPPED
+
+
+def test_an_explicit_open_pool_makes_a_pool_dropped_under_its_clients_again(
+    store: Store, shm_dir: Path
+) -> None:
+    reader, _ = dropped_under(store)
+    assert open_pool(store, "p", BLOCK, 16 * BLOCK, "model-a").created
+    reopen(store, reader)  # attaches to the new pool
+    assert not (shm_dir / (pool_file_name("p") + ".dropped")).exists()
+
+
+def test_a_pool_dropped_that_no_other_session_held_is_reopened_by_its_client(
+    store: Store,
+) -> None:
+    operator = session(store, "ecd-cli", Role.ADMIN)
+    store.drop_pool("p", force=True, session_id=operator)
+    reopen(store, session(store))  # a daemon that lost it: the client makes it again
+    assert store.engine_ids() == ["p"]
+
+
+def test_a_pool_dropped_under_its_clients_is_forgotten_two_leases_after_the_last_one_ends(
+    store: Store, clock: FakeClock
+) -> None:
+    reader, _ = dropped_under(store)
+    store.close_session(reader)
+    store.expire_sessions()
+    clock.advance(2 * store.lease_ttl_s - 1)
+    store.expire_sessions()
+    back = session(store)  # a client whose lease ran out, back in time: told too
+    with pytest.raises(CoreError):
+        reopen(store, back)
+    store.close_session(back)
+    for _ in range(2):
+        clock.advance(2 * store.lease_ttl_s)
+        store.expire_sessions()
+    reopen(store, session(store))
+    assert store.engine_ids() == ["p"]
+
+
+def test_a_restarted_daemon_still_refuses_to_reopen_a_pool_dropped_under_its_clients(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    dropped_under(store)
+    again = restarted(shm_dir, clock)
+    refused = session(again, "reader")
+    with pytest.raises(CoreError) as info:
+        reopen(again, refused)
+    assert "by ecd-cli (pid 1)" in info.value.message
+    for _ in range(10):  # the refused session lives on: it holds the memory
+        clock.advance(again.lease_ttl_s / 2)
+        again.keep_alive(refused)
+        again.expire_sessions()
+    with pytest.raises(CoreError):
+        reopen(again, refused)
+
+
+def test_a_restarted_daemon_forgets_a_drop_no_client_came_back_for_in_two_leases(
+    store: Store, shm_dir: Path, clock: FakeClock
+) -> None:
+    dropped_under(store)
+    again = restarted(shm_dir, clock)
+    clock.advance(2 * again.lease_ttl_s)
+    again.expire_sessions()
+    reopen(again, session(again))
+    assert again.engine_ids() == ["p"]
+    assert not (shm_dir / (pool_file_name("p") + ".dropped")).exists()
 
 
 def ephemeral_pools(store: Store) -> set[str]:
@@ -364,6 +506,63 @@ def test_a_session_cannot_release_another_sessions_lease(store: Store) -> None:
 
 
 # ---- eviction ------------------------------------------------------------------------------------
+
+
+def told_evictions(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    """The info-level summaries of evictions logged so far: their figures."""
+    figures = ("engine_id", "evicted", "for_space", "for_entries", "by_operator")
+    return [
+        {name: getattr(r, name) for name in figures}
+        for r in caplog.records
+        if r.levelno == logging.INFO and r.msg == "entries evicted"
+    ]
+
+
+def test_evictions_are_told_at_info_at_most_once_per_interval_per_pool(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="ecd.store")
+    sid = session(store)
+    for i in range(16):  # the pool is full
+        put(store, sid, f"fill-{i}".encode(), 1)
+    store.summarize_evictions()
+    assert told_evictions(caplog) == []
+    for second in range(25):  # 10 puts a second, each evicting one entry
+        for i in range(10):
+            put(store, sid, f"k{second}-{i}".encode(), 1)
+        store.summarize_evictions()  # as the daemon's reaper does, every second
+        clock.advance(1)
+    # The first at once, then the sum of each 10 s; the last 4 s's wait for theirs.
+    assert [t["evicted"] for t in told_evictions(caplog)] == [10, 100, 100]
+    clock.advance(EVICTION_SUMMARY_S)
+    store.summarize_evictions()
+    assert [t["evicted"] for t in told_evictions(caplog)] == [10, 100, 100, 40]
+    per_batch = [r for r in caplog.records if r.msg == "entries evicted for an allocation"]
+    assert len(per_batch) == 250 and {r.levelno for r in per_batch} == {logging.DEBUG}
+
+
+def test_told_evictions_say_why_they_were_evicted(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ecd.store")
+    open_pool(store, "slots", BLOCK, 16 * BLOCK, max_entries=2)
+    sid = session(store)
+    for key in (b"a", b"b", b"c", b"d"):  # two evicted for slots, 14 blocks free
+        assert statuses(store.allocate(sid, "slots", [(key, spec(BLOCK))])) == [Status.ALLOCATED]
+        store.commit(sid, "slots", [(key, 0, 0)])
+    store.evict("slots", [b"c"])
+    for i in range(17):  # the other pool: one evicted for blocks
+        put(store, sid, f"k{i}".encode(), 1)
+    store.summarize_evictions()
+    told = {t["engine_id"]: t for t in told_evictions(caplog)}
+    assert told["slots"] == {
+        "engine_id": "slots",
+        "evicted": 3,
+        "for_space": 0,
+        "for_entries": 2,
+        "by_operator": 1,
+    }
+    assert (told["p"]["evicted"], told["p"]["for_space"]) == (1, 1)
 
 
 def test_lru_evicts_the_least_recently_used_entry_first(store: Store) -> None:

@@ -6,10 +6,11 @@ engine-wide error or wrong bytes. A load under a lock pin outlives a daemon rest
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
-from ecd_testing import Daemon, wait_until
+from ecd_testing import Daemon, run_ecd, wait_until
 from vllm_testing import ROWS, WIDTH, Engine, EngineFactory, digest, encoder_output, request
 
 from ec_client import AllocateItem, EntryState, Status
@@ -107,9 +108,12 @@ def test_a_recreated_pool_fails_the_loads_under_lock_pins_and_lock_pins_work_on_
     step = e.schedule([request("r1", "img-a")])  # lock-pinned, and the load is ordered
     assert step.load == {"img-a"}
     replies = e.run(step)
-    uuid = e.scheduler.client.pool_info("durable").pool_uuid
-    with daemon.client(name="operator") as c:
-        c.drop_pool("durable", force=True)  # the engine's view recreates it: a new file
+    info = e.scheduler.client.pool_info("durable")
+    uuid = info.pool_uuid
+    with daemon.client(name="operator") as c:  # dropped and made again: a new file
+        c.drop_pool("durable", force=True)
+        capacity = info.block_size_bytes * info.num_blocks
+        c.open_pool("durable", info.block_size_bytes, capacity, info.compat_key)
     wait_until(lambda: e.scheduler.client.pool_info("durable").pool_uuid != uuid, 10)
     wait_until(lambda: e.scheduler.view.synced, 10)
     assert e.finish(replies) == {"r1"}  # its extents were the old file's
@@ -117,6 +121,25 @@ def test_a_recreated_pool_fails_the_loads_under_lock_pins_and_lock_pins_work_on_
     _, after = e.admit(request("r3", "img-b"))
     assert after.loaded == {"img-b": digest(encoder_output("img-b"))}
     assert e.locked() == (0, 0)
+
+
+@pytest.mark.parametrize("pool", [None, "durable"], ids=["private", "shared"])
+def test_a_pool_an_operator_dropped_under_an_engine_stays_gone_and_the_engine_says_so(
+    engine: EngineFactory, daemon: Daemon, caplog: pytest.LogCaptureFixture, pool: str | None
+) -> None:
+    e = engine(pool=pool)
+    e.save("r0", "img-a")
+    run_ecd("drop", e.pool, "--force", "--address", daemon.address, check=True)
+    wait_until(lambda: not e.scheduler.view.synced, 10)
+    deadline = time.monotonic() + 1.5  # before, the engine's view made it again within 0.2 s
+    while time.monotonic() < deadline:
+        with daemon.client(name="observer") as c:
+            assert [p.engine_id for p in c.stats().pools] == [], "the engine made it again"
+        time.sleep(0.05)
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"pool was dropped: {e.pool!r}, by ecd-cli" in message for message in told), told
+    result = e.step(request("r1", "img-a"))  # the engine goes on without the cache
+    assert result.step.encode == {"img-a": ROWS} and not result.failed
 
 
 def test_a_daemon_restart_fails_only_the_requests_whose_loads_under_a_lease_were_in_flight(

@@ -150,20 +150,24 @@ class CloseSessionReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., aborted: _Optional[int] = ..., released: _Optional[int] = ...) -> None: ...
 
 class OpenPoolRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral")
+    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral", "max_entries", "reopen")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REOPEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     block_size_bytes: int
     capacity_bytes: int
     compat_key: str
     ephemeral: bool
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
+    max_entries: int
+    reopen: bool
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., max_entries: _Optional[int] = ..., reopen: _Optional[bool] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base")
@@ -202,12 +206,14 @@ class OpenPoolReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class DropPoolRequest(_message.Message):
-    __slots__ = ("engine_id", "force")
+    __slots__ = ("engine_id", "force", "session_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     force: bool
-    def __init__(self, engine_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    session_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DropPoolReply(_message.Message):
     __slots__ = ("boot_epoch", "entries_dropped")
@@ -522,7 +528,7 @@ class ListEntriesReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads", "entries_locked", "ephemeral")
+    __slots__ = ("engine_id", "capacity_bytes", "block_size_bytes", "num_blocks", "free_blocks", "free_extents", "largest_free_extent", "entries_pending", "entries_ready", "entries_pinned", "pins", "hits", "misses", "evictions", "no_space", "commits", "aborts", "bytes_ready", "compat_key", "reserved_bytes", "max_entries", "remote_hits", "remote_misses", "remote_bytes", "remote_seconds_bounds", "remote_seconds_counts", "remote_seconds_sum", "held_blocks", "remote_reads", "entries_locked", "ephemeral", "evictions_for_space", "evictions_for_entries")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +560,8 @@ class PoolStats(_message.Message):
     REMOTE_READS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_LOCKED_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FOR_SPACE_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FOR_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     capacity_bytes: int
     block_size_bytes: int
@@ -585,7 +593,9 @@ class PoolStats(_message.Message):
     remote_reads: int
     entries_locked: int
     ephemeral: bool
-    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ..., entries_locked: _Optional[int] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
+    evictions_for_space: int
+    evictions_for_entries: int
+    def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ..., entries_locked: _Optional[int] = ..., ephemeral: _Optional[bool] = ..., evictions_for_space: _Optional[int] = ..., evictions_for_entries: _Optional[int] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("address", "state", "boot_epoch", "keys", "error")

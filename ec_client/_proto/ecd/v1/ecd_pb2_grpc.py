@@ -175,7 +175,9 @@ class EncoderCacheServicer:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key; with
         no geometry, attach only. INVALID_ARGUMENT: sizes out of range. NOT_FOUND (unknown_pool):
         attaching to a pool that does not exist. FAILED_PRECONDITION: exists with another geometry
-        or compat_key (reason pool_mismatch), or its file was refused (pool_unverified).
+        or compat_key (reason pool_mismatch), or its file was refused (pool_unverified), or it was
+        dropped while clients held it and this is one reopening it, or attaching by name
+        (pool_dropped; every call naming it is answered so, until an OpenPool makes it anew).
         RESOURCE_EXHAUSTED: capacity over the budget or the per-pool limit (budget), the shm directory is full
         (shm_full).
         """
@@ -185,6 +187,8 @@ class EncoderCacheServicer:
 
     def DropPool(self, request, context):
         """Delete a pool and its file. FAILED_PRECONDITION: entries PENDING or pinned, without force.
+        The other sessions that had it open are then answered FAILED_PRECONDITION pool_dropped for
+        it (their client libraries do not make it again by themselves: OpenPoolRequest.reopen).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
