@@ -2,7 +2,7 @@
 
     ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
     ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict|delete ENGINE KEY...
-    ecd drop ENGINE [--force]
+    ecd drop ENGINE [--force] | ecd --version
 
 Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
 Exit status: 0 success, 1 the daemon answered with an error or is not SERVING, 2 bad usage or
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ec_client import Client, EcdError, ItemResult, Role, check_health
+from ec_client import Client, EcdError, ItemResult, Role, __version__, check_health
 from ec_client.address import default_target
 from ec_client.types import PeerStats
 from ec_client.units import format_size, parse_size
@@ -371,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ecd", description="ecd, the encoder-cache daemon", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"ecd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = add_command(

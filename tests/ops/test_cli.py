@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ecd_testing import REPO, Daemon, run_ecd
 
-from ec_client import AllocateItem, EntryState, Status
+from ec_client import AllocateItem, EntryState, Status, __version__
 
 POOL = "cli-pool"
 BLOCK = 7168
@@ -21,6 +21,11 @@ MiB = 1 << 20
 def ecd(daemon: Daemon, *args: str) -> tuple[int, str, str]:
     result = run_ecd(*args, "--address", daemon.address)
     return result.returncode, result.stdout, result.stderr
+
+
+def test_ecd_version_prints_the_version() -> None:
+    result = run_ecd("--version")
+    assert (result.returncode, result.stdout) == (0, f"ecd {__version__}\n")
 
 
 def test_ecd_health_on_a_missing_socket_fails_at_once_naming_it(tmp_path: Path) -> None:
