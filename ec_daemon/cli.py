@@ -1,7 +1,7 @@
 """The `ecd` command: `ecd serve` runs the daemon; the others are client tools for operators.
 
     ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
-    ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict|delete ENGINE KEY...
+    ecd health | ecd stats [ENGINE] | ecd ls [ENGINE] | ecd evict|delete ENGINE KEY...
     ecd drop ENGINE [--force] | ecd --version
 
 Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
@@ -193,6 +193,8 @@ def peer_table(peers: Sequence[PeerStats]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.engine is None:
+        return list_pools(args)
     with admin_client(args) as client:
         entries = list(client.iter_entries(args.engine))
 
@@ -215,6 +217,42 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return table(headers, rows) if rows else "(no entries)"
 
     emit(args, entries, human)
+    return 0
+
+
+def list_pools(args: argparse.Namespace) -> int:
+    """ecd ls with no pool: a row per pool, what `ecd ls POOL` would list in it."""
+    with admin_client(args) as client:
+        pools = client.stats().pools
+    listed = [
+        {
+            "engine_id": p.engine_id,
+            "entries_ready": p.entries_ready,
+            "entries_pending": p.entries_pending,
+            "bytes_ready": p.bytes_ready,
+            "capacity_bytes": p.capacity_bytes,
+            "block_size_bytes": p.block_size_bytes,
+            "ephemeral": p.ephemeral,
+        }
+        for p in pools
+    ]
+
+    def human() -> str:
+        rows = [
+            (
+                p.engine_id + (" (ephemeral)" if p.ephemeral else ""),
+                p.entries_ready,
+                p.entries_pending,
+                format_size(p.bytes_ready),
+                format_size(p.capacity_bytes),
+                format_size(p.block_size_bytes),
+            )
+            for p in pools
+        ]
+        headers = ("POOL", "READY", "PENDING", "BYTES", "CAPACITY", "BLOCK")
+        return table(headers, rows) if rows else "(no pools)"
+
+    emit(args, listed, human)
     return 0
 
 
@@ -393,8 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("engine", nargs="?", help="only this pool")
 
-    ls = add_command(commands, "ls", cmd_ls, client=True, help="list the entries of a pool")
-    ls.add_argument("engine")
+    ls = add_command(
+        commands, "ls", cmd_ls, client=True, help="list the entries of a pool, or the pools"
+    )
+    ls.add_argument("engine", nargs="?", help="this pool's entries [default: list the pools]")
 
     for name, run, what in (
         ("evict", cmd_evict, "evict READY unpinned entries of a pool, as eviction would"),

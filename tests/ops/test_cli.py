@@ -154,3 +154,23 @@ def test_ecd_ls_puts_the_key_last_so_a_long_key_pads_no_other_column(daemon: Dae
     assert header.split()[-1] == "KEY"
     short_row = next(r for r in rows if r.endswith(short_key))
     assert len(short_row) < 100
+
+
+def test_ecd_ls_with_no_pool_lists_the_pools(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.open_pool("empty", 4096, 4 * MiB)
+        c.allocate(POOL, [AllocateItem(k, (BLOCK,), "uint8") for k in ("a", "b", "pending")])
+        c.commit(POOL, ["a", "b"])
+        status, out, err = ecd(daemon, "ls")
+        assert status == 0, err
+        header, *rows = out.splitlines()
+        assert header.split() == ["POOL", "READY", "PENDING", "BYTES", "CAPACITY", "BLOCK"]
+        assert sorted(row.split()[:3] for row in rows) == [
+            ["cli-pool", "2", "1"],
+            ["empty", "0", "0"],
+        ]
+        status, out, _ = ecd(daemon, "ls", "--json")
+        listed = {p["engine_id"]: p for p in json.loads(out)}
+        assert listed[POOL]["bytes_ready"] == 2 * BLOCK
+        assert listed["empty"]["capacity_bytes"] == 4 * MiB
