@@ -133,7 +133,12 @@ def admin_client(args: argparse.Namespace) -> Client:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     with admin_client(args) as client:
+        opened_in = client.boot_epoch
         stats = client.stats(args.engine or "")
+    # Not this command's own session: the daemon counted it if it is the one the session was
+    # opened in (one that restarted meanwhile answered before the session was opened again).
+    if stats.boot_epoch == opened_in:
+        stats = dataclasses.replace(stats, sessions=stats.sessions - 1)
 
     def human() -> str:
         head = (

@@ -89,6 +89,16 @@ def test_ecd_stats_shows_each_pools_capacity_file_size_and_compat_key(daemon: Da
         assert pool["reserved_bytes"] - pool["capacity_bytes"] == 2 * MiB
 
 
+def test_ecd_stats_counts_the_sessions_of_others_not_its_own(daemon: Daemon) -> None:
+    with daemon.client():
+        status, out, _ = ecd(daemon, "stats")
+        assert status == 0 and " sessions 1 " in out
+        status, out, _ = ecd(daemon, "stats", "--json")
+        assert json.loads(out)["sessions"] == 1
+    status, out, _ = ecd(daemon, "stats", "--json")
+    assert json.loads(out)["sessions"] == 0
+
+
 def test_ecd_stats_marks_an_ephemeral_pool(daemon: Daemon) -> None:
     with daemon.client() as c:
         c.open_pool("run-1_dp0", BLOCK, 4 * MiB, ephemeral=True)
