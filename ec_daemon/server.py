@@ -390,7 +390,7 @@ async def stop(daemon: Daemon) -> None:
         await daemon.peers.close(daemon.config.shutdown_grace)
     daemon.config.socket.unlink(missing_ok=True)
     for lock in daemon.locks:
-        lock.release()
+        lock.release(remove=True)
     log.info("stopped")
 
 

@@ -4,6 +4,7 @@ mount table is passed in only where a case cannot be arranged on this machine.""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import subprocess
@@ -151,6 +152,56 @@ def test_daemon_logs_the_memlock_warning_and_serves() -> None:
     expect_warning = soft != resource.RLIM_INFINITY and soft < budget
     with running_daemon("--max-bytes", "512MiB") as daemon:
         assert ("check=memlock" in daemon.log()) == expect_warning, daemon.log()
+
+
+# ---- the single-daemon locks ---------------------------------------------------------------------
+
+
+def test_a_clean_stop_removes_the_lock_files_and_a_kill_leaves_them_harmless() -> None:
+    with running_daemon("--max-bytes", "64MiB") as daemon:
+        locks = [
+            daemon.socket.with_name(daemon.socket.name + ".lock"),
+            daemon.shm_dir / ".ecd.lock",
+        ]
+        assert all(lock.is_file() for lock in locks)
+        assert daemon.stop() == 0
+        assert not any(lock.exists() for lock in locks)
+        daemon.start()
+        daemon.kill()
+        assert all(lock.is_file() for lock in locks)  # left by the kill: the next start takes them
+        daemon.start()
+
+
+def test_a_second_daemon_is_refused_while_the_first_holds_the_lock(tmp_path: Path) -> None:
+    first = checks.DirectoryLock(tmp_path / "x.lock", "socket x")
+    first.acquire()
+    with pytest.raises(StartupError, match=r"another ecd daemon already uses socket x"):
+        checks.DirectoryLock(tmp_path / "x.lock", "socket x").acquire()
+    first.release(remove=True)
+    checks.DirectoryLock(tmp_path / "x.lock", "socket x").acquire()
+
+
+def test_a_lock_on_a_file_its_holder_removed_meanwhile_is_not_taken_for_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder stops cleanly between a starting daemon's open of the lock file and its
+    flock: the starter must not hold the old file while a third daemon locks the new one."""
+    path = tmp_path / "x.lock"
+    holder = checks.DirectoryLock(path, "socket x")
+    holder.acquire()
+    flock = fcntl.flock
+
+    def holder_stops_first(fd: int, operation: int) -> None:
+        holder.release(remove=True)  # once: later calls find it released already
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", holder_stops_first)
+    starter = checks.DirectoryLock(path, "socket x")
+    starter.acquire()
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with pytest.raises(StartupError, match="another ecd daemon"):
+        checks.DirectoryLock(path, "socket x").acquire()
+    assert path.read_text() == f"{os.getpid()}\n"
 
 
 # ---- huge pages ----------------------------------------------------------------------------------
