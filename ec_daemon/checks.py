@@ -107,13 +107,42 @@ def memlock_warning(budget: int, limit: int) -> str | None:
     )
 
 
-def environment_warnings(shm_dir: Path, budget: int) -> dict[str, str]:
-    """Problems the daemon can run with but should not: check name -> message with the fix."""
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+DEV = Path("/dev")
+
+
+def gpu_present(nvidia_gpus: Path = NVIDIA_GPUS, dev: Path = DEV) -> bool:
+    """Whether this machine has a GPU that clients could pin the pools for: one the NVIDIA
+    driver lists (its /proc entries are there in a container given no GPU too, as the daemon's
+    pod beside GPU engines is), or a GPU device node (NVIDIA's, AMD's /dev/kfd)."""
+    try:
+        if any(nvidia_gpus.iterdir()):
+            return True
+    except OSError:
+        pass
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What the startup checks found that the daemon runs with, check name -> message with the
+    fix: warnings, and notes (info) for what matters only on other machines. The memlock limit
+    is a note on a machine with no GPU: nothing pins the pools there, so it is no problem now,
+    but it would be for GPU engines started with the same limits."""
+
+    warnings: dict[str, str]
+    notes: dict[str, str]
+
+
+def environment_findings(shm_dir: Path, budget: int, gpu: bool) -> Findings:
+    """Problems the daemon can run with but should not (`gpu`: whether this machine has one)."""
     found = {
         "tmpfs": tmpfs_warning(shm_dir, parse_mounts(MOUNTS.read_text())),
         "memlock": memlock_warning(budget, resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]),
     }
-    return {name: message for name, message in found.items() if message is not None}
+    warnings = {name: message for name, message in found.items() if message is not None}
+    notes = {} if gpu or "memlock" not in warnings else {"memlock": warnings.pop("memlock")}
+    return Findings(warnings, notes)
 
 
 def shmem_huge_policy(path: Path = SHMEM_HUGE_POLICY) -> str:

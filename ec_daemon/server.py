@@ -2,7 +2,8 @@
 
 Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
 -> with peers, start the transfer engine -> adopt pool files left by a previous daemon (each
-registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock) ->
+registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock; the
+latter only a note on a machine with no GPU) ->
 metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
 READY=1.
 Order of shutdown (SIGTERM/SIGINT): stop accepting and health NOT_SERVING (in one step of the
@@ -201,8 +202,14 @@ async def start(config: Config) -> Daemon:
     store = build_store(config, budget, hub, peers)
     adopt_pools(store)
     remote = peers.connect(config, store, hub) if peers is not None else None
-    for check, problem in checks.environment_warnings(config.shm_dir, budget).items():
+    findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
+    for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
+    for check, problem in findings.notes.items():
+        log.info(
+            "startup check: no GPU on this machine, so a problem only for GPU engines",
+            extra={"check": check, "problem": problem},
+        )
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
     metrics_server = (
         metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None

@@ -139,19 +139,47 @@ def memlock_soft_limit(limit: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
 
-def test_environment_warnings_read_the_real_limit(shm_dir: Path) -> None:
+def test_environment_findings_read_the_real_limit(shm_dir: Path) -> None:
     with memlock_soft_limit(4 * MiB):
-        assert "4.0 MiB" in checks.environment_warnings(shm_dir, 64 * MiB)["memlock"]
-        assert "memlock" not in checks.environment_warnings(shm_dir, 4 * MiB)
-    assert "tmpfs" not in checks.environment_warnings(shm_dir, 4 * MiB)
+        found = checks.environment_findings(shm_dir, 64 * MiB, gpu=True)
+        assert "4.0 MiB" in found.warnings["memlock"]
+        assert "memlock" not in checks.environment_findings(shm_dir, 4 * MiB, gpu=True).warnings
+    assert "tmpfs" not in checks.environment_findings(shm_dir, 4 * MiB, gpu=True).warnings
 
 
-def test_daemon_logs_the_memlock_warning_and_serves() -> None:
+def test_a_low_memlock_limit_is_a_note_not_a_warning_on_a_machine_with_no_gpu(
+    shm_dir: Path,
+) -> None:
+    with memlock_soft_limit(4 * MiB):
+        found = checks.environment_findings(shm_dir, 64 * MiB, gpu=False)
+    assert "memlock" not in found.warnings
+    assert "4.0 MiB" in found.notes["memlock"]
+
+
+def test_a_gpu_is_found_by_its_driver_or_its_device_node(tmp_path: Path) -> None:
+    nvidia_gpus, dev = tmp_path / "gpus", tmp_path / "dev"
+    nvidia_gpus.mkdir()
+    dev.mkdir()
+    (dev / "nvidiactl").touch()  # the driver's control node, on a machine with no GPU too
+    assert not checks.gpu_present(nvidia_gpus, dev)
+    assert not checks.gpu_present(tmp_path / "no-driver", dev)
+    (nvidia_gpus / "0000:3b:00.0").mkdir()
+    assert checks.gpu_present(nvidia_gpus, dev)
+    for node in ("nvidia0", "kfd"):
+        (dev / node).touch()
+        assert checks.gpu_present(tmp_path / "no-driver", dev)
+        (dev / node).unlink()
+
+
+def test_daemon_says_a_low_memlock_limit_once_at_the_level_for_this_machine() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     budget = 512 * MiB
-    expect_warning = soft != resource.RLIM_INFINITY and soft < budget
+    low = soft != resource.RLIM_INFINITY and soft < budget
+    level = "warning" if checks.gpu_present() else "info"
     with running_daemon("--max-bytes", "512MiB") as daemon:
-        assert ("check=memlock" in daemon.log()) == expect_warning, daemon.log()
+        said = [line for line in daemon.log().splitlines() if "check=memlock" in line]
+    assert len(said) == (1 if low else 0), said
+    assert all(f"level={level} " in line for line in said), said
 
 
 # ---- the single-daemon locks ---------------------------------------------------------------------
