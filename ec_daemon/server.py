@@ -9,7 +9,8 @@ READY=1.
 Order of shutdown (SIGTERM/SIGINT): stop accepting and health NOT_SERVING (in one step of the
 loop), STOPPING=1 -> end Watch streams and waiting Acquires, let in-flight RPCs finish within
 shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the pulls in flight
--> close pool files (they stay: they are the cache) -> stop the transfer engine.
+-> close pool files (they stay: they are the cache) -> stop the transfer engine -> remove the
+socket and the lock files.
 """
 
 from __future__ import annotations
