@@ -48,6 +48,11 @@ from ec_daemon.wire import add_to_server
 
 log = logging.getLogger("ecd.server")
 
+# How long a stop waits for the ends of the Watch streams it ended to be written before it
+# refuses new calls (see stop): milliseconds, unless a client reads nothing and its stream's
+# send buffer is full; such a client gets its end, or not, at the grace's deadline.
+STREAM_ENDS_WRITTEN_S = 1.0
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
 
 
@@ -369,20 +374,28 @@ async def feed_watchdog(interval_s: float) -> None:
 
 async def stop(daemon: Daemon) -> None:
     log.info("stopping", extra={"grace_s": daemon.config.shutdown_grace})
+    # server.stop refuses new calls at once and waits for in-flight ones, up to the grace. Two
+    # kinds of call would only ever end at its deadline, so they are ended here: Watch streams
+    # (they never end by themselves), and Acquires waiting on keys (no producer can commit any
+    # more once new calls are refused), which are answered UNAVAILABLE (shutting_down: nothing
+    # pinned, safe to retry) for their clients to wait on at the next daemon. The grace is left
+    # to calls that are doing work. Waiting out the grace here was what made a restart take
+    # seconds, longer than clients would wait for the next daemon.
+    #
+    # Watch streams end first, and server.stop begins only once their ends are written: on each
+    # connection a stream's end then comes before server.stop's GOAWAY and PING, and grpc closes
+    # the connection only after the client answered that PING, so after it read the end. The
+    # other way round, the connection closed as the last stream ended, and a client whose own
+    # write (a PING's answer, a window update) came after that lost the end waiting in its
+    # socket to the write's EPIPE: its stream failed with "Stream removed" instead of ending.
+    daemon.hub.shut_down()
+    await daemon.hub.streams_ended(STREAM_ENDS_WRITTEN_S)
     # Refusing new calls begins in the same step of the loop as NOT_SERVING goes out (stop's
     # task is scheduled first), so a client that reacts to NOT_SERVING finds its next call
     # refused rather than served by a daemon on its way out.
     stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
-    # server.stop refuses new calls at once and waits for in-flight ones, up to the grace. Two
-    # kinds of call would only ever end at its deadline, so they are ended now: Watch streams
-    # (they never end by themselves), and Acquires waiting on keys (no producer can commit any
-    # more: new calls are refused), which are answered UNAVAILABLE (shutting_down: nothing
-    # pinned, safe to retry) for their clients to wait on at the next daemon. The grace is left
-    # to calls that are doing work. Waiting out the grace here was what made a restart take
-    # seconds, longer than clients would wait for the next daemon.
-    daemon.hub.shut_down()
     daemon.hub.end_waits()
     await stopped
     if daemon.metrics_server is not None:
