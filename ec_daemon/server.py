@@ -6,11 +6,11 @@ registered with the transfer engine) -> warn about what will run badly (not tmpf
 latter only a note on a machine with no GPU) ->
 metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
 READY=1.
-Order of shutdown (SIGTERM/SIGINT): stop accepting and health NOT_SERVING (in one step of the
-loop), STOPPING=1 -> end Watch streams and waiting Acquires, let in-flight RPCs finish within
-shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the pulls in flight
--> close pool files (they stay: they are the cache) -> stop the transfer engine -> remove the
-socket and the lock files.
+Order of shutdown (SIGTERM/SIGINT): end Watch streams, their ends written -> stop accepting and
+health NOT_SERVING (in one step of the loop), STOPPING=1 -> end waiting Acquires, let in-flight
+RPCs finish within shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the
+pulls in flight -> close pool files (they stay: they are the cache) -> stop the transfer engine
+-> remove the socket and the lock files.
 """
 
 from __future__ import annotations
