@@ -81,6 +81,8 @@ DTYPES: dict[str, tuple[int, int]] = {
     "uint64": (17, 8),
     "complex64": (18, 8),
     "complex128": (19, 16),
+    "float8_e8m0fnu": (20, 1),  # MX scales
+    "float4_e2m1fn_x2": (21, 1),  # two fp4 values an element (a byte)
 }
 DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
 

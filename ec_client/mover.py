@@ -54,17 +54,22 @@ _TORCH_DTYPES = {
 def torch_dtype(name: str) -> torch.dtype:
     dtype = _TORCH_DTYPES.get(name)
     if dtype is None:
-        raise ValueError(f"unknown dtype {name!r}")
+        raise ValueError(f"the entry's dtype {name!r} is not one torch {torch.__version__} has")
     return dtype
 
 
 def spec_of(tensor: torch.Tensor) -> TensorSpec:
     """What a tensor's entry holds; TypeError for what is not a tensor, ValueError for a tensor
-    a pool cannot hold (no elements, no dimensions or more than MAX_NDIM, no data (meta), not a
-    dense strided layout (sparse), a dtype without a wire name): refused before anything is
-    sent."""
+    a pool cannot hold (nested, no elements, no dimensions or more than MAX_NDIM, no data
+    (meta), not a dense strided layout (sparse), a dtype without a wire name): refused before
+    anything is sent."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:  # before anything asks its shape, which a nested tensor has not
+        raise ValueError(
+            "a nested tensor cannot be stored: store each of its tensors (t.unbind()) as an "
+            "entry of its own, or a padded dense one (t.to_padded_tensor(0))"
+        )
     if not 1 <= tensor.dim() <= MAX_NDIM:
         raise ValueError(
             f"a tensor of {tensor.dim()} dimensions (shape {tuple(tensor.shape)}) cannot be "

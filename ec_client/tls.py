@@ -9,23 +9,39 @@ from pathlib import Path
 
 import grpc
 
+StrPath = str | os.PathLike[str]
 
-@dataclass(frozen=True)
+
+def _path(value: StrPath | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+@dataclass(frozen=True, init=False)
 class TLSFiles:
     """PEM files for a TLS connection over TCP: the CA that signed the daemon's certificate and,
-    for mutual TLS, this client's certificate and key. Defaults: ECD_TLS_CA, ECD_TLS_CERT,
-    ECD_TLS_KEY."""
+    for mutual TLS, this client's certificate and key, each a str or path-like. Defaults:
+    ECD_TLS_CA, ECD_TLS_CERT, ECD_TLS_KEY.
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
+    Held as Paths, so that files named by a str and by a Path are the same TLSFiles (and share
+    a channel)."""
+
+    ca: Path | None
+    cert: Path | None
+    key: Path | None
+
+    def __init__(
+        self, ca: StrPath | None = None, cert: StrPath | None = None, key: StrPath | None = None
+    ) -> None:
+        object.__setattr__(self, "ca", _path(ca))
+        object.__setattr__(self, "cert", _path(cert))
+        object.__setattr__(self, "key", _path(key))
 
     @classmethod
     def from_env(cls) -> TLSFiles | None:
         paths = [os.environ.get(f"ECD_TLS_{name}") for name in ("CA", "CERT", "KEY")]
         if not any(paths):
             return None
-        ca, cert, key = (Path(p) if p else None for p in paths)
+        ca, cert, key = (p or None for p in paths)
         return cls(ca, cert, key)
 
     def credentials(self) -> grpc.ChannelCredentials:

@@ -107,13 +107,42 @@ def memlock_warning(budget: int, limit: int) -> str | None:
     )
 
 
-def environment_warnings(shm_dir: Path, budget: int) -> dict[str, str]:
-    """Problems the daemon can run with but should not: check name -> message with the fix."""
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+DEV = Path("/dev")
+
+
+def gpu_present(nvidia_gpus: Path = NVIDIA_GPUS, dev: Path = DEV) -> bool:
+    """Whether this machine has a GPU that clients could pin the pools for: one the NVIDIA
+    driver lists (its /proc entries are there in a container given no GPU too, as the daemon's
+    pod beside GPU engines is), or a GPU device node (NVIDIA's, AMD's /dev/kfd)."""
+    try:
+        if any(nvidia_gpus.iterdir()):
+            return True
+    except OSError:
+        pass
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What the startup checks found that the daemon runs with, check name -> message with the
+    fix: warnings, and notes (info) for what matters only on other machines. The memlock limit
+    is a note on a machine with no GPU: nothing pins the pools there, so it is no problem now,
+    but it would be for GPU engines started with the same limits."""
+
+    warnings: dict[str, str]
+    notes: dict[str, str]
+
+
+def environment_findings(shm_dir: Path, budget: int, gpu: bool) -> Findings:
+    """Problems the daemon can run with but should not (`gpu`: whether this machine has one)."""
     found = {
         "tmpfs": tmpfs_warning(shm_dir, parse_mounts(MOUNTS.read_text())),
         "memlock": memlock_warning(budget, resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]),
     }
-    return {name: message for name, message in found.items() if message is not None}
+    warnings = {name: message for name, message in found.items() if message is not None}
+    notes = {} if gpu or "memlock" not in warnings else {"memlock": warnings.pop("memlock")}
+    return Findings(warnings, notes)
 
 
 def shmem_huge_policy(path: Path = SHMEM_HUGE_POLICY) -> str:
@@ -206,7 +235,15 @@ def group_id(name: str) -> int | None:
 
 class DirectoryLock:
     """An exclusive flock held for the daemon's life, so two daemons never share a socket or an
-    shm directory (the second would silently take over the socket, or fight over pool files)."""
+    shm directory (the second would silently take over the socket, or fight over pool files).
+
+    A clean stop removes the lock file (`release(remove=True)`), as it removes the socket. It
+    unlinks the file while it still holds the lock, and `acquire` checks after taking a lock
+    that the file it locked is still the one at the path: a daemon starting meanwhile may have
+    opened the old file and locked it the moment the holder let go, a lock nobody else would
+    look at, since the next daemon creates a new file at the path. Such a lock is dropped and
+    the file at the path locked instead, so two daemons never both hold "the" lock. Waiting is
+    never part of it: a lock held is refused at once (LOCK_NB)."""
 
     def __init__(self, path: Path, what: str) -> None:
         self.path = path
@@ -215,6 +252,18 @@ class DirectoryLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        while not self._lock_the_file_at_the_path():
+            pass
+        try:  # the pid is for operators asking who holds the lock
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            self.release()
+            raise StartupError(f"cannot write {self.path}: {exc.strerror}") from exc
+
+    def _lock_the_file_at_the_path(self) -> bool:
+        """Lock the file at the path; False when the file locked was removed meanwhile (by the
+        holder, at its clean stop) and the caller must try again."""
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -225,14 +274,20 @@ class DirectoryLock:
                 f"another ecd daemon already uses {self.what} (lock {self.path} is held); stop "
                 "it first, or give this one its own --socket and --shm-dir"
             ) from exc
-        try:  # the pid is for operators asking who holds the lock
-            os.ftruncate(self._fd, 0)
-            os.write(self._fd, f"{os.getpid()}\n".encode())
-        except OSError as exc:
-            self.release()
-            raise StartupError(f"cannot write {self.path}: {exc.strerror}") from exc
+        try:
+            if os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+                return True
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+        return False
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """Let go of the lock; with remove, remove its file first, while still holding it (see
+        the class)."""
         if self._fd >= 0:
+            if remove:
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = -1

@@ -1,8 +1,8 @@
 """The `ecd` command: `ecd serve` runs the daemon; the others are client tools for operators.
 
     ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
-    ecd health | ecd stats [ENGINE] | ecd ls ENGINE | ecd evict|delete ENGINE KEY...
-    ecd drop ENGINE [--force]
+    ecd health | ecd stats [ENGINE] | ecd ls [ENGINE] | ecd evict|delete ENGINE KEY...
+    ecd drop ENGINE [--force] | ecd --version
 
 Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
 Exit status: 0 success, 1 the daemon answered with an error or is not SERVING, 2 bad usage or
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ec_client import Client, EcdError, ItemResult, Role, check_health
+from ec_client import Client, EcdError, ItemResult, Role, __version__, check_health
 from ec_client.address import default_target
 from ec_client.types import PeerStats
 from ec_client.units import format_size, parse_size
@@ -133,7 +133,12 @@ def admin_client(args: argparse.Namespace) -> Client:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     with admin_client(args) as client:
+        opened_in = client.boot_epoch
         stats = client.stats(args.engine or "")
+    # Not this command's own session: the daemon counted it if it is the one the session was
+    # opened in (one that restarted meanwhile answered before the session was opened again).
+    if stats.boot_epoch == opened_in:
+        stats = dataclasses.replace(stats, sessions=stats.sessions - 1)
 
     def human() -> str:
         head = (
@@ -195,6 +200,8 @@ def peer_table(peers: Sequence[PeerStats]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.engine is None:
+        return list_pools(args)
     with admin_client(args) as client:
         entries = list(client.iter_entries(args.engine))
 
@@ -217,6 +224,42 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return table(headers, rows) if rows else "(no entries)"
 
     emit(args, entries, human)
+    return 0
+
+
+def list_pools(args: argparse.Namespace) -> int:
+    """ecd ls with no pool: a row per pool, what `ecd ls POOL` would list in it."""
+    with admin_client(args) as client:
+        pools = client.stats().pools
+    listed = [
+        {
+            "engine_id": p.engine_id,
+            "entries_ready": p.entries_ready,
+            "entries_pending": p.entries_pending,
+            "bytes_ready": p.bytes_ready,
+            "capacity_bytes": p.capacity_bytes,
+            "block_size_bytes": p.block_size_bytes,
+            "ephemeral": p.ephemeral,
+        }
+        for p in pools
+    ]
+
+    def human() -> str:
+        rows = [
+            (
+                p.engine_id + (" (ephemeral)" if p.ephemeral else ""),
+                p.entries_ready,
+                p.entries_pending,
+                format_size(p.bytes_ready),
+                format_size(p.capacity_bytes),
+                format_size(p.block_size_bytes),
+            )
+            for p in pools
+        ]
+        headers = ("POOL", "READY", "PENDING", "BYTES", "CAPACITY", "BLOCK")
+        return table(headers, rows) if rows else "(no pools)"
+
+    emit(args, listed, human)
     return 0
 
 
@@ -373,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ecd", description="ecd, the encoder-cache daemon", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"ecd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = add_command(
@@ -394,8 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("engine", nargs="?", help="only this pool")
 
-    ls = add_command(commands, "ls", cmd_ls, client=True, help="list the entries of a pool")
-    ls.add_argument("engine")
+    ls = add_command(
+        commands, "ls", cmd_ls, client=True, help="list the entries of a pool, or the pools"
+    )
+    ls.add_argument("engine", nargs="?", help="this pool's entries [default: list the pools]")
 
     for name, run, what in (
         ("evict", cmd_evict, "evict READY unpinned entries of a pool, as eviction would"),

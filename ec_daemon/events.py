@@ -11,6 +11,7 @@ import asyncio
 import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ec_client.types import EventType, WatchEvent
 
@@ -33,6 +34,9 @@ class Subscription:
     include_pending: bool = False  # also PENDING events (entries allocated, being written)
     queue: asyncio.Queue[WatchEvent | StreamEnd] = field(default_factory=asyncio.Queue)
     ended: bool = False
+    # The Watch call's task: done once the stream's end (its final status) has been written to
+    # the client's connection (grpc.aio sends it from the task that ran the handler).
+    call: asyncio.Future[Any] | None = None
 
     def offer(self, event: WatchEvent) -> None:
         if self.ended or (self.engine_id and event.engine_id != self.engine_id):
@@ -58,6 +62,8 @@ class EventHub:
         self._subscriptions: set[Subscription] = set()
         self._watch_queue_limit = watch_queue_limit
         self.waits_ended = False  # the daemon is stopping: no wait lasts any longer
+        self.streams_shut = False  # the daemon is stopping: every Watch stream ends at once
+        self._ending: set[asyncio.Future[Any]] = set()  # the calls of streams shut_down ended
 
     def publish(self, event: WatchEvent) -> None:
         # Any other event about a key settles its waiters: it became READY or went away. A
@@ -101,21 +107,44 @@ class EventHub:
                         del self._waiters[(engine_id, key)]
 
     def subscribe(
-        self, engine_id: str, include_remote: bool = False, include_pending: bool = False
+        self,
+        engine_id: str,
+        include_remote: bool = False,
+        include_pending: bool = False,
+        call: asyncio.Future[Any] | None = None,
     ) -> Subscription:
+        """A Watch stream's queue; `call` is the Watch call's task (see Subscription.call). Once
+        the hub is shut down, one that ends at once."""
         subscription = Subscription(
-            engine_id, self._watch_queue_limit, include_remote, include_pending
+            engine_id, self._watch_queue_limit, include_remote, include_pending, call=call
         )
         self._subscriptions.add(subscription)
+        if self.streams_shut:
+            self._shut(subscription)
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
         self._subscriptions.discard(subscription)
 
     def shut_down(self) -> None:
-        """End every Watch stream (clients resubscribe to the next daemon)."""
+        """End every Watch stream, and any that begins from now on (clients resubscribe to the
+        next daemon)."""
+        self.streams_shut = True
         for subscription in self._subscriptions:
-            subscription.end(StreamEnd.SHUTDOWN)
+            self._shut(subscription)
+
+    def _shut(self, subscription: Subscription) -> None:
+        subscription.end(StreamEnd.SHUTDOWN)
+        if subscription.call is not None and not subscription.call.done():
+            self._ending.add(subscription.call)
+            subscription.call.add_done_callback(self._ending.discard)
+
+    async def streams_ended(self, timeout_s: float) -> None:
+        """Return once every Watch call that shut_down ended has written its stream's end to
+        its client's connection, or after timeout_s (a client that reads nothing holds back the
+        end of its stream behind what the stream sent before)."""
+        if self._ending:
+            await asyncio.wait(set(self._ending), timeout=timeout_s)
 
     def end_waits(self) -> None:
         """The daemon is about to stop: every wait returns now, and any later one at once."""

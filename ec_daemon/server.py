@@ -2,13 +2,15 @@
 
 Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
 -> with peers, start the transfer engine -> adopt pool files left by a previous daemon (each
-registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock) ->
+registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock; the
+latter only a note on a machine with no GPU) ->
 metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
 READY=1.
-Order of shutdown (SIGTERM/SIGINT): stop accepting and health NOT_SERVING (in one step of the
-loop), STOPPING=1 -> end Watch streams and waiting Acquires, let in-flight RPCs finish within
-shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the pulls in flight
--> close pool files (they stay: they are the cache) -> stop the transfer engine.
+Order of shutdown (SIGTERM/SIGINT): end Watch streams, their ends written -> stop accepting and
+health NOT_SERVING (in one step of the loop), STOPPING=1 -> end waiting Acquires, let in-flight
+RPCs finish within shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the
+pulls in flight -> close pool files (they stay: they are the cache) -> stop the transfer engine
+-> remove the socket and the lock files.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ from ec_daemon.validate import Limits
 from ec_daemon.wire import add_to_server
 
 log = logging.getLogger("ecd.server")
+
+# How long a stop waits for the ends of the Watch streams it ended to be written before it
+# refuses new calls (see stop): milliseconds, unless a client reads nothing and its stream's
+# send buffer is full; such a client gets its end, or not, at the grace's deadline.
+STREAM_ENDS_WRITTEN_S = 1.0
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
 
@@ -202,8 +209,14 @@ async def start(config: Config) -> Daemon:
     store = build_store(config, budget, hub, peers)
     adopt_pools(store)
     remote = peers.connect(config, store, hub) if peers is not None else None
-    for check, problem in checks.environment_warnings(config.shm_dir, budget).items():
+    findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
+    for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
+    for check, problem in findings.notes.items():
+        log.info(
+            "startup check: no GPU on this machine, so a problem only for GPU engines",
+            extra={"check": check, "problem": problem},
+        )
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
     metrics_server = (
         metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None
@@ -363,20 +376,28 @@ async def feed_watchdog(interval_s: float) -> None:
 
 async def stop(daemon: Daemon) -> None:
     log.info("stopping", extra={"grace_s": daemon.config.shutdown_grace})
+    # server.stop refuses new calls at once and waits for in-flight ones, up to the grace. Two
+    # kinds of call would only ever end at its deadline, so they are ended here: Watch streams
+    # (they never end by themselves), and Acquires waiting on keys (no producer can commit any
+    # more once new calls are refused), which are answered UNAVAILABLE (shutting_down: nothing
+    # pinned, safe to retry) for their clients to wait on at the next daemon. The grace is left
+    # to calls that are doing work. Waiting out the grace here was what made a restart take
+    # seconds, longer than clients would wait for the next daemon.
+    #
+    # Watch streams end first, and server.stop begins only once their ends are written: on each
+    # connection a stream's end then comes before server.stop's GOAWAY and PING, and grpc closes
+    # the connection only after the client answered that PING, so after it read the end. The
+    # other way round, the connection closed as the last stream ended, and a client whose own
+    # write (a PING's answer, a window update) came after that lost the end waiting in its
+    # socket to the write's EPIPE: its stream failed with "Stream removed" instead of ending.
+    daemon.hub.shut_down()
+    await daemon.hub.streams_ended(STREAM_ENDS_WRITTEN_S)
     # Refusing new calls begins in the same step of the loop as NOT_SERVING goes out (stop's
     # task is scheduled first), so a client that reacts to NOT_SERVING finds its next call
     # refused rather than served by a daemon on its way out.
     stopped = asyncio.ensure_future(daemon.server.stop(daemon.config.shutdown_grace))
     await daemon.health.enter_graceful_shutdown()
     systemd.notify("STOPPING=1")
-    # server.stop refuses new calls at once and waits for in-flight ones, up to the grace. Two
-    # kinds of call would only ever end at its deadline, so they are ended now: Watch streams
-    # (they never end by themselves), and Acquires waiting on keys (no producer can commit any
-    # more: new calls are refused), which are answered UNAVAILABLE (shutting_down: nothing
-    # pinned, safe to retry) for their clients to wait on at the next daemon. The grace is left
-    # to calls that are doing work. Waiting out the grace here was what made a restart take
-    # seconds, longer than clients would wait for the next daemon.
-    daemon.hub.shut_down()
     daemon.hub.end_waits()
     await stopped
     if daemon.metrics_server is not None:
@@ -392,7 +413,7 @@ async def stop(daemon: Daemon) -> None:
         await daemon.peers.close(daemon.config.shutdown_grace)
     daemon.config.socket.unlink(missing_ok=True)
     for lock in daemon.locks:
-        lock.release()
+        lock.release(remove=True)
     log.info("stopped")
 
 

@@ -512,12 +512,14 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             snapshot = self.store.ready_snapshot(engine_id, pending) if request.snapshot else []
             if remote is not None and request.snapshot:
                 snapshot += remote.snapshot(engine_id)
-            subscription = self.hub.subscribe(engine_id, remote is not None, pending)
+            subscription = self.hub.subscribe(
+                engine_id, remote is not None, pending, call=asyncio.current_task()
+            )
         except CoreError as exc:
             await wire.abort(self.store, context, exc)
             return
         try:
-            if request.snapshot:
+            if request.snapshot and not subscription.ended:  # none for a stream the stop ended
                 for ready in snapshot:
                     yield wire.watch_event_pb(ready)
                 yield pb.WatchEvent(

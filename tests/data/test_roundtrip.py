@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 from ecd_testing import Daemon, assert_blocks_accounted
 
-from ec_client import Client, Consumer, EcdError, Producer, PutStatus
+from ec_client import Client, Consumer, EcdError, Producer, PutStatus, mover
 from ec_client.layout import DTYPES
 from ec_client.mover import byte_view
 
@@ -133,6 +136,35 @@ def test_a_full_pool_of_pinned_entries_answers_no_space(daemon: Daemon) -> None:
 def test_an_unsupported_dtype_is_refused_before_anything_is_sent(client: Client) -> None:
     with pytest.raises(ValueError, match="cannot be stored"):
         Producer(client, POOL).put("q", torch.zeros(2, dtype=torch.complex32))
+
+
+def test_an_unsupported_dtype_is_refused_naming_every_dtype_a_pool_holds(client: Client) -> None:
+    with pytest.raises(ValueError) as info:
+        Producer(client, POOL).put("bits", torch.zeros(2, dtype=torch.bits8))
+    supported = str(info.value).split("supported: ")[1].split(", ")
+    assert "float8_e8m0fnu" in supported and "float4_e2m1fn_x2" in supported
+    assert supported == list(DTYPES)
+
+
+def test_an_entry_of_a_dtype_this_torch_lacks_is_refused_naming_it(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Producer(client, POOL).put("mx", random_tensor((4,), torch.float8_e8m0fnu))
+    monkeypatch.delitem(mover._TORCH_DTYPES, "float8_e8m0fnu")  # as in an older torch
+    why = re.escape(f"'float8_e8m0fnu' is not one torch {torch.__version__} has")
+    with pytest.raises(ValueError, match=why):
+        Consumer(client, POOL).get("mx")
+    [entry] = client.iter_entries(POOL)
+    assert entry.pins == 0
+
+
+def test_a_nested_tensor_is_refused_saying_what_to_store_instead(client: Client) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are in prototype stage"
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"nested tensor cannot be stored.*t\.unbind\(\)"):
+        Producer(client, POOL).put("nested", nested)
+    assert client.lookup(POOL, ["nested"])[0].state.name == "ABSENT"
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from ecd_testing import Daemon, running_daemon
 from fuzz_testing import CASES, RAW, assert_still_observable, fuzz_settings
+from http2_testing import DATA, PREFACE, SETTINGS, frame, grpc_call
 from hypothesis import given
 from hypothesis import strategies as st
 from workload_testing import daemon_fds
@@ -23,56 +24,10 @@ from workload_testing import daemon_fds
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_daemon.spawn import free_port
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SETTINGS, HEADERS, DATA = 0x4, 0x1, 0x0
-END_STREAM, END_HEADERS = 0x1, 0x4
 METHODS = [
     f"/{pb.DESCRIPTOR.services_by_name['EncoderCache'].full_name}/{m.name}".encode()
     for m in pb.DESCRIPTOR.services_by_name["EncoderCache"].methods
 ] + [b"/grpc.health.v1.Health/Check"]
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes, length: int | None = None) -> bytes:
-    size = len(payload) if length is None else length
-    header = (
-        size.to_bytes(3, "big") + bytes([kind, flags]) + (stream & 0x7FFFFFFF).to_bytes(4, "big")
-    )
-    return header + payload
-
-
-def literal(name: bytes, value: bytes) -> bytes:
-    """An HPACK literal header field without indexing, new name, no Huffman (RFC 7541 6.2.2)."""
-    assert len(name) < 127 and len(value) < 127
-    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
-
-
-def grpc_headers(path: bytes) -> bytes:
-    return b"".join(
-        literal(name, value)
-        for name, value in (
-            (b":method", b"POST"),
-            (b":scheme", b"http"),
-            (b":path", path),
-            (b":authority", b"localhost"),
-            (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"),
-        )
-    )
-
-
-def grpc_call(
-    path: bytes, message: bytes, compressed: int = 0, declared: int | None = None
-) -> bytes:
-    """A whole gRPC call on stream 1: the connection preface, SETTINGS, HEADERS, one DATA."""
-    prefix = bytes([compressed]) + (len(message) if declared is None else declared).to_bytes(
-        4, "big"
-    )
-    return (
-        PREFACE
-        + frame(SETTINGS, 0, 0, b"")
-        + frame(HEADERS, END_HEADERS, 1, grpc_headers(path))
-        + frame(DATA, END_STREAM, 1, prefix + message)
-    )
 
 
 def send_raw(daemon: Daemon, payload: bytes, read_s: float = 0.5, until: bytes = b"") -> bytes:

@@ -4,6 +4,7 @@ mount table is passed in only where a case cannot be arranged on this machine.""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import subprocess
@@ -138,19 +139,97 @@ def memlock_soft_limit(limit: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
 
-def test_environment_warnings_read_the_real_limit(shm_dir: Path) -> None:
+def test_environment_findings_read_the_real_limit(shm_dir: Path) -> None:
     with memlock_soft_limit(4 * MiB):
-        assert "4.0 MiB" in checks.environment_warnings(shm_dir, 64 * MiB)["memlock"]
-        assert "memlock" not in checks.environment_warnings(shm_dir, 4 * MiB)
-    assert "tmpfs" not in checks.environment_warnings(shm_dir, 4 * MiB)
+        found = checks.environment_findings(shm_dir, 64 * MiB, gpu=True)
+        assert "4.0 MiB" in found.warnings["memlock"]
+        assert "memlock" not in checks.environment_findings(shm_dir, 4 * MiB, gpu=True).warnings
+    assert "tmpfs" not in checks.environment_findings(shm_dir, 4 * MiB, gpu=True).warnings
 
 
-def test_daemon_logs_the_memlock_warning_and_serves() -> None:
+def test_a_low_memlock_limit_is_a_note_not_a_warning_on_a_machine_with_no_gpu(
+    shm_dir: Path,
+) -> None:
+    with memlock_soft_limit(4 * MiB):
+        found = checks.environment_findings(shm_dir, 64 * MiB, gpu=False)
+    assert "memlock" not in found.warnings
+    assert "4.0 MiB" in found.notes["memlock"]
+
+
+def test_a_gpu_is_found_by_its_driver_or_its_device_node(tmp_path: Path) -> None:
+    nvidia_gpus, dev = tmp_path / "gpus", tmp_path / "dev"
+    nvidia_gpus.mkdir()
+    dev.mkdir()
+    (dev / "nvidiactl").touch()  # the driver's control node, on a machine with no GPU too
+    assert not checks.gpu_present(nvidia_gpus, dev)
+    assert not checks.gpu_present(tmp_path / "no-driver", dev)
+    (nvidia_gpus / "0000:3b:00.0").mkdir()
+    assert checks.gpu_present(nvidia_gpus, dev)
+    for node in ("nvidia0", "kfd"):
+        (dev / node).touch()
+        assert checks.gpu_present(tmp_path / "no-driver", dev)
+        (dev / node).unlink()
+
+
+def test_daemon_says_a_low_memlock_limit_once_at_the_level_for_this_machine() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     budget = 512 * MiB
-    expect_warning = soft != resource.RLIM_INFINITY and soft < budget
+    low = soft != resource.RLIM_INFINITY and soft < budget
+    level = "warning" if checks.gpu_present() else "info"
     with running_daemon("--max-bytes", "512MiB") as daemon:
-        assert ("check=memlock" in daemon.log()) == expect_warning, daemon.log()
+        said = [line for line in daemon.log().splitlines() if "check=memlock" in line]
+    assert len(said) == (1 if low else 0), said
+    assert all(f"level={level} " in line for line in said), said
+
+
+# ---- the single-daemon locks ---------------------------------------------------------------------
+
+
+def test_a_clean_stop_removes_the_lock_files_and_a_kill_leaves_them_harmless() -> None:
+    with running_daemon("--max-bytes", "64MiB") as daemon:
+        locks = [
+            daemon.socket.with_name(daemon.socket.name + ".lock"),
+            daemon.shm_dir / ".ecd.lock",
+        ]
+        assert all(lock.is_file() for lock in locks)
+        assert daemon.stop() == 0
+        assert not any(lock.exists() for lock in locks)
+        daemon.start()
+        daemon.kill()
+        assert all(lock.is_file() for lock in locks)  # left by the kill: the next start takes them
+        daemon.start()
+
+
+def test_a_second_daemon_is_refused_while_the_first_holds_the_lock(tmp_path: Path) -> None:
+    first = checks.DirectoryLock(tmp_path / "x.lock", "socket x")
+    first.acquire()
+    with pytest.raises(StartupError, match=r"another ecd daemon already uses socket x"):
+        checks.DirectoryLock(tmp_path / "x.lock", "socket x").acquire()
+    first.release(remove=True)
+    checks.DirectoryLock(tmp_path / "x.lock", "socket x").acquire()
+
+
+def test_a_lock_on_a_file_its_holder_removed_meanwhile_is_not_taken_for_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder stops cleanly between a starting daemon's open of the lock file and its
+    flock: the starter must not hold the old file while a third daemon locks the new one."""
+    path = tmp_path / "x.lock"
+    holder = checks.DirectoryLock(path, "socket x")
+    holder.acquire()
+    flock = fcntl.flock
+
+    def holder_stops_first(fd: int, operation: int) -> None:
+        holder.release(remove=True)  # once: later calls find it released already
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", holder_stops_first)
+    starter = checks.DirectoryLock(path, "socket x")
+    starter.acquire()
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with pytest.raises(StartupError, match="another ecd daemon"):
+        checks.DirectoryLock(path, "socket x").acquire()
+    assert path.read_text() == f"{os.getpid()}\n"
 
 
 # ---- huge pages ----------------------------------------------------------------------------------

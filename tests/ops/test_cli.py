@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ecd_testing import REPO, Daemon, run_ecd
 
-from ec_client import AllocateItem, EntryState, Status
+from ec_client import AllocateItem, EntryState, Status, __version__
 
 POOL = "cli-pool"
 BLOCK = 7168
@@ -21,6 +21,11 @@ MiB = 1 << 20
 def ecd(daemon: Daemon, *args: str) -> tuple[int, str, str]:
     result = run_ecd(*args, "--address", daemon.address)
     return result.returncode, result.stdout, result.stderr
+
+
+def test_ecd_version_prints_the_version() -> None:
+    result = run_ecd("--version")
+    assert (result.returncode, result.stdout) == (0, f"ecd {__version__}\n")
 
 
 def test_ecd_health_on_a_missing_socket_fails_at_once_naming_it(tmp_path: Path) -> None:
@@ -82,6 +87,16 @@ def test_ecd_stats_shows_each_pools_capacity_file_size_and_compat_key(daemon: Da
         [pool] = json.loads(out)["pools"]
         assert pool["compat_key"] == "Qwen2.5-VL-7B|bf16|3584"
         assert pool["reserved_bytes"] - pool["capacity_bytes"] == 2 * MiB
+
+
+def test_ecd_stats_counts_the_sessions_of_others_not_its_own(daemon: Daemon) -> None:
+    with daemon.client():
+        status, out, _ = ecd(daemon, "stats")
+        assert status == 0 and " sessions 1 " in out
+        status, out, _ = ecd(daemon, "stats", "--json")
+        assert json.loads(out)["sessions"] == 1
+    status, out, _ = ecd(daemon, "stats", "--json")
+    assert json.loads(out)["sessions"] == 0
 
 
 def test_ecd_stats_marks_an_ephemeral_pool(daemon: Daemon) -> None:
@@ -149,3 +164,23 @@ def test_ecd_ls_puts_the_key_last_so_a_long_key_pads_no_other_column(daemon: Dae
     assert header.split()[-1] == "KEY"
     short_row = next(r for r in rows if r.endswith(short_key))
     assert len(short_row) < 100
+
+
+def test_ecd_ls_with_no_pool_lists_the_pools(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        c.open_pool("empty", 4096, 4 * MiB)
+        c.allocate(POOL, [AllocateItem(k, (BLOCK,), "uint8") for k in ("a", "b", "pending")])
+        c.commit(POOL, ["a", "b"])
+        status, out, err = ecd(daemon, "ls")
+        assert status == 0, err
+        header, *rows = out.splitlines()
+        assert header.split() == ["POOL", "READY", "PENDING", "BYTES", "CAPACITY", "BLOCK"]
+        assert sorted(row.split()[:3] for row in rows) == [
+            ["cli-pool", "2", "1"],
+            ["empty", "0", "0"],
+        ]
+        status, out, _ = ecd(daemon, "ls", "--json")
+        listed = {p["engine_id"]: p for p in json.loads(out)}
+        assert listed[POOL]["bytes_ready"] == 2 * BLOCK
+        assert listed["empty"]["capacity_bytes"] == 4 * MiB

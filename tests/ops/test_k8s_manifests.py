@@ -95,6 +95,21 @@ def test_validation_rejects_a_misspelled_field() -> None:
         kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
 
 
+def test_every_vllm_container_with_the_connector_uses_the_v2_model_runner() -> None:
+    """The connector works only in vLLM's V2 model runner, which is not vLLM's default."""
+    engines = {
+        (path.name, c["name"]): c
+        for path in MANIFESTS
+        for doc in load(path.name)
+        if doc["kind"] in ("Pod", "Deployment", "DaemonSet")
+        for c in pod_spec(doc)["containers"]
+        if "--ec-transfer-config" in c.get("args", [])
+    }
+    assert set(engines) == {("sidecar.yaml", "vllm"), ("daemonset-client.yaml", "vllm")}
+    for where, engine in engines.items():
+        assert {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"} in engine["env"], where
+
+
 def test_sidecar_pod(serve_config: Callable[..., Config]) -> None:
     [doc] = load("sidecar.yaml")
     spec = pod_spec(doc)

@@ -5,6 +5,7 @@ the process exits 0, and the pool files stay for the next daemon."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
@@ -13,6 +14,14 @@ import pytest
 import torch
 from ecd_testing import running_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from http2_testing import (
+    DATA,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    grpc_call,
+    read_frames,
+)
 
 from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
@@ -24,6 +33,7 @@ POOL = "shutdown-pool"
 WAIT_MS = 3000
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+WATCH = f"/{pb.DESCRIPTOR.services_by_name['EncoderCache'].full_name}/Watch".encode()
 
 
 def test_sigterm_turns_not_serving_refuses_new_calls_and_keeps_pool_files() -> None:
@@ -117,6 +127,32 @@ def test_sigterm_ends_open_watch_streams_instead_of_waiting_out_the_grace() -> N
         assert daemon.stop(signal.SIGTERM) == 0
         assert time.monotonic() - started < 5, "an open Watch held the daemon for its grace"
         assert list(events) == []  # the stream ended cleanly, not with an error
+
+
+def test_a_watch_streams_end_is_sent_before_the_daemons_goaway() -> None:
+    """The end comes first on the connection, so grpc, which closes it only once the client
+    answered the PING that follows its GOAWAY, never closes it before the client read the end
+    (a client that wrote after the close lost an end still in its socket: "Stream removed")."""
+    with (
+        running_daemon("--max-bytes", "64MiB", "--shutdown-grace", "10") as daemon,
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn,
+    ):
+        assert daemon.proc is not None
+        conn.settimeout(30)
+        conn.connect(str(daemon.socket))
+        conn.sendall(grpc_call(WATCH, pb.WatchRequest(snapshot=True).SerializeToString()))
+        frames = read_frames(conn)
+        next(f for f in frames if f.kind == DATA and f.stream == 1)  # SYNCED: the stream is open
+        daemon.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        order = [
+            "goaway" if f.kind == GOAWAY else "end"
+            for f in frames  # until the daemon closes the connection
+            if f.kind == GOAWAY or (f.kind == HEADERS and f.stream == 1 and f.flags & END_STREAM)
+        ]
+        assert daemon.proc.wait(10) == 0
+        assert time.monotonic() - started < 5, "the connection stayed open for the grace"
+    assert order[0] == "end", order
 
 
 def acquire_in_background(

@@ -195,6 +195,18 @@ def test_tls_on_tcp_serves_clients_that_trust_the_ca_and_not_plaintext(tmp_path:
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_tls_files_may_be_named_by_strings(tmp_path: Path) -> None:
+    ca, server, client = make_pki(tmp_path)
+    port = free_port()
+    named = TLSFiles(ca=str(ca), cert=str(client.cert), key=str(client.key))
+    with (
+        running_daemon(*tls_args(port, server, client_ca=ca)),
+        Client(f"127.0.0.1:{port}", tls=named, keepalive=False) as c,
+    ):
+        assert c.health() == "SERVING"
+    assert named == TLSFiles(ca=ca, cert=client.cert, key=client.key)  # one channel for both
+
+
 def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path: Path) -> None:
     ca, server, client = make_pki(tmp_path)
     port = free_port()

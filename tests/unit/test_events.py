@@ -1,5 +1,6 @@
 """EventHub alone: waiters settle on any event about their key, a dropped pool settles all of its
-waiters, Watch subscriptions filter by pool, overflow and shutdown end a stream."""
+waiters, Watch subscriptions filter by pool, overflow and shutdown end a stream (one that begins
+after the shutdown at once), and a stop can wait for the ended streams' calls to send their ends."""
 
 from __future__ import annotations
 
@@ -90,6 +91,33 @@ async def test_shutdown_ends_every_stream() -> None:
     assert subscription.queue.get_nowait() is StreamEnd.SHUTDOWN
     hub.publish(event(EventType.COMMITTED))
     assert subscription.queue.empty()  # an ended stream takes nothing more
+
+
+async def test_a_stream_that_begins_after_shutdown_ends_at_once() -> None:
+    hub = EventHub()
+    hub.shut_down()
+    subscription = hub.subscribe("p")
+    assert subscription.ended and subscription.queue.get_nowait() is StreamEnd.SHUTDOWN
+
+
+async def test_streams_ended_waits_for_the_calls_of_the_streams_shutdown_ended() -> None:
+    hub = EventHub()
+    sending_the_end = asyncio.get_running_loop().create_future()  # a Watch call's task
+    hub.subscribe("p", call=sending_the_end)
+    hub.shut_down()
+    waiting = asyncio.create_task(hub.streams_ended(60.0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    sending_the_end.set_result(None)
+    await asyncio.wait_for(waiting, 1.0)
+    await asyncio.wait_for(hub.streams_ended(60.0), 1.0)  # none left to wait for
+
+
+async def test_streams_ended_gives_up_on_a_call_after_its_timeout() -> None:
+    hub = EventHub()
+    hub.subscribe("p", call=asyncio.get_running_loop().create_future())  # never sends its end
+    hub.shut_down()
+    await asyncio.wait_for(hub.streams_ended(0.01), 1.0)
 
 
 async def test_ending_waits_settles_every_waiter_and_every_later_wait_at_once() -> None:
