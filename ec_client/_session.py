@@ -5,19 +5,24 @@ the session) and receives the outcome (the reply, or an EcdError thrown into it)
 plans with blocking gRPC calls and threads, AsyncClient with grpc.aio and asyncio; neither holds
 any rule of its own. The rules:
 
-- UNAVAILABLE (daemon down or restarting): retry with exponential backoff for as long as a
-  restart is plausible, counted from the first failure, then raise "cannot reach ecd at
-  ADDRESS: why". At the first failure a plain connection (`Probe`) asks why:
+- UNAVAILABLE (daemon down or restarting): retry with exponential backoff within the client's
+  patience, counted from the first failure, then raise "cannot reach ecd at ADDRESS for N s:
+  why". At the first failure a plain connection (`Probe`) asks why:
   - nothing wrong found (the daemon is there, or the cause lies beyond what a connection shows):
-    retry for connect_timeout_s;
-  - no socket, nothing listening on it, TLS refused: the daemon is not there, and only a call
-    that asked to wait (Acquire's wait_ms) keeps trying, within that wait (at most
-    connect_timeout_s): anything else fails at once, in the words of the probe.
+    retry for connect_timeout_s, or wait_for_daemon_s if longer;
+  - no socket, nothing listening on it, TLS refused: the daemon is not there, and the call
+    waits wait_for_daemon_s for it to come back (0 by default: it fails at once, in the words
+    of the probe); a call that asked to wait (Acquire's wait_ms), at least within that wait
+    (at most connect_timeout_s).
+  A call whose own wait ends before its patience is answered then as the daemon would have
+  answered a wait in vain (`Call.waited_out`: every key a MISS), not raised: the caller asked
+  for an answer within its wait.
 - A call the daemon cut off because it was shutting down (UNAVAILABLE with reason
   shutting_down, which a waiting Acquire gets at once, or CANCELLED at the end of the shutdown
-  grace): a restart is under way, so the call is retried for connect_timeout_s from then, missing
-  socket or not, if it is safe to retry (`Call.safe_to_retry`), so that a restart goes
-  unnoticed; otherwise raised, saying the call may or may not have taken effect.
+  grace): a restart is under way, so the call is retried for connect_timeout_s (or
+  wait_for_daemon_s if longer) from then, missing socket or not, if it is safe to retry
+  (`Call.safe_to_retry`), so that a restart goes unnoticed; otherwise raised, saying the call
+  may or may not have taken effect.
   Acquire counts as safe: an attempt cut off after pinning leaves a pin in a daemon that is
   going away, and its session with it (at worst, with a daemon that did not stop after all,
   the pin is held until this session ends).
@@ -160,6 +165,7 @@ class SessionState:
     pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)  # replayed on reopen
     pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic  # for the plans' deadlines
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -178,9 +184,14 @@ class SessionState:
         return call.parse(reply)
 
     def send(self, call: _wire.Call[Any], retry: bool = True) -> Plan[Any]:
-        """One RPC, retried with backoff while the daemon is UNAVAILABLE and a restart is
-        plausible (see the module's rules); the raw reply."""
-        backoff: Backoff | None = None  # from the first failure on
+        """One RPC, retried with backoff while the daemon is UNAVAILABLE, within the client's
+        patience (see the module's rules); the raw reply, or, for a call whose own wait ran out
+        while the daemon was away, the one standing in for it (`Call.waited_out`)."""
+        o = self.options
+        wait_ends = self.clock() + call.extra_timeout_s  # the call's own wait (Acquire's)
+        backoff: Backoff | None = None  # from the first failure (or the shutdown) on
+        patience = 0.0  # what backoff allows, for the error's words
+        waits_out = False  # the call's own wait ends before its patience: answered then
         problem: str | None = None  # what the probe at the first failure found
         shut_down = False  # the daemon cut an attempt off as it stopped
         while True:
@@ -189,21 +200,30 @@ class SessionState:
             except EcdError as error:
                 if cut_off_at_shutdown(error):
                     if not call.safe_to_retry:
-                        raise self.options.cut_off(call.method) from None
+                        raise o.cut_off(call.method) from None
                     if not shut_down:  # a restart is under way: patience from now on
-                        shut_down, backoff = True, Backoff(self.options.connect_timeout_s)
+                        shut_down, backoff = True, None
+                        patience = max(o.connect_timeout_s, o.wait_for_daemon_s)
                 if not retry or error.code not in RETRIED:
                     raise
                 if backoff is None:
-                    problem = yield Probe()
-                    backoff = Backoff(self._patience(call, problem))
+                    if not shut_down:
+                        problem = yield Probe()
+                        patience = self._patience(call, problem)
+                    wait_left = wait_ends - self.clock()
+                    waits_out = call.waited_out is not None and wait_left <= patience
+                    backoff = Backoff(wait_left if waits_out else patience, self.clock)
                 delay = backoff.next_delay()
                 if delay is None:
+                    if waits_out and call.waited_out is not None:
+                        return call.waited_out(o.waited_out(problem))
                     if shut_down:
-                        raise self.options.gone_at_shutdown(call.method) from None
+                        raise o.gone_at_shutdown(call.method, patience) from None
                     if error.reason:  # the daemon's own UNAVAILABLE, which says why
                         raise
-                    raise self.options.unreachable(problem or (yield Probe())) from None
+                    if patience:  # why now, after waiting: not necessarily why at first
+                        problem = (yield Probe()) or problem
+                    raise o.unreachable(problem, patience) from None
                 yield Pause(delay)
 
     def step(self, batch: OutboxBatch, call: _wire.Call[StepResult]) -> Plan[StepResult]:
@@ -220,11 +240,14 @@ class SessionState:
         return batch.resolve(result)
 
     def _patience(self, call: _wire.Call[Any], problem: str | None) -> float:
-        """Seconds to keep retrying a call the daemon did not answer: connect_timeout_s while it
-        may be there; with no daemon there (`problem`), only as long as the call asked to wait."""
+        """Seconds to keep retrying a call the daemon did not answer: the client's
+        wait_for_daemon_s, and at least connect_timeout_s while it may be there (`problem`:
+        what stops a connection, None when nothing does); a call that asked to wait, at least
+        that long (up to connect_timeout_s) with no daemon there."""
+        o = self.options
         if problem is None:
-            return self.options.connect_timeout_s
-        return min(call.extra_timeout_s, self.options.connect_timeout_s)
+            return max(o.wait_for_daemon_s, o.connect_timeout_s)
+        return max(o.wait_for_daemon_s, min(call.extra_timeout_s, o.connect_timeout_s))
 
     def open(self) -> Plan[None]:
         """Open a new session."""

@@ -37,6 +37,10 @@ class Call(Generic[T]):
     # matters: reads, opens, Allocate (the same session's retry gets the same extents) and
     # Acquire (see _session on CANCELLED).
     safe_to_retry: bool = False
+    # For a call that asked to wait (Acquire's wait_ms): the reply standing in for the daemon's
+    # when it stayed away until the wait ran out (why), as the caller asked: an answer within
+    # its wait, even if that answer is "nothing came".
+    waited_out: Callable[[str], Any] | None = None
 
 
 # Enum values by wire number, looked up once (a per-item Name() lookup costs microseconds).
@@ -270,6 +274,12 @@ def acquire(
     if not 0 <= wait_ms <= MAX_WAIT_MS:
         raise ValueError(f"wait_ms={wait_ms}: expected milliseconds from 0 to {MAX_WAIT_MS}")
     raw = keys(keys_)
+
+    def waited_out(why: str) -> pb.AcquireReply:
+        return pb.AcquireReply(
+            results=[pb.AcquireResult(key=k, status=pb.ITEM_MISS, message=why) for k in raw]
+        )
+
     return Call(
         "Acquire",
         lambda sid: pb.AcquireRequest(
@@ -278,6 +288,7 @@ def acquire(
         lambda reply: acquire_results(reply.results),
         extra_timeout_s=wait_ms / 1000,
         safe_to_retry=True,
+        waited_out=waited_out if wait_ms else None,
     )
 
 
@@ -332,6 +343,11 @@ def step(
             allocate_results(reply.allocates),
             reply.pool_uuid,
         ),
+        # Its acquires and allocates are safe to send again; a release, commit or abort sent
+        # again after it was applied answers an error (NOT_FOUND, READY already), which is what
+        # its op would hear of a Step cut off anyway (it may or may not have taken effect): so a
+        # put or get cut off as the daemon stops carries on at the next daemon.
+        safe_to_retry=True,
     )
 
 

@@ -222,3 +222,30 @@ async def test_a_client_on_a_thread_gives_asyncio_code_the_tensor_path(daemon: D
         assert put is PutStatus.COMMITTING
         got = await asyncio.to_thread(Consumer(c, POOL).get, "img", "cpu", 1000)
         assert got is not None and torch.equal(got, stored)
+
+
+async def test_an_async_client_with_wait_for_daemon_s_carries_on_through_a_daemon_restart(
+    daemon: Daemon,
+) -> None:
+    async with AsyncClient(daemon.address, name="asyncio", wait_for_daemon_s=60) as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        await asyncio.to_thread(daemon.kill)
+        comeback = threading.Timer(0.5, daemon.start)
+        comeback.start()
+        try:  # begun with no daemon there: waits for the next one
+            [result] = await c.allocate(POOL, [AllocateItem(b"after", (BLOCK,), "uint8")])
+        finally:
+            await asyncio.to_thread(comeback.join)
+        assert result.status is Status.ALLOCATED
+
+
+async def test_an_async_acquire_whose_wait_ends_during_a_daemon_outage_answers_miss(
+    daemon: Daemon,
+) -> None:
+    async with AsyncClient(daemon.address, name="asyncio") as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        waiting = asyncio.ensure_future(c.acquire(POOL, [b"never"], wait_ms=2000))
+        await asyncio.to_thread(daemon.kill)  # and back only once the wait ended
+        [result] = await waiting
+        await asyncio.to_thread(daemon.start)
+    assert result.status is Status.MISS and "was away until the wait ran out" in result.message
