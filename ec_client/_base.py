@@ -91,6 +91,12 @@ class BaseClient:
         return self._state.lease_ttl_s
 
     @property
+    def max_batch(self) -> int:
+        """The most items the daemon takes in one request (told when the session opened; 0 if
+        it did not say): a larger batch goes as several, one round trip each."""
+        return self._state.max_batch
+
+    @property
     def target(self) -> str:
         return self.options.target
 

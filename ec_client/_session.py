@@ -39,6 +39,7 @@ any rule of its own. The rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -140,6 +141,11 @@ def interrupted() -> EcdError:
     )
 
 
+def _joined(call: _wire.Call[T], parts: list[T]) -> T:
+    """The results of the parts of a split call (at least one), joined in order."""
+    return functools.reduce(call.join, parts) if call.join is not None else parts[0]
+
+
 def not_opened(engine_id: str) -> EcdError:
     return EcdError(
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -161,6 +167,7 @@ class SessionState:
     boot_epoch: str = ""
     lease_ttl_s: float = 0.0
     generation: int = 0  # bumped at every (re)open, so concurrent callers reopen only once
+    max_batch: int = 0  # the daemon's, told at every (re)open; 0: not told, batches go whole
     closed: bool = False
     pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)  # replayed on reopen
     pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
@@ -169,8 +176,45 @@ class SessionState:
 
     # ---- plans -----------------------------------------------------------------------------
 
-    def call(self, call: _wire.Call[T]) -> Plan[T]:
-        """One API call with every recovery rule applied; returns the parsed result."""
+    def call(self, call: _wire.Call[T], answered: list[T] | None = None) -> Plan[T]:
+        """One API call with every recovery rule applied, sent in batches the daemon accepts
+        (`Call.split` at its max_batch, one round trip each, in order); returns the parsed
+        result, the parts' joined. `answered`: where each part's result goes once it is
+        answered (those of the parts that went before one that failed).
+
+        A batch refused as over the limit after a reopen learnt a smaller one is split anew."""
+        parts = [] if answered is None else answered
+        limit = self.max_batch
+        if not limit or call.split is None or call.split(limit) is None:  # the norm: one part
+            try:
+                parts.append((yield from self._call_one(call)))
+                return parts[0]
+            except EcdError as error:
+                if not self._over(error, limit):
+                    raise
+        rest: _wire.Call[T] | None = call
+        while rest is not None:
+            limit = self.max_batch
+            cut = rest.split(limit) if rest.split is not None else None
+            part, after = cut if cut is not None else (rest, None)
+            try:
+                parts.append((yield from self._call_one(part)))
+            except EcdError as error:
+                if self._over(error, limit):
+                    continue  # `rest` again, split at the new limit
+                raise
+            rest = after
+        return _joined(call, parts)
+
+    def _over(self, error: EcdError, limit: int) -> bool:
+        """A batch sent at `limit` (0: none known) was refused as over the daemon's limit, which
+        a reopen since learnt is smaller: worth splitting at it."""
+        return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            self.max_batch > 0 and (limit == 0 or self.max_batch < limit)
+        )
+
+    def _call_one(self, call: _wire.Call[T]) -> Plan[T]:
+        """One RPC with every recovery rule applied; returns the parsed result."""
         generation = self.generation
         try:
             reply = yield from self.send(call)
@@ -228,14 +272,16 @@ class SessionState:
 
     def step(self, batch: OutboxBatch, call: _wire.Call[StepResult]) -> Plan[StepResult]:
         """A Step that carries what the client owes the pool (`batch`, see `outbox`): every op
-        hears its answer, or the error, which is raised too; returns the caller's answers."""
+        hears its answer, or, if the Step (or the part of a split one that carried it) failed,
+        the error, which is raised too; returns the caller's answers."""
+        answered: list[StepResult] = []
         try:
-            result = yield from self.call(call)
+            result = yield from self.call(call, answered)
         except EcdError as error:
-            batch.fail(error)
+            batch.fail(error, _joined(call, answered) if answered else None)
             raise
         except GeneratorExit:  # the driver gave up on the call (see `interrupted`)
-            batch.fail(interrupted())
+            batch.fail(interrupted(), _joined(call, answered) if answered else None)
             raise
         return batch.resolve(result)
 
@@ -256,6 +302,7 @@ class SessionState:
         self.session_id = reply.session_id
         self.boot_epoch = reply.boot_epoch
         self.lease_ttl_s = reply.lease_ttl_ms / 1000
+        self.max_batch = reply.max_batch
         self.generation += 1
 
     def reopen(self) -> Plan[None]:

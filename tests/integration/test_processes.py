@@ -17,16 +17,8 @@ import pytest
 import torch
 from ecd_testing import REPO, Daemon, assert_blocks_accounted
 
-from ec_client import (
-    AllocateItem,
-    Client,
-    Consumer,
-    EcdError,
-    EntryState,
-    Producer,
-    PutStatus,
-    Status,
-)
+from ec_client import AllocateItem, Client, Consumer, EcdError, EntryState, Producer, Status
+from ec_client.producer import PutStatus
 
 POOL = "shared"
 BLOCK = 4096

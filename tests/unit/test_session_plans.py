@@ -25,7 +25,7 @@ from ec_client._connection import Options
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
-from ec_client.outbox import DeferredOp, OutboxBatch
+from ec_client.outbox import Answered, DeferredOp, OutboxBatch
 from ec_client.types import Role, Status
 
 UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")
@@ -299,3 +299,64 @@ def test_a_step_its_driver_gives_up_on_tells_every_op_it_was_interrupted() -> No
     [error] = heard
     assert isinstance(error, EcdError) and error.code is grpc.StatusCode.CANCELLED
     assert "may or may not have taken effect" in error.message
+
+
+def lookups(*keys: bytes, epoch: str = "epoch-1") -> pb.LookupReply:
+    return pb.LookupReply(
+        boot_epoch=epoch, results=[pb.LookupResult(key=k, state=pb.ENTRY_READY) for k in keys]
+    )
+
+
+def limited(max_batch: int) -> SessionState:
+    """A state whose daemon said it takes batches of at most max_batch items."""
+    state = SessionState(Options.make("unix:///x", "test", Role.BOTH, 5.0, 5.0, None, None))
+    reply = session()
+    reply.max_batch = max_batch
+    ScriptedDaemon(state, reply).run(state.open())
+    return state
+
+
+def test_a_batch_over_the_daemons_limit_goes_in_parts_answered_in_order() -> None:
+    state = limited(2)
+    daemon = ScriptedDaemon(state, lookups(b"a", b"b"), lookups(b"c", b"d"), lookups(b"e"))
+    results = daemon.run(state.call(_wire.lookup("p", ["a", "b", "c", "d", "e"])))
+    assert [r.key for r in results] == [b"a", b"b", b"c", b"d", b"e"]
+    assert daemon.sent == ["Lookup"] * 3
+
+
+def test_a_part_refused_after_a_restart_lowered_the_limit_is_split_again() -> None:
+    state = limited(4)
+    over = EcdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "batch of 4 items is over the limit of 2")
+    smaller = session("epoch-2", "s2")
+    smaller.max_batch = 2
+    daemon = ScriptedDaemon(
+        state,
+        SESSION_LOST,  # the daemon restarted, now with --max-batch 2
+        smaller,
+        over,
+        lookups(b"a", b"b", epoch="epoch-2"),
+        lookups(b"c", b"d", epoch="epoch-2"),
+    )
+    results = daemon.run(state.call(_wire.lookup("p", ["a", "b", "c", "d"])))
+    assert [r.key for r in results] == [b"a", b"b", b"c", b"d"]
+    assert daemon.sent == ["Lookup", "OpenSession", "Lookup", "Lookup", "Lookup"]
+
+
+def test_a_split_step_that_fails_part_way_tells_each_op_what_its_part_heard() -> None:
+    state = limited(1)
+    heard: dict[bytes, Any] = {}
+    returned: list[Answered] = []
+    batch = OutboxBatch(
+        commits=[
+            DeferredOp(on_result=lambda r, k=k: heard.update({k: r}), key=k) for k in (b"x", b"y")
+        ],
+        answered=Answered(misses=3),
+        returned=returned.append,
+    )
+    first = pb.StepReply(boot_epoch="epoch-1", commits=[pb.ItemResult(key=b"x", status=pb.ITEM_OK)])
+    refused = EcdError(grpc.StatusCode.PERMISSION_DENIED, "no", "role")
+    daemon = ScriptedDaemon(state, first, refused)
+    with pytest.raises(EcdError):
+        daemon.run(state.step(batch, batch.step("p")))
+    assert heard[b"x"].status is Status.OK and heard[b"y"] is refused
+    assert returned == [Answered(misses=3)]  # rode on the part that failed: owed again
