@@ -194,8 +194,8 @@ class SessionState:
                     raise
         rest: _wire.Call[T] | None = call
         while rest is not None:
-            limit = self.max_batch
-            cut = rest.split(limit) if rest.split is not None else None
+            limit = self.max_batch  # 0 (a reopen found a daemon that does not say): whole
+            cut = rest.split(limit) if limit and rest.split is not None else None
             part, after = cut if cut is not None else (rest, None)
             try:
                 parts.append((yield from self._call_one(part)))

@@ -389,7 +389,7 @@ def step_call(request: pb.StepRequest, largest: int) -> Call[api.StepResult]:
             items = getattr(request, part)
             getattr(first, part).extend(items[:limit])
             getattr(rest, part).extend(items[limit:])
-        return step_call(first, limit), step_call(rest, largest - limit)
+        return step_call(first, _largest(first)), step_call(rest, _largest(rest))
 
     return Call(
         "Step",
@@ -410,6 +410,10 @@ def step_call(request: pb.StepRequest, largest: int) -> Call[api.StepResult]:
         split=split,
         join=joined_steps,
     )
+
+
+def _largest(request: pb.StepRequest) -> int:
+    return max(len(getattr(request, part)) for part in STEP_PARTS)
 
 
 def joined_steps(first: api.StepResult, then: api.StepResult) -> api.StepResult:

@@ -26,7 +26,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
 from ec_client.errors import EcdError
 from ec_client.outbox import Answered, DeferredOp, OutboxBatch
-from ec_client.types import Role, Status
+from ec_client.types import AllocateItem, Role, Status
 
 UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")
 SESSION_LOST = EcdError(grpc.StatusCode.NOT_FOUND, "unknown session", "unknown_session")
@@ -360,3 +360,16 @@ def test_a_split_step_that_fails_part_way_tells_each_op_what_its_part_heard() ->
         daemon.run(state.step(batch, batch.step("p")))
     assert heard[b"x"].status is Status.OK and heard[b"y"] is refused
     assert returned == [Answered(misses=3)]  # rode on the part that failed: owed again
+
+
+def test_a_step_over_the_limit_splits_each_part_and_carries_the_counts_on_its_last() -> None:
+    item = AllocateItem(b"new", (8,), "uint8")
+    call = _wire.step("p", acquires=[b"a", b"b", b"c"], allocates=[item], misses=5, hits=[b"h"])
+    assert call.split is not None
+    cut = call.split(2)
+    assert cut is not None
+    first, rest = (part.build("s") for part in cut)
+    assert (list(first.acquires), len(first.allocates), first.misses) == ([b"a", b"b"], 1, 0)
+    assert (list(rest.acquires), len(rest.allocates), rest.misses) == ([b"c"], 0, 5)
+    assert list(rest.hits) == [b"h"] and not first.hits
+    assert cut[1].split is not None and cut[1].split(2) is None  # the rest fits
