@@ -35,22 +35,33 @@ class BaseClient:
     ) -> None:
         """Connect within connect_timeout_s and open a session (AsyncClient: at `start()`,
         sending nothing before); where no daemon is (no socket, nothing listening, TLS refused),
-        UNAVAILABLE at once, or after waiting up to wait_for_daemon_s for one to start. `role`
+        UNAVAILABLE at once, or after waiting up to wait_for_daemon_s for one to start.
+        wait_for_daemon_s is the client's patience for every call too: one that finds no daemon
+        (a restart) waits that long for it to come back, then carries on (0: fails at once;
+        a get's wait_ms ending first answers None). `role`
         limits what the session may do (see Role); `token` defaults to ECD_TOKEN or
         ECD_TOKEN_FILE, `tls` to ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY (unless from_env is
         False, as for a daemon calling its peers). `linger_s`: how long what is owed (commits of
         puts, releases of gets) waits for a call to ride on before it goes alone (see `outbox`)."""
         self.options = Options.make(
-            target, name, role, connect_timeout_s, call_timeout_s, token, tls, from_env
+            target,
+            name,
+            role,
+            connect_timeout_s,
+            call_timeout_s,
+            token,
+            tls,
+            from_env,
+            wait_for_daemon_s,
         )
         self._state = SessionState(self.options)
         self._views = Views(self._follow)
         self.outbox = Outbox(batch_sender(self._send_batch_from_thread), linger_s)
-        self._begin(keepalive, wait_for_daemon_s)
+        self._begin(keepalive)
 
     # ---- what each twin does its own way -------------------------------------------------------
 
-    def _begin(self, keepalive: bool, wait_for_daemon_s: float) -> None:
+    def _begin(self, keepalive: bool) -> None:
         """The rest of the constructor: Client connects and opens the session, AsyncClient
         keeps what `start()` does that with."""
         raise NotImplementedError
@@ -78,6 +89,12 @@ class BaseClient:
     @property
     def lease_ttl_s(self) -> float:
         return self._state.lease_ttl_s
+
+    @property
+    def max_batch(self) -> int:
+        """The most items the daemon takes in one request (told when the session opened; 0 if
+        it did not say): a larger batch goes as several, one round trip each."""
+        return self._state.max_batch
 
     @property
     def target(self) -> str:

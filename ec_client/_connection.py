@@ -42,6 +42,9 @@ class Options:
     call_timeout_s: float
     metadata: tuple[tuple[str, str], ...]
     tls: TLSFiles | None = None
+    # How long any call (and the constructor) waits for a daemon that is not there to come back:
+    # the client's patience through a restart. 0: a call fails at once while none is there.
+    wait_for_daemon_s: float = 0.0
 
     @classmethod
     def make(
@@ -54,6 +57,7 @@ class Options:
         token: str | None,
         tls: TLSFiles | None = None,
         from_env: bool = True,
+        wait_for_daemon_s: float = 0.0,
     ) -> Options:
         """from_env: a token or TLS files not given come from ECD_TOKEN, ECD_TOKEN_FILE and
         ECD_TLS_*. Not for a daemon calling its peers: its own settings share those names."""
@@ -75,6 +79,7 @@ class Options:
             call_timeout_s=call_timeout_s,
             metadata=(("authorization", f"Bearer {token}"),) if token else (),
             tls=tls,
+            wait_for_daemon_s=wait_for_daemon_s,
         )
 
     def cut_off(self, method: str) -> EcdError:
@@ -85,23 +90,33 @@ class Options:
             "shutting_down",
         )
 
-    def gone_at_shutdown(self, method: str) -> EcdError:
+    def gone_at_shutdown(self, method: str, waited_s: float) -> EcdError:
         return EcdError(
             grpc.StatusCode.UNAVAILABLE,
             f"ecd at {self.target} shut down during {method} and was not back within "
-            f"{self.connect_timeout_s:g} s",
+            f"{waited_s:g} s",
             "shutting_down",
         )
 
-    def unreachable(self, problem: str | None = None) -> EcdError:
-        """The error for a daemon not reached: `problem` (what connection_problem found), else
-        the question to ask."""
+    def unreachable(self, problem: str | None = None, waited_s: float = 0.0) -> EcdError:
+        """The error for a daemon not reached, after waiting `waited_s` for it: `problem` (what
+        connection_problem found), else the question to ask."""
+        if problem:
+            waited = f" for {waited_s:g} s" if waited_s else ""
+            return EcdError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot reach ecd at {self.target}{waited}: {problem}"
+            )
         return EcdError(
             grpc.StatusCode.UNAVAILABLE,
-            f"cannot reach ecd at {self.target}: {problem}"
-            if problem
-            else f"cannot reach ecd at {self.target} within {self.connect_timeout_s:g} s: is the "
-            "daemon running (make run, or systemctl status ecd) and is ECD_ADDRESS right?",
+            f"cannot reach ecd at {self.target} within {waited_s or self.connect_timeout_s:g} s: "
+            "is the daemon running (make run, or systemctl status ecd) and is ECD_ADDRESS right?",
+        )
+
+    def waited_out(self, problem: str | None) -> str:
+        """Why a call that asked to wait (Acquire's wait_ms) is answered as if it waited in vain:
+        the daemon was away until its wait ran out."""
+        return f"ecd at {self.target} was away until the wait ran out" + (
+            f": {problem}" if problem else ""
         )
 
 

@@ -5,19 +5,24 @@ the session) and receives the outcome (the reply, or an EcdError thrown into it)
 plans with blocking gRPC calls and threads, AsyncClient with grpc.aio and asyncio; neither holds
 any rule of its own. The rules:
 
-- UNAVAILABLE (daemon down or restarting): retry with exponential backoff for as long as a
-  restart is plausible, counted from the first failure, then raise "cannot reach ecd at
-  ADDRESS: why". At the first failure a plain connection (`Probe`) asks why:
+- UNAVAILABLE (daemon down or restarting): retry with exponential backoff within the client's
+  patience, counted from the first failure, then raise "cannot reach ecd at ADDRESS for N s:
+  why". At the first failure a plain connection (`Probe`) asks why:
   - nothing wrong found (the daemon is there, or the cause lies beyond what a connection shows):
-    retry for connect_timeout_s;
-  - no socket, nothing listening on it, TLS refused: the daemon is not there, and only a call
-    that asked to wait (Acquire's wait_ms) keeps trying, within that wait (at most
-    connect_timeout_s): anything else fails at once, in the words of the probe.
+    retry for connect_timeout_s, or wait_for_daemon_s if longer;
+  - no socket, nothing listening on it, TLS refused: the daemon is not there, and the call
+    waits wait_for_daemon_s for it to come back (0 by default: it fails at once, in the words
+    of the probe); a call that asked to wait (Acquire's wait_ms), at least within that wait
+    (at most connect_timeout_s).
+  A call whose own wait ends before its patience is answered then as the daemon would have
+  answered a wait in vain (`Call.waited_out`: every key a MISS), not raised: the caller asked
+  for an answer within its wait.
 - A call the daemon cut off because it was shutting down (UNAVAILABLE with reason
   shutting_down, which a waiting Acquire gets at once, or CANCELLED at the end of the shutdown
-  grace): a restart is under way, so the call is retried for connect_timeout_s from then, missing
-  socket or not, if it is safe to retry (`Call.safe_to_retry`), so that a restart goes
-  unnoticed; otherwise raised, saying the call may or may not have taken effect.
+  grace): a restart is under way, so the call is retried for connect_timeout_s (or
+  wait_for_daemon_s if longer) from then, missing socket or not, if it is safe to retry
+  (`Call.safe_to_retry`), so that a restart goes unnoticed; otherwise raised, saying the call
+  may or may not have taken effect.
   Acquire counts as safe: an attempt cut off after pinning leaves a pin in a daemon that is
   going away, and its session with it (at worst, with a daemon that did not stop after all,
   the pin is held until this session ends).
@@ -39,6 +44,7 @@ any rule of its own. The rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -140,6 +146,11 @@ def interrupted() -> EcdError:
     )
 
 
+def _joined(call: _wire.Call[T], parts: list[T]) -> T:
+    """The results of the parts of a split call (at least one), joined in order."""
+    return functools.reduce(call.join, parts) if call.join is not None else parts[0]
+
+
 def not_opened(engine_id: str) -> EcdError:
     return EcdError(
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -161,16 +172,55 @@ class SessionState:
     boot_epoch: str = ""
     lease_ttl_s: float = 0.0
     generation: int = 0  # bumped at every (re)open, so concurrent callers reopen only once
+    max_batch: int = 0  # the daemon's, told at every (re)open; 0: not told, batches go whole
     closed: bool = False
     # OpenPool with reopen, as the application opened each pool: sent again on reopen.
     pools: dict[str, _wire.Call[PoolInfo]] = field(default_factory=dict)
     pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic  # for the plans' deadlines
 
     # ---- plans -----------------------------------------------------------------------------
 
-    def call(self, call: _wire.Call[T]) -> Plan[T]:
-        """One API call with every recovery rule applied; returns the parsed result."""
+    def call(self, call: _wire.Call[T], answered: list[T] | None = None) -> Plan[T]:
+        """One API call with every recovery rule applied, sent in batches the daemon accepts
+        (`Call.split` at its max_batch, one round trip each, in order); returns the parsed
+        result, the parts' joined. `answered`: where each part's result goes once it is
+        answered (those of the parts that went before one that failed).
+
+        A batch refused as over the limit after a reopen learnt a smaller one is split anew."""
+        parts = [] if answered is None else answered
+        limit = self.max_batch
+        if not limit or call.split is None or call.split(limit) is None:  # the norm: one part
+            try:
+                parts.append((yield from self._call_one(call)))
+                return parts[0]
+            except EcdError as error:
+                if not self._over(error, limit):
+                    raise
+        rest: _wire.Call[T] | None = call
+        while rest is not None:
+            limit = self.max_batch  # 0 (a reopen found a daemon that does not say): whole
+            cut = rest.split(limit) if limit and rest.split is not None else None
+            part, after = cut if cut is not None else (rest, None)
+            try:
+                parts.append((yield from self._call_one(part)))
+            except EcdError as error:
+                if self._over(error, limit):
+                    continue  # `rest` again, split at the new limit
+                raise
+            rest = after
+        return _joined(call, parts)
+
+    def _over(self, error: EcdError, limit: int) -> bool:
+        """A batch sent at `limit` (0: none known) was refused as over the daemon's limit, which
+        a reopen since learnt is smaller: worth splitting at it."""
+        return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            self.max_batch > 0 and (limit == 0 or self.max_batch < limit)
+        )
+
+    def _call_one(self, call: _wire.Call[T]) -> Plan[T]:
+        """One RPC with every recovery rule applied; returns the parsed result."""
         generation = self.generation
         try:
             reply = yield from self.send(call)
@@ -184,9 +234,14 @@ class SessionState:
         return call.parse(reply)
 
     def send(self, call: _wire.Call[Any], retry: bool = True) -> Plan[Any]:
-        """One RPC, retried with backoff while the daemon is UNAVAILABLE and a restart is
-        plausible (see the module's rules); the raw reply."""
-        backoff: Backoff | None = None  # from the first failure on
+        """One RPC, retried with backoff while the daemon is UNAVAILABLE, within the client's
+        patience (see the module's rules); the raw reply, or, for a call whose own wait ran out
+        while the daemon was away, the one standing in for it (`Call.waited_out`)."""
+        o = self.options
+        wait_ends = self.clock() + call.extra_timeout_s  # the call's own wait (Acquire's)
+        backoff: Backoff | None = None  # from the first failure (or the shutdown) on
+        patience = 0.0  # what backoff allows, for the error's words
+        waits_out = False  # the call's own wait ends before its patience: answered then
         problem: str | None = None  # what the probe at the first failure found
         shut_down = False  # the daemon cut an attempt off as it stopped
         while True:
@@ -195,42 +250,56 @@ class SessionState:
             except EcdError as error:
                 if cut_off_at_shutdown(error):
                     if not call.safe_to_retry:
-                        raise self.options.cut_off(call.method) from None
+                        raise o.cut_off(call.method) from None
                     if not shut_down:  # a restart is under way: patience from now on
-                        shut_down, backoff = True, Backoff(self.options.connect_timeout_s)
+                        shut_down, backoff = True, None
+                        patience = max(o.connect_timeout_s, o.wait_for_daemon_s)
                 if not retry or error.code not in RETRIED:
                     raise
                 if backoff is None:
-                    problem = yield Probe()
-                    backoff = Backoff(self._patience(call, problem))
+                    if not shut_down:
+                        problem = yield Probe()
+                        patience = self._patience(call, problem)
+                    wait_left = wait_ends - self.clock()
+                    waits_out = call.waited_out is not None and wait_left <= patience
+                    backoff = Backoff(wait_left if waits_out else patience, self.clock)
                 delay = backoff.next_delay()
                 if delay is None:
+                    if waits_out and call.waited_out is not None:
+                        return call.waited_out(o.waited_out(problem))
                     if shut_down:
-                        raise self.options.gone_at_shutdown(call.method) from None
+                        raise o.gone_at_shutdown(call.method, patience) from None
                     if error.reason:  # the daemon's own UNAVAILABLE, which says why
                         raise
-                    raise self.options.unreachable(problem or (yield Probe())) from None
+                    if patience:  # why now, after waiting: not necessarily why at first
+                        problem = (yield Probe()) or problem
+                    raise o.unreachable(problem, patience) from None
                 yield Pause(delay)
 
     def step(self, batch: OutboxBatch, call: _wire.Call[StepResult]) -> Plan[StepResult]:
         """A Step that carries what the client owes the pool (`batch`, see `outbox`): every op
-        hears its answer, or the error, which is raised too; returns the caller's answers."""
+        hears its answer, or, if the Step (or the part of a split one that carried it) failed,
+        the error, which is raised too; returns the caller's answers."""
+        answered: list[StepResult] = []
         try:
-            result = yield from self.call(call)
+            result = yield from self.call(call, answered)
         except EcdError as error:
-            batch.fail(error)
+            batch.fail(error, _joined(call, answered) if answered else None)
             raise
         except GeneratorExit:  # the driver gave up on the call (see `interrupted`)
-            batch.fail(interrupted())
+            batch.fail(interrupted(), _joined(call, answered) if answered else None)
             raise
         return batch.resolve(result)
 
     def _patience(self, call: _wire.Call[Any], problem: str | None) -> float:
-        """Seconds to keep retrying a call the daemon did not answer: connect_timeout_s while it
-        may be there; with no daemon there (`problem`), only as long as the call asked to wait."""
+        """Seconds to keep retrying a call the daemon did not answer: the client's
+        wait_for_daemon_s, and at least connect_timeout_s while it may be there (`problem`:
+        what stops a connection, None when nothing does); a call that asked to wait, at least
+        that long (up to connect_timeout_s) with no daemon there."""
+        o = self.options
         if problem is None:
-            return self.options.connect_timeout_s
-        return min(call.extra_timeout_s, self.options.connect_timeout_s)
+            return max(o.wait_for_daemon_s, o.connect_timeout_s)
+        return max(o.wait_for_daemon_s, min(call.extra_timeout_s, o.connect_timeout_s))
 
     def open(self) -> Plan[None]:
         """Open a new session."""
@@ -239,6 +308,7 @@ class SessionState:
         self.session_id = reply.session_id
         self.boot_epoch = reply.boot_epoch
         self.lease_ttl_s = reply.lease_ttl_ms / 1000
+        self.max_batch = reply.max_batch
         self.generation += 1
 
     def reopen(self) -> Plan[None]:

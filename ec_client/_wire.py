@@ -7,6 +7,9 @@ built and every reply parsed here, once.
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 (an item of a batch)
+R = TypeVar("R")
 V = TypeVar("V", bound="DataclassInstance")
 
 
@@ -37,6 +42,15 @@ class Call(Generic[T]):
     # matters: reads, opens, Allocate (the same session's retry gets the same extents) and
     # Acquire (see _session on CANCELLED).
     safe_to_retry: bool = False
+    # For a call that asked to wait (Acquire's wait_ms): the reply standing in for the daemon's
+    # when it stayed away until the wait ran out (why), as the caller asked: an answer within
+    # its wait, even if that answer is "nothing came".
+    waited_out: Callable[[str], Any] | None = None
+    # A batch call's first `limit` items and the rest, as calls of their own, or None when it
+    # fits (the daemon refuses a batch over its --max-batch whole); `join` makes the parts'
+    # results one, in order.
+    split: Callable[[int], tuple[Call[T], Call[T]] | None] | None = None
+    join: Callable[[T, T], T] | None = None
 
 
 # Enum values by wire number, looked up once (a per-item Name() lookup costs microseconds).
@@ -44,6 +58,18 @@ STATUS: dict[int, api.Status] = {getattr(pb, "ITEM_" + s.name): s for s in api.S
 STATE: dict[int, api.EntryState] = {getattr(pb, "ENTRY_" + s.name): s for s in api.EntryState}
 EVENT: dict[int, api.EventType] = {getattr(pb, "EVENT_" + t.name): t for t in api.EventType}
 ROLES: dict[api.Role, pb.Role] = {r: getattr(pb, "ROLE_" + r.name) for r in api.Role}
+
+
+def batched(make: Callable[[Sequence[I]], Call[list[R]]], items: Sequence[I]) -> Call[list[R]]:
+    """make(items), split at the daemon's batch limit into calls of the parts (each made when
+    the part before it was answered), their results joined in order."""
+
+    def split(limit: int) -> tuple[Call[list[R]], Call[list[R]]] | None:
+        if len(items) <= limit:
+            return None
+        return make(items[:limit]), batched(make, items[limit:])
+
+    return dataclasses.replace(make(items), split=split, join=operator.add)
 
 
 def mirror(value_type: type[V], message: Any, **given: Any) -> V:
@@ -227,14 +253,17 @@ def lease_results(results: Sequence[pb.LeaseResult]) -> list[api.LeaseResult]:
 
 
 def allocate(engine_id: str, items: Sequence[api.AllocateItem]) -> Call[list[api.AllocateResult]]:
-    def build(sid: str) -> pb.AllocateRequest:
-        request = pb.AllocateRequest(session_id=sid, engine_id=engine_id)
-        add_allocates(request.items, items)
-        return request
+    def make(part: Sequence[api.AllocateItem]) -> Call[list[api.AllocateResult]]:
+        def build(sid: str) -> pb.AllocateRequest:
+            request = pb.AllocateRequest(session_id=sid, engine_id=engine_id)
+            add_allocates(request.items, part)
+            return request
 
-    return Call(
-        "Allocate", build, lambda reply: allocate_results(reply.results), safe_to_retry=True
-    )
+        return Call(
+            "Allocate", build, lambda reply: allocate_results(reply.results), safe_to_retry=True
+        )
+
+    return batched(make, items)
 
 
 def commit(
@@ -243,28 +272,31 @@ def commit(
     checksums: Sequence[int] | None,
     allocations: Sequence[int] | None = None,
 ) -> Call[list[api.ItemResult]]:
-    items = commit_items(keys_, checksums, allocations)
+    def make(part: Sequence[api.CommitItem]) -> Call[list[api.ItemResult]]:
+        def build(sid: str) -> pb.CommitRequest:
+            request = pb.CommitRequest(session_id=sid, engine_id=engine_id)
+            add_commits(request.items, part)
+            return request
 
-    def build(sid: str) -> pb.CommitRequest:
-        request = pb.CommitRequest(session_id=sid, engine_id=engine_id)
-        add_commits(request.items, items)
-        return request
+        return Call("Commit", build, lambda reply: item_results(reply.results))
 
-    return Call("Commit", build, lambda reply: item_results(reply.results))
+    return batched(make, commit_items(keys_, checksums, allocations))
 
 
 def keyed(method: str, engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
     """Abort, Evict or Delete: a batch of keys of one pool, an ItemResult each."""
     request_type = getattr(pb, f"{method}Request")
-    raw = keys(keys_)
 
-    def build(sid: str) -> Any:
-        request = request_type(engine_id=engine_id, keys=raw)
-        if "session_id" in request_type.DESCRIPTOR.fields_by_name:
-            request.session_id = sid
-        return request
+    def make(part: Sequence[bytes]) -> Call[list[api.ItemResult]]:
+        def build(sid: str) -> Any:
+            request = request_type(engine_id=engine_id, keys=part)
+            if "session_id" in request_type.DESCRIPTOR.fields_by_name:
+                request.session_id = sid
+            return request
 
-    return Call(method, build, lambda reply: item_results(reply.results))
+        return Call(method, build, lambda reply: item_results(reply.results))
+
+    return batched(make, keys(keys_))
 
 
 def abort(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:
@@ -280,25 +312,39 @@ def acquire(
     """ValueError, before anything is sent, for a wait_ms the request cannot carry."""
     if not 0 <= wait_ms <= MAX_WAIT_MS:
         raise ValueError(f"wait_ms={wait_ms}: expected milliseconds from 0 to {MAX_WAIT_MS}")
-    raw = keys(keys_)
-    return Call(
-        "Acquire",
-        lambda sid: pb.AcquireRequest(
-            session_id=sid, engine_id=engine_id, keys=raw, wait_ms=wait_ms
-        ),
-        lambda reply: acquire_results(reply.results),
-        extra_timeout_s=wait_ms / 1000,
-        safe_to_retry=True,
-    )
+    ends = time.monotonic() + wait_ms / 1000  # one wait for every part of a split batch
+
+    def make(part: Sequence[bytes]) -> Call[list[api.AcquireResult]]:
+        left_ms = min(wait_ms, max(0, math.ceil((ends - time.monotonic()) * 1000)))
+
+        def waited_out(why: str) -> pb.AcquireReply:
+            return pb.AcquireReply(
+                results=[pb.AcquireResult(key=k, status=pb.ITEM_MISS, message=why) for k in part]
+            )
+
+        return Call(
+            "Acquire",
+            lambda sid: pb.AcquireRequest(
+                session_id=sid, engine_id=engine_id, keys=part, wait_ms=left_ms
+            ),
+            lambda reply: acquire_results(reply.results),
+            extra_timeout_s=left_ms / 1000,
+            safe_to_retry=True,
+            waited_out=waited_out if left_ms else None,
+        )
+
+    return batched(make, keys(keys_))
 
 
 def release(lease_ids: Sequence[int]) -> Call[list[api.LeaseResult]]:
-    ids = list(lease_ids)
-    return Call(
-        "Release",
-        lambda sid: pb.ReleaseRequest(session_id=sid, lease_ids=ids),
-        lambda reply: lease_results(reply.results),
-    )
+    def make(part: Sequence[int]) -> Call[list[api.LeaseResult]]:
+        return Call(
+            "Release",
+            lambda sid: pb.ReleaseRequest(session_id=sid, lease_ids=part),
+            lambda reply: lease_results(reply.results),
+        )
+
+    return batched(make, list(lease_ids))
 
 
 def step(
@@ -327,10 +373,34 @@ def step(
     )
     add_commits(request.commits, commits)
     add_allocates(request.allocates, allocates)
+    return step_call(
+        request, max(len(releases), len(commits), len(aborts), len(acquires), len(allocates))
+    )
+
+
+STEP_PARTS = ("releases", "commits", "aborts", "acquires", "allocates")
+
+
+def step_call(request: pb.StepRequest, largest: int) -> Call[api.StepResult]:
+    """The Step of `request`, whose largest part has `largest` items."""
 
     def build(sid: str) -> pb.StepRequest:
         request.session_id = sid
         return request
+
+    def split(limit: int) -> tuple[Call[api.StepResult], Call[api.StepResult]] | None:
+        """Each part's first `limit` items, and a Step of the rest that carries the hits and
+        misses (counted by the daemon only in a Step that succeeds: where an earlier part
+        fails, they never went, and are owed again whole)."""
+        if largest <= limit:
+            return None
+        first = pb.StepRequest(engine_id=request.engine_id)
+        rest = pb.StepRequest(engine_id=request.engine_id, misses=request.misses, hits=request.hits)
+        for part in STEP_PARTS:
+            items = getattr(request, part)
+            getattr(first, part).extend(items[:limit])
+            getattr(rest, part).extend(items[limit:])
+        return step_call(first, _largest(first)), step_call(rest, _largest(rest))
 
     return Call(
         "Step",
@@ -343,19 +413,44 @@ def step(
             allocate_results(reply.allocates),
             reply.pool_uuid,
         ),
+        # Its acquires and allocates are safe to send again; a release, commit or abort sent
+        # again after it was applied answers an error (NOT_FOUND, READY already), which is what
+        # its op would hear of a Step cut off anyway (it may or may not have taken effect): so a
+        # put or get cut off as the daemon stops carries on at the next daemon.
+        safe_to_retry=True,
+        split=split,
+        join=joined_steps,
+    )
+
+
+def _largest(request: pb.StepRequest) -> int:
+    return max(len(getattr(request, part)) for part in STEP_PARTS)
+
+
+def joined_steps(first: api.StepResult, then: api.StepResult) -> api.StepResult:
+    """The answers of a Step sent as two, in order; no pool_uuid if they name two files."""
+    return api.StepResult(
+        first.releases + then.releases,
+        first.commits + then.commits,
+        first.aborts + then.aborts,
+        first.acquires + then.acquires,
+        first.allocates + then.allocates,
+        first.pool_uuid if first.pool_uuid == then.pool_uuid else "",
     )
 
 
 def lookup(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.LookupResult]]:
-    raw = keys(keys_)
-    return Call(
-        "Lookup",
-        lambda _: pb.LookupRequest(engine_id=engine_id, keys=raw),
-        lambda reply: [
-            api.LookupResult(r.key, state(r.state), r.nbytes, r.pins) for r in reply.results
-        ],
-        safe_to_retry=True,
-    )
+    def make(part: Sequence[bytes]) -> Call[list[api.LookupResult]]:
+        return Call(
+            "Lookup",
+            lambda _: pb.LookupRequest(engine_id=engine_id, keys=part),
+            lambda reply: [
+                api.LookupResult(r.key, state(r.state), r.nbytes, r.pins) for r in reply.results
+            ],
+            safe_to_retry=True,
+        )
+
+    return batched(make, keys(keys_))
 
 
 def evict(engine_id: str, keys_: Sequence[api.Key]) -> Call[list[api.ItemResult]]:

@@ -83,9 +83,8 @@ class AsyncClient(BaseClient):
     # Its constructor and what never waits on the daemon are BaseClient's (`_base`): nothing is
     # sent before `start()`.
 
-    def _begin(self, keepalive: bool, wait_for_daemon_s: float) -> None:
+    def _begin(self, keepalive: bool) -> None:
         self._keepalive_enabled = keepalive
-        self._wait_for_daemon_s = wait_for_daemon_s
         self._lock = asyncio.Lock()
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
@@ -94,7 +93,7 @@ class AsyncClient(BaseClient):
 
     async def start(self) -> AsyncClient:
         """Connect (within the connect timeout) and open the session."""
-        await asyncio.to_thread(await_daemon, self.options, self._wait_for_daemon_s)
+        await asyncio.to_thread(await_daemon, self.options, self.options.wait_for_daemon_s)
         self._threads = _FromThreads(self, asyncio.get_running_loop())
         self._channel = aio_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import grpc
 
 from ec_client import AllocateItem, Client, EcdError, Role, StepResult, _connection
-from ec_client.types import Extent, Key
+from ec_client.types import AllocateResult, Extent, Key, Status
 from ec_client.units import format_size
 
 if TYPE_CHECKING:
@@ -300,6 +300,22 @@ def _regions(size: int, batch: int) -> int:
     return max(2 * batch, min(256, (256 << 20) // size))
 
 
+def _all_allocated(
+    client: Client, keys: Sequence[str], results: Sequence[AllocateResult], asked: str
+) -> None:
+    """RESOURCE_EXHAUSTED, saying what `asked` for, unless every key was ALLOCATED (they are
+    aborted then)."""
+    short = [r for r in results if r.status is not Status.ALLOCATED]
+    if short:
+        client.abort(POOL, keys)
+        raise EcdError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the bench's pool gave {len(results) - len(short)} of the {len(keys)} scratch "
+            f"regions {asked} needs ({short[0].key!r}: {short[0].status.value}: "
+            f"{short[0].message or 'no room'}): ask for fewer",
+        )
+
+
 def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, report: Report) -> None:
     """Put/get bandwidth, single and batched, as ratios to a raw copy_ into the same mapping.
 
@@ -330,6 +346,7 @@ def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, repo
             scratch = client.allocate(
                 POOL, [AllocateItem(k, (size,), "uint8") for k in scratch_keys]
             )
+            _all_allocated(client, scratch_keys, scratch, f"--batch {batch}")
             views = [mapping.region(r.extents[0])[:size] for r in scratch]
             raw_in = statistics.median(timed(v.copy_, source) for v in views)
             # Out of the pool, raw or not, into the batch's destinations in turn (get_many fills

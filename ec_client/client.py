@@ -133,12 +133,12 @@ class WatchStream:
 class Client(BaseClient):
     # Its constructor and what never waits on the daemon are BaseClient's (`_base`).
 
-    def _begin(self, keepalive: bool, wait_for_daemon_s: float) -> None:
+    def _begin(self, keepalive: bool) -> None:
         self._channel = shared_channel(self.options)
         self._stub = pb_grpc.EncoderCacheStub(self._channel)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        await_daemon(self.options, wait_for_daemon_s)
+        await_daemon(self.options, self.options.wait_for_daemon_s)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self.options.connect_timeout_s)
         except grpc.FutureTimeoutError:

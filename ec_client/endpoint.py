@@ -18,6 +18,14 @@ from ec_client.types import ItemResult, LeaseResult
 
 class PoolEndpoint:
     def __init__(self, client: Client, engine_id: str) -> None:
+        if not isinstance(client, Client):
+            # An AsyncClient's calls are coroutines: the tensor path, whose copies wait on the
+            # caller's CUDA stream, is a blocking one, driven by a Client.
+            raise TypeError(
+                f"Producer and Consumer need an ec_client.Client, not {type(client).__name__}: "
+                "from asyncio code, make a Client and run their calls on a thread, e.g. "
+                "`await asyncio.to_thread(Producer(client, pool).put, key, tensor)`"
+            )
         self.client = client
         self.engine_id = engine_id
         self._movers: dict[torch.device, TensorMover] = {}

@@ -31,9 +31,9 @@ quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwh
 them over wakes nobody (a wake costs the caller tens of microseconds, on the vLLM scheduler
 thread at every step): the background thread looks at least every ANSWERED_LINGER_S. A Step
 carries at most MAX_HITS_PER_STEP hits and MAX_MISSES_PER_STEP misses, the rest owed to the next
-one; a full Step's worth of either goes at once. A Step that
-does not reach the daemon (UNAVAILABLE, CANCELLED) gives them back to the next one; one the daemon
-refused drops them, logged.
+one; a full Step's worth of either goes at once. A Step that fails gives them back to the next
+one, as the daemon counts them only in a Step that succeeds, unless it carried nothing else and
+the daemon refused it (they are what it refused, or the pool is gone): those are dropped, logged.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -155,6 +155,8 @@ class OutboxBatch:
     returned: Callable[[Answered], None] = lambda answered: None  # a failed Step's, owed again
     give_back: Callable[[OutboxBatch], None] = lambda batch: None  # a Step that never went
     settled: bool = field(default=False, init=False)  # resolved or failed: every op heard
+    # Its Step carried more than the hits and misses: ops, or the caller's own items.
+    carried_more: bool = field(default=False, init=False)
 
     def __bool__(self) -> bool:
         return bool(self.releases or self.commits or self.aborts or self.answered)
@@ -170,17 +172,11 @@ class OutboxBatch:
 
     def resolve(self, result: StepResult) -> StepResult:
         """Hand each op its answer; returns the rest of the Step's answers (the caller's)."""
-        parts = (
-            (self.releases, result.releases),
-            (self.commits, result.commits),
-            (self.aborts, result.aborts),
+        unanswered = EcdError(
+            grpc.StatusCode.INTERNAL, "the daemon's answer to the Step had no answer for it"
         )
         try:
-            _tell_each(
-                (op, answer)
-                for ops, answers in parts
-                for op, answer in zip(ops, answers, strict=False)
-            )
+            _tell_each(self._answers(result, unanswered))
         finally:  # an op's handler that raises must not keep its keys in transit for ever
             self._settle()
         return StepResult(
@@ -192,21 +188,40 @@ class OutboxBatch:
             result.pool_uuid,
         )
 
-    def fail(self, error: EcdError) -> None:
-        answered, self.answered = self.answered, Answered()
-        if answered and error.code in NOT_DELIVERED:
-            self.returned(answered)
-        elif answered:
+    def fail(self, error: EcdError, answered: StepResult | None = None) -> None:
+        """The Step failed with `error`; `answered`: the answers of the parts of a split Step
+        that went before the one that failed. Each op hears its answer, else the error.
+
+        The hits and misses it carried are owed again (the daemon counts them only in a Step
+        that succeeds, and they ride on a split Step's last part), unless the Step carried
+        nothing else and the daemon refused it: then they were what it refused (or the pool is
+        gone), and would be refused again at every turn."""
+        counts, self.answered = self.answered, Answered()
+        if counts and (error.code in NOT_DELIVERED or self.carried_more):
+            self.returned(counts)
+        elif counts:
             log.warning(
                 "ecd: %d miss(es) and %d hit(s) the client answered not counted: %s",
-                answered.misses,
-                len(answered.hits),
+                counts.misses,
+                len(counts.hits),
                 error,
             )
         try:
-            _tell_each((op, error) for op in self.releases + self.commits + self.aborts)
+            _tell_each(self._answers(answered, error))
         finally:
             self._settle()
+
+    def _answers(
+        self, result: StepResult | None, otherwise: EcdError
+    ) -> Iterator[tuple[DeferredOp, object]]:
+        """Each op with its answer in `result` (its Step's, or those of the parts of it that
+        were answered), else `otherwise`."""
+        heard: tuple[Sequence[object], ...] = (
+            (result.releases, result.commits, result.aborts) if result else ((), (), ())
+        )
+        for ops, answers in zip((self.releases, self.commits, self.aborts), heard, strict=True):
+            for i, op in enumerate(ops):
+                yield op, answers[i] if i < len(answers) else otherwise
 
     def _settle(self) -> None:
         self.settled = True
@@ -225,6 +240,16 @@ class OutboxBatch:
         caller's items cannot make a Step (a key, shape or dtype that cannot be encoded), that
         error is raised and the batch given back: nothing went, so nothing it carried is lost
         (the background thread's batches are not given back: see `Outbox._step`)."""
+        self.carried_more = bool(
+            self.releases
+            or self.commits
+            or self.aborts
+            or releases
+            or commits
+            or aborts
+            or acquires
+            or allocates
+        )
         try:
             return _wire.step(
                 engine_id,

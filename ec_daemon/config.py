@@ -242,7 +242,11 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
     ),
     Setting(
-        "max_batch", _count(1, 1 << 31, "a batch size"), 4096, "items one request may carry", "N"
+        "max_batch",
+        _count(1, 1 << 31, "a batch size"),
+        4096,
+        "items one request may carry (clients split larger batches)",
+        "N",
     ),
     Setting("max_message_bytes", _positive_size, 64 << 20, "largest gRPC message accepted", "SIZE"),
     Setting(

@@ -188,7 +188,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             "session opened", extra={"session": tag(session_id), "client": name, "pid": request.pid}
         )
         return pb.OpenSessionReply(
-            boot_epoch=self.epoch, session_id=session_id, lease_ttl_ms=self.lease_ttl_ms
+            boot_epoch=self.epoch,
+            session_id=session_id,
+            lease_ttl_ms=self.lease_ttl_ms,
+            max_batch=self.limits.max_batch,
         )
 
     @rpc

@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ec_client._connection import Options, await_daemon
 from ec_client.layout import ENGINE_ID_PATTERN
 from ec_client.mover import dtype_name
+from ec_client.types import Role
 from ec_client.units import parse_size
 
 if TYPE_CHECKING:
@@ -77,6 +79,14 @@ class ConnectorConfig:
     # every rank is an engine of its own): that worker saves and reports for itself.
     worker_is_alone: bool
     client_name: str
+
+    def await_daemon(self) -> None:
+        """Return once the daemon answers a connection, within connect_timeout_s (it may be
+        starting alongside the engine), else UNAVAILABLE. The connector's clients wait for it
+        here only, not at every call (their wait_for_daemon_s is 0): a call made while no daemon
+        is there fails at once."""
+        t = self.connect_timeout_s
+        await_daemon(Options.make(self.address, None, Role.BOTH, t, t, None), t)
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:

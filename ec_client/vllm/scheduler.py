@@ -188,13 +188,13 @@ def connect_client(config: ConnectorConfig) -> Client:
     role = {(True, True): Role.BOTH, (True, False): Role.PRODUCER}.get(
         (config.is_producer, config.is_consumer), Role.CONSUMER
     )
+    config.await_daemon()
     return Client(
         config.address,
         name=config.client_name,
         role=role,
         connect_timeout_s=config.connect_timeout_s,
         call_timeout_s=CALL_TIMEOUT_S,
-        wait_for_daemon_s=config.connect_timeout_s,  # it may be starting alongside
         linger_s=LINGER_S,
     )
 

@@ -99,12 +99,12 @@ class WorkerSide:
         c = self.config
         client: Client | None = None
         try:
+            c.await_daemon()
             client = Client(
                 c.address,
                 name=f"{c.client_name}-worker",
                 connect_timeout_s=c.connect_timeout_s,
                 keepalive=c.pool_is_private,  # a holder's session must not run out
-                wait_for_daemon_s=c.connect_timeout_s,  # it may be starting alongside
             )
             info = client.open_pool(
                 c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key, c.pool_is_private

@@ -1,6 +1,7 @@
 """AsyncClient against a real daemon, for the calls it shares with Client beyond the plain RPCs:
 health, paging through entries, reopening a pool, what is owed (carried by a Step, sent alone
-once the pool is quiet, waited for by settle) and the view of a pool's READY keys."""
+once the pool is quiet, waited for by settle) and the view of a pool's READY keys. Producer and
+Consumer refuse it, naming the way from asyncio code (a Client, called on threads)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import torch
 from ecd_testing import Daemon
 
-from ec_client import AllocateItem, AsyncClient, EcdError, EntryState, ItemResult, Status
+from ec_client import (
+    AllocateItem,
+    AsyncClient,
+    Client,
+    Consumer,
+    EcdError,
+    EntryState,
+    ItemResult,
+    Producer,
+    PutStatus,
+    Status,
+)
 from ec_client.outbox import DeferredOp, OutboxBatch
 
 POOL = "vl"
@@ -190,3 +203,53 @@ async def test_a_view_follows_the_pools_ready_keys_and_stops_at_close(daemon: Da
             c.known_ready(POOL, [b"mine"])
             assert view.has(b"mine")
         assert not view.synced
+
+
+@pytest.mark.parametrize("kind", [Producer, Consumer], ids=["Producer", "Consumer"])
+async def test_producer_and_consumer_refuse_an_async_client_naming_the_way_from_asyncio(
+    daemon: Daemon, kind: type[Producer] | type[Consumer]
+) -> None:
+    async with AsyncClient(daemon.address, name="asyncio") as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        with pytest.raises(TypeError) as info:
+            kind(c, POOL)  # type: ignore[arg-type]
+    assert "need an ec_client.Client, not AsyncClient" in str(info.value)
+    assert "asyncio.to_thread(" in str(info.value)
+
+
+async def test_a_client_on_a_thread_gives_asyncio_code_the_tensor_path(daemon: Daemon) -> None:
+    """The way the refusal names: a Client, its Producer and Consumer called on threads."""
+    with Client(daemon.address, name="asyncio") as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        stored = torch.arange(256, dtype=torch.float32)
+        put = await asyncio.to_thread(Producer(c, POOL).put, "img", stored)
+        assert put is PutStatus.COMMITTING
+        got = await asyncio.to_thread(Consumer(c, POOL).get, "img", "cpu", 1000)
+        assert got is not None and torch.equal(got, stored)
+
+
+async def test_an_async_client_with_wait_for_daemon_s_carries_on_through_a_daemon_restart(
+    daemon: Daemon,
+) -> None:
+    async with AsyncClient(daemon.address, name="asyncio", wait_for_daemon_s=60) as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        await asyncio.to_thread(daemon.kill)
+        comeback = threading.Timer(0.5, daemon.start)
+        comeback.start()
+        try:  # begun with no daemon there: waits for the next one
+            [result] = await c.allocate(POOL, [AllocateItem(b"after", (BLOCK,), "uint8")])
+        finally:
+            await asyncio.to_thread(comeback.join)
+        assert result.status is Status.ALLOCATED
+
+
+async def test_an_async_acquire_whose_wait_ends_during_a_daemon_outage_answers_miss(
+    daemon: Daemon,
+) -> None:
+    async with AsyncClient(daemon.address, name="asyncio") as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        waiting = asyncio.ensure_future(c.acquire(POOL, [b"never"], wait_ms=2000))
+        await asyncio.to_thread(daemon.kill)  # and back only once the wait ended
+        [result] = await waiting
+        await asyncio.to_thread(daemon.start)
+    assert result.status is Status.MISS and "was away until the wait ran out" in result.message

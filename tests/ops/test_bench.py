@@ -89,7 +89,8 @@ def test_the_data_suite_runs_with_a_single_entry_size() -> None:
 
 
 def test_a_suite_that_fails_leaves_no_pool_behind(daemon: Daemon) -> None:
-    # 6000 scratch regions are more items than one request may carry: the suite fails midway.
+    # 6000 scratch regions are more entries than the pool's slot table holds (4088): the suite
+    # fails midway.
     done = bench(daemon, "--suite", "data", "--runs", "1", "--sizes", "4KiB", "--batch", "3000")
     assert done.returncode == 1
     assert "RESOURCE_EXHAUSTED" in done.stderr and "Traceback" not in done.stderr

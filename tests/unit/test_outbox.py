@@ -571,7 +571,19 @@ def test_a_step_that_did_not_reach_the_daemon_leaves_its_misses_to_the_next_one(
     o.close()
 
 
-def test_a_step_the_daemon_refused_drops_its_misses_and_says_so(
+def test_a_step_the_daemon_refused_for_the_callers_items_leaves_its_misses_to_the_next_one() -> (
+    None
+):
+    o, _ = owed()
+    o.misses(POOL, 3)
+    batch = o.take(POOL)
+    batch.step(POOL, allocates=[AllocateItem(b"k", (8,), "uint8")])
+    batch.fail(EcdError(grpc.StatusCode.PERMISSION_DENIED, "a consumer may not allocate"))
+    assert o.take(POOL).answered.misses == 3
+    o.close()
+
+
+def test_a_step_of_nothing_but_misses_the_daemon_refused_drops_them_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     o, _ = owed()

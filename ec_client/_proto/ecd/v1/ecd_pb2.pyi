@@ -110,14 +110,16 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("boot_epoch", "session_id", "lease_ttl_ms")
+    __slots__ = ("boot_epoch", "session_id", "lease_ttl_ms", "max_batch")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     session_id: str
     lease_ttl_ms: int
-    def __init__(self, boot_epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, boot_epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)
