@@ -166,7 +166,7 @@ def build_store(config: Config, budget: int, hub: EventHub, peers: Peers | None 
         file_gid=checks.group_id(config.pool_group),
     )
     return Store(
-        StoreConfig(pools, config.lease_ttl),
+        StoreConfig(pools, config.lease_ttl, config.pending_timeout),
         clock=time.monotonic,
         publish=hub.publish,
         pool_listener=ServedPools(peers.transport) if peers is not None else None,
@@ -247,6 +247,7 @@ async def start(config: Config) -> Daemon:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
+    daemon.tasks.append(asyncio.create_task(settle_producers(store)))
     daemon.tasks.append(asyncio.create_task(check_pools(store, config.pool_check_interval)))
     interval = systemd.watchdog_interval_s()
     if interval:
@@ -339,6 +340,42 @@ async def reap_sessions(store: Store) -> None:
                     "pid": end.pid,
                     "aborted": end.aborted,
                     "released": end.released,
+                },
+            )
+
+
+# How often the daemon looks for sessions whose process died (life marks) and entries PENDING too
+# long: what a waiter for another's encode waits at most, past its producer's death. One
+# F_OFD_GETLK per session and pool it opened, and a look at each PENDING entry.
+SETTLE_PERIOD_S = 0.2
+
+
+async def settle_producers(store: Store) -> None:
+    """Settle the fate of entries whose producer will not: end the sessions whose process died
+    (their PENDING entries aborted at once, not one lease later), abort entries PENDING past
+    the pending timeout (docs/design.md §4, *Single flight*)."""
+    while True:
+        await asyncio.sleep(SETTLE_PERIOD_S)
+        for end in store.end_dead_sessions():
+            log.warning(
+                "session's process is gone",
+                extra={
+                    "session": end.session_id,
+                    "client": end.client,
+                    "pid": end.pid,
+                    "aborted": end.aborted,
+                    "released": end.released,
+                },
+            )
+        for engine_id, key, producer in store.abort_stale_pending():
+            log.warning(
+                "PENDING entry aborted: not committed within the pending timeout (its producer "
+                "is stuck, or encodes longer than that: raise --pending-timeout)",
+                extra={
+                    "engine_id": engine_id,
+                    "key": key.decode(errors="replace"),
+                    "client": producer,
+                    "timeout_s": store.config.pending_timeout_s,
                 },
             )
 

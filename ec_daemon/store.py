@@ -38,6 +38,9 @@ UNCLAIMED_LEASES = 2
 class StoreConfig:
     pools: PoolSettings
     lease_ttl_s: float = 10.0
+    # The longest an entry may stay PENDING: whoever waits for it (single flight) waits no
+    # longer for a producer that is alive but stuck (docs/design.md §4).
+    pending_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class Store:
         self._unclaimed: set[str] = set()
         self._clock = clock
         self._started = clock()
+        # Sessions seen holding their life mark: from then on, its absence means their process
+        # is gone (end_dead_sessions).
+        self._marked: set[str] = set()
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -136,6 +142,38 @@ class Store:
             unclaimed, self._unclaimed = self._unclaimed, set()
             self._drop_unheld(unclaimed, "no session opened it again after the daemon restarted")
         return ends
+
+    def end_dead_sessions(self) -> list[SessionEnd]:
+        """End every session whose client's process is gone: seen holding its life mark on a
+        pool file once (ec_client/life_marks.py), it holds it on none of its pools now. Its
+        PENDING entries are aborted at once (whoever waits for them encodes), its pins
+        released; a session never seen marked is left to its lease."""
+        ends = []
+        for session in self._sessions.all():
+            files = [p.file for p in map(self._pools.find, sorted(session.pools)) if p is not None]
+            if any(f.life_marked(session.id) for f in files):
+                self._marked.add(session.id)
+            elif session.id in self._marked:
+                ends.append(self._end_session(session))
+        self._marked &= {s.id for s in self._sessions.all()}
+        return ends
+
+    def abort_stale_pending(self) -> list[tuple[str, bytes, str]]:
+        """Abort the entries PENDING longer than `pending_timeout_s` (their producer is alive
+        but stuck, or its output is lost): their waiters encode instead, and the producer's late
+        Commit is answered NOT_FOUND. Returns (pool, key, producer) of each."""
+        deadline = self._clock() - self.config.pending_timeout_s
+        aborted = []
+        for session in self._sessions.all():
+            for engine_id, key in sorted(session.pending):
+                pool = self._pools.find(engine_id)
+                entry = pool.index.get(key) if pool is not None else None
+                if entry is None or entry.created_at > deadline:
+                    continue
+                if pool is not None and pool.index.abort(key, session.id).status is api.Status.OK:
+                    session.pending.discard((engine_id, key))
+                    aborted.append((engine_id, key, session.name))
+        return aborted
 
     def _end_session(self, session: Session) -> SessionEnd:
         aborted = 0
