@@ -79,8 +79,11 @@ class ReadyView:
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._on_committed: list[Callable[[bytes, int], None]] = []
         # Bumped at every event that changes what the view answers (and when the stream
-        # breaks): a waiter reads it, decides, then sleeps until it moves (`wait_change`).
+        # breaks), on the view's thread alone: a waiter reads it, decides, then sleeps until it
+        # moves (`wait_change`). The condition is notified only while someone waits on it, so
+        # an event costs the view's thread two attribute looks when nobody does.
         self.changes = 0
+        self._waiting = 0
         self._change = threading.Condition(threading.Lock())
         # Whether the view holds a whole snapshot and what followed it: a plain bool for the
         # hot-path reads (a look at an attribute, not a call into an Event), set and cleared
@@ -123,12 +126,19 @@ class ReadyView:
         """Sleep until `changes` is no longer `since` (at once if it already is), at most
         timeout_s; whether it changed."""
         with self._change:
-            return self._change.wait_for(lambda: self.changes != since, timeout_s)
+            # Counted before the look at `changes`: an event that comes after that look sees
+            # a waiter, and notifies once it waits (the lock is held until then).
+            self._waiting += 1
+            try:
+                return self._change.wait_for(lambda: self.changes != since, timeout_s)
+            finally:
+                self._waiting -= 1
 
     def _changed(self) -> None:
-        with self._change:
-            self.changes += 1
-            self._change.notify_all()
+        self.changes += 1
+        if self._waiting:
+            with self._change:
+                self._change.notify_all()
 
     def add(self, key: bytes) -> None:
         """This process committed `key` itself: known READY before the event comes back."""
