@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -39,7 +40,7 @@ from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
 from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools, peer_stats
 from ec_daemon.service import EncoderCacheService
-from ec_daemon.store import Store, StoreConfig
+from ec_daemon.store import SessionEnd, Store, StoreConfig
 from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
 from ec_daemon.wire import add_to_server
@@ -332,16 +333,12 @@ async def reap_sessions(store: Store) -> None:
         await asyncio.sleep(period)
         store.reclaim()
         for end in store.expire_sessions():
-            log.warning(
-                "session lease expired",
-                extra={
-                    "session": end.session_id,
-                    "client": end.client,
-                    "pid": end.pid,
-                    "aborted": end.aborted,
-                    "released": end.released,
-                },
-            )
+            log_session_end("session lease expired", end)
+
+
+def log_session_end(message: str, end: SessionEnd) -> None:
+    extra = {"session": end.session_id, "client": end.client, "pid": end.pid}
+    log.warning(message, extra={**extra, "aborted": end.aborted, "released": end.released})
 
 
 # How often the daemon looks for sessions whose process died (life marks) and entries PENDING too
@@ -357,24 +354,16 @@ async def settle_producers(store: Store) -> None:
     while True:
         await asyncio.sleep(SETTLE_PERIOD_S)
         for end in store.end_dead_sessions():
+            log_session_end("session's process is gone (its life mark went)", end)
+        # One line per pool and producer, never one per entry (nor any key).
+        for (engine_id, producer), aborted in Counter(store.abort_stale_pending()).items():
             log.warning(
-                "session's process is gone",
-                extra={
-                    "session": end.session_id,
-                    "client": end.client,
-                    "pid": end.pid,
-                    "aborted": end.aborted,
-                    "released": end.released,
-                },
-            )
-        for engine_id, key, producer in store.abort_stale_pending():
-            log.warning(
-                "PENDING entry aborted: not committed within the pending timeout (its producer "
-                "is stuck, or encodes longer than that: raise --pending-timeout)",
+                "PENDING entries aborted: not committed within the pending timeout (their "
+                "producer is stuck, or encodes longer than that: raise --pending-timeout)",
                 extra={
                     "engine_id": engine_id,
-                    "key": key.decode(errors="replace"),
                     "client": producer,
+                    "aborted": aborted,
                     "timeout_s": store.config.pending_timeout_s,
                 },
             )

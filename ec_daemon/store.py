@@ -158,10 +158,10 @@ class Store:
         self._marked &= {s.id for s in self._sessions.all()}
         return ends
 
-    def abort_stale_pending(self) -> list[tuple[str, bytes, str]]:
+    def abort_stale_pending(self) -> list[tuple[str, str]]:
         """Abort the entries PENDING longer than `pending_timeout_s` (their producer is alive
         but stuck, or its output is lost): their waiters encode instead, and the producer's late
-        Commit is answered NOT_FOUND. Returns (pool, key, producer) of each."""
+        Commit is answered NOT_FOUND. Returns (pool, producer's client name) of each."""
         deadline = self._clock() - self.config.pending_timeout_s
         aborted = []
         for session in self._sessions.all():
@@ -172,7 +172,7 @@ class Store:
                     continue
                 if pool is not None and pool.index.abort(key, session.id).status is api.Status.OK:
                     session.pending.discard((engine_id, key))
-                    aborted.append((engine_id, key, session.name))
+                    aborted.append((engine_id, session.name))
         return aborted
 
     def _end_session(self, session: Session) -> SessionEnd:

@@ -730,7 +730,7 @@ def test_an_entry_pending_past_the_pending_timeout_is_aborted(
         store.keep_alive(sid)
     assert store.abort_stale_pending() == []
     clock.advance(2)
-    assert store.abort_stale_pending() == [("p", b"k", "producer")]
+    assert store.abort_stale_pending() == [("p", "producer")]
     assert entry(store, b"k") is None
     [late] = store.commit(sid, "p", [(b"k", 0, 0)])
     assert late.status is Status.NOT_FOUND
