@@ -57,10 +57,10 @@ commits.
 While requests are held so, vLLM would step the engine empty as fast as it can (its busy loop
 steps while any request is unfinished, and offers a connector no way to park a request, nor to
 be woken: KV connectors' requests waiting for remote KV spin the same way). So a step that
-scheduled nothing while requests are held for others' work (and nothing of this side's own is
-in flight) waits in `build_connector_meta`, up to `ecd_idle_wait_ms`, for the pool's view to
-change: the commit or abort it waits for ends that wait at once. A step with anything scheduled
-never waits.
+scheduled nothing, after one that scheduled nothing either, while requests are held for
+others' work (and nothing of this side's own is in flight) waits in `build_connector_meta`, up
+to `ecd_idle_wait_ms`, for the pool's view to change: the commit or abort it waits for ends that
+wait at once. A step with anything scheduled never waits.
 
 When our session is new (the daemon restarted, or our lease ran out), what the session held is
 void: its lease pins and PENDING entries are gone, and requests whose loads under lease pins
@@ -295,6 +295,10 @@ class SchedulerSide:
         # the pass began: a step that scheduled nothing waits for it to move (`_idle`).
         self._held = False
         self._changes_seen = 0
+        # Whether the step before scheduled nothing either: only then may a step wait. Under
+        # vLLM's async scheduling the step before may still be running; if it ran requests,
+        # their outputs are handled only after this step is scheduled, and must not wait.
+        self._empty_before = False
         self.idle_waits = 0  # steps that waited so (for tests and the bench)
         # Set once, when the daemon is first reached: the view last, so that a synced view
         # always means a client and a generation to go with it.
@@ -430,16 +434,18 @@ class SchedulerSide:
             cancelled=cancelled,
         )
         held, self._held = self._held, False
-        if held and scheduled_nothing:
+        empty_before, self._empty_before = self._empty_before, scheduled_nothing
+        if held and scheduled_nothing and empty_before:
             self._idle()
         return meta
 
     def _idle(self) -> None:
-        """A step with nothing to run while requests are held back for others' work (entries
-        PENDING, or `ecd_wait_ms`): rather than let vLLM step again at once (hundreds of empty
-        steps a second, taking the CPU from the very encode waited for), wait for the pool's
-        view to change, up to `ecd_idle_wait_ms`. Not while anything of this side's own is in
-        flight (answers to read, copies to hear of, ops owed again): those want the next step."""
+        """A step with nothing to run, after one with nothing either, while requests are held
+        back for others' work (entries PENDING, or `ecd_wait_ms`): rather than let vLLM step
+        again at once (hundreds of empty steps a second, taking the CPU from the very encode
+        waited for), wait for the pool's view to change, up to `ecd_idle_wait_ms`. Not while
+        anything of this side's own is in flight (answers to read, copies to hear of, ops owed
+        again): those want the next step."""
         if self.loads.busy() or self.saves.busy() or self._asked or not self.config.idle_wait_s:
             return
         self.idle_waits += 1

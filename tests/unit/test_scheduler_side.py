@@ -616,15 +616,28 @@ def test_a_step_with_nothing_to_run_waits_for_the_view_while_a_request_is_held_f
 ) -> None:
     side = scheduler(client)
     client.fake_view.writing.add(b"img")
+    side.build_connector_meta(scheduled_nothing=True)  # the step before: nothing either
     client.fake_view.changes = 7  # as the pass begins
     assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
     side.build_connector_meta(scheduled_nothing=True)
     assert client.fake_view.waits == [(7, side.config.idle_wait_s)]
 
 
+def test_the_first_empty_step_after_one_that_ran_requests_does_not_wait(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client)  # async scheduling: that step's outputs are still to be handled
+    client.fake_view.writing.add(b"img")
+    side.build_connector_meta(scheduled_nothing=False)
+    assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert client.fake_view.waits == []
+
+
 def test_a_step_that_runs_something_never_waits_for_the_view(client: FakeClient) -> None:
     side = scheduler(client)
     client.fake_view.writing.add(b"img")
+    side.build_connector_meta(scheduled_nothing=True)
     assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
     side.build_connector_meta(scheduled_nothing=False)
     assert client.fake_view.waits == []
@@ -632,6 +645,7 @@ def test_a_step_that_runs_something_never_waits_for_the_view(client: FakeClient)
 
 def test_a_step_with_nothing_held_never_waits_for_the_view(client: FakeClient) -> None:
     side = scheduler(client)
+    side.build_connector_meta(scheduled_nothing=True)
     assert side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
     side.build_connector_meta(scheduled_nothing=True)
     assert client.fake_view.waits == []
@@ -643,6 +657,7 @@ def test_a_step_whose_pins_are_on_their_way_does_not_wait_for_the_view(
     side = scheduler(client)
     client.fake_view.ready[b"img"] = None  # READY, its slot not heard yet: an Acquire pins it
     client.cached["img"] = spec(side)
+    side.build_connector_meta(scheduled_nothing=True)
     assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
     side.build_connector_meta(scheduled_nothing=True)
     assert client.fake_view.waits == []

@@ -72,7 +72,7 @@ def test_an_engine_holding_a_request_for_anothers_encode_steps_about_twenty_time
     wait_until(lambda: second.scheduler.view.pending(b"img"))
     steps = held_while(second, "b1", 1.0)
     assert steps <= 25  # 1 s / 50 ms, and a little for the steps' own time
-    assert second.scheduler.idle_waits == steps
+    assert second.scheduler.idle_waits >= steps - 1  # all but the first empty step waited
 
 
 def test_the_commit_an_engine_waits_for_wakes_it_at_once(engine: EngineFactory) -> None:
@@ -82,6 +82,7 @@ def test_the_commit_an_engine_waits_for_wakes_it_at_once(engine: EngineFactory) 
     encoding = first.schedule([request("a1", "img")])
     first.answered()
     wait_until(lambda: second.scheduler.view.pending(b"img"))
+    second.schedule()  # an empty step before: the next empty one may wait
     woke: list[float] = []
     idle = threading.Thread(
         target=lambda: (second.schedule([request("b1", "img")]), woke.append(time.monotonic()))
