@@ -118,8 +118,8 @@ def test_two_engines_given_one_new_image_encode_it_once_and_a_killed_producer_le
         wait_until(lambda: client.stats(POOL).pools[0].entries_pending == 1, timeout_s=120)
     waiting = in_background(lambda: second.generate(4))
     time.sleep(1.0)  # the second engine holds its request meanwhile
+    killed_at = time.monotonic()  # kill() also waits for its processes to exit, and cleans up
     first.kill()
-    killed_at = time.monotonic()
     assert not isinstance(dying(), Generated)  # its engine is gone
     answer = waiting()
     assert isinstance(answer, Generated), answer
