@@ -57,6 +57,7 @@ import grpc
 from ec_client import _wire
 from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S, Options
 from ec_client.errors import EcdError
+from ec_client.life_marks import LifeMarks
 from ec_client.outbox import OutboxBatch
 from ec_client.types import PoolInfo, StepResult
 
@@ -179,6 +180,9 @@ class SessionState:
     pool_infos: dict[str, PoolInfo] = field(default_factory=dict)
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic  # for the plans' deadlines
+    # The session's life mark on each pool file it opened: the daemon ends the session the
+    # moment this process dies, rather than one lease later (ec_client/life_marks.py).
+    life: LifeMarks = field(default_factory=LifeMarks)
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -330,7 +334,10 @@ class SessionState:
         """End the session; if the daemon is gone or already forgot it, the lease ends it all
         the same, so failures are not retried."""
         self.closed = True
-        yield from self.send(_wire.close_session(), retry=False)
+        try:
+            yield from self.send(_wire.close_session(), retry=False)
+        finally:
+            self.life.close()
 
     def open_pool(self, call: _wire.Call[PoolInfo], again: _wire.Call[PoolInfo]) -> Plan[PoolInfo]:
         """OpenPool, remembered (as `again`: the same with reopen) so that a reopened session
@@ -351,6 +358,7 @@ class SessionState:
         dropped = yield from self.call(_wire.drop_pool(engine_id, force))
         self.pools.pop(engine_id, None)
         self.pool_infos.pop(engine_id, None)
+        self.life.unmark(engine_id)
         return dropped
 
     # ---- what the plans remember ---------------------------------------------------------------
@@ -358,6 +366,7 @@ class SessionState:
     def pool_opened(self, call: _wire.Call[PoolInfo], info: PoolInfo) -> None:
         self.pools[info.engine_id] = call
         self.pool_infos[info.engine_id] = info
+        self.life.mark(info.engine_id, info.path, self.session_id)
 
     def pool_info(self, engine_id: str) -> PoolInfo:
         info = self.pool_infos.get(engine_id)

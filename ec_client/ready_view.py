@@ -28,8 +28,12 @@ Whoever takes those pins can have each committed entry's slot told to it as the 
 
 It also follows the keys being written (include_pending: PENDING events, in the snapshot too),
 so that `pending` tells a caller a producer is writing a key right now: worth waiting for its
-commit rather than encoding the item again (the disaggregated flow, where the same request
-reaches the consumer as soon as the encoder engine answered, before its save is committed).
+commit rather than encoding the item again (single flight: another engine encoding the same
+image; or the disaggregated flow, where the same request reaches the consumer as soon as the
+encoder engine answered, before its save is committed).
+
+A caller that waits for such a commit (or abort) need not poll: `changes` counts the events
+that changed the view, and `wait_change` sleeps until it moves past a count read earlier.
 """
 
 from __future__ import annotations
@@ -76,6 +80,13 @@ class ReadyView:
         self._pending: set[bytes] = set()  # keys being written into this daemon's pool
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._on_committed: list[Callable[[bytes, int], None]] = []
+        # Bumped at every event that changes what the view answers (and when the stream
+        # breaks), on the view's thread alone: a waiter reads it, decides, then sleeps until it
+        # moves (`wait_change`). The condition is notified only while someone waits on it, so
+        # an event costs the view's thread two attribute looks when nobody does.
+        self.changes = 0
+        self._waiting = 0
+        self._change = threading.Condition(threading.Lock())
         # Whether the view holds a whole snapshot and what followed it: a plain bool for the
         # hot-path reads (a look at an attribute, not a call into an Event), set and cleared
         # with the Event that `wait_synced` waits on, both on the view's thread alone.
@@ -112,6 +123,24 @@ class ReadyView:
     def pending(self, key: bytes) -> bool:
         """PENDING in this daemon's pool: a producer is writing it; its commit is to come."""
         return key in self._pending and self.synced
+
+    def wait_change(self, since: int, timeout_s: float) -> bool:
+        """Sleep until `changes` is no longer `since` (at once if it already is), at most
+        timeout_s; whether it changed."""
+        with self._change:
+            # Counted before the look at `changes`: an event that comes after that look sees
+            # a waiter, and notifies once it waits (the lock is held until then).
+            self._waiting += 1
+            try:
+                return self._change.wait_for(lambda: self.changes != since, timeout_s)
+            finally:
+                self._waiting -= 1
+
+    def _changed(self) -> None:
+        self.changes += 1
+        if self._waiting:
+            with self._change:
+                self._change.notify_all()
 
     def add(self, key: bytes) -> None:
         """This process committed `key` itself: known READY before the event comes back."""
@@ -151,6 +180,7 @@ class ReadyView:
                 log.debug("watch of pool %s broke: %s", self._engine_id, error)
             self.synced = False
             self._synced.clear()
+            self._changed()  # it knows nothing now: whoever waits on it decides anew
             if self._closed.wait(delay):
                 return
             delay = min(delay * 2, MAX_BACKOFF_S)
@@ -214,6 +244,8 @@ class ReadyView:
                         self._pending.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:
                 break  # reattached once the pool is there again; then a fresh snapshot
+            if self.synced:
+                self._changed()
         stream.cancel()
         return self.synced
 

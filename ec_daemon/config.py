@@ -216,6 +216,15 @@ SETTINGS: tuple[Setting, ...] = (
         "SECONDS",
     ),
     Setting(
+        "pending_timeout",
+        _seconds(0, above=True),
+        30.0,
+        "seconds an entry may stay PENDING (allocated, not committed) before the daemon aborts "
+        "it: the longest anyone waits for another's encode (raise it for encodes that take "
+        "longer)",
+        "SECONDS",
+    ),
+    Setting(
         "eviction",
         _choice("lru", "fifo"),
         "lru",
@@ -410,6 +419,7 @@ class Config:
     hugepages: bool
     max_bytes: int | None
     lease_ttl: float
+    pending_timeout: float
     eviction: str
     entries_per_pool: int | None
     max_pool_bytes: int | None

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ec_client import life_marks
 from ec_client.layout import (
     HEADER_SIZE,
     MAGIC,
@@ -232,6 +233,11 @@ class PoolFile:
     def locked_slots(self) -> set[int]:
         """The slots readers hold lock pins on now."""
         return locked_slots(self._fd, self.header.geometry.num_slots)
+
+    def life_marked(self, session_id: str) -> bool:
+        """Whether the session's client holds its life mark on this file now (a probe, see
+        ec_client/life_marks.py)."""
+        return self._fd >= 0 and life_marks.held(self._fd, session_id)
 
     def close(self) -> None:
         if self._fd >= 0:

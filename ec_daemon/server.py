@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -42,7 +43,7 @@ from ec_daemon.pools import PoolSettings
 from ec_daemon.remote import Remote, ServedPools, peer_stats
 from ec_daemon.service import EncoderCacheService
 from ec_daemon.sessions import tag
-from ec_daemon.store import Store, StoreConfig
+from ec_daemon.store import SessionEnd, Store, StoreConfig
 from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
 from ec_daemon.wire import add_to_server
@@ -174,7 +175,7 @@ def build_store(config: Config, budget: int, hub: EventHub, peers: Peers | None 
         file_gid=checks.group_id(config.pool_group),
     )
     return Store(
-        StoreConfig(pools, config.lease_ttl),
+        StoreConfig(pools, config.lease_ttl, config.pending_timeout),
         clock=time.monotonic,
         publish=hub.publish,
         pool_listener=ServedPools(peers.transport) if peers is not None else None,
@@ -261,6 +262,7 @@ async def start(config: Config) -> Daemon:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
+    daemon.tasks.append(asyncio.create_task(settle_producers(store)))
     daemon.tasks.append(asyncio.create_task(check_pools(store, config.pool_check_interval)))
     interval = systemd.watchdog_interval_s()
     if interval:
@@ -346,14 +348,38 @@ async def reap_sessions(store: Store) -> None:
         store.reclaim()
         store.summarize_evictions()
         for end in store.expire_sessions():
+            log_session_end("session lease expired", end)
+
+
+def log_session_end(message: str, end: SessionEnd) -> None:
+    extra = {"session": tag(end.session_id), "client": end.client, "pid": end.pid}
+    log.warning(message, extra={**extra, "aborted": end.aborted, "released": end.released})
+
+
+# How often the daemon looks for sessions whose process died (life marks) and entries PENDING too
+# long: what a waiter for another's encode waits at most, past its producer's death. One
+# F_OFD_GETLK per session and pool it opened, and a look at each PENDING entry.
+SETTLE_PERIOD_S = 0.2
+
+
+async def settle_producers(store: Store) -> None:
+    """Settle the fate of entries whose producer will not: end the sessions whose process died
+    (their PENDING entries aborted at once, not one lease later), abort entries PENDING past
+    the pending timeout (docs/design.md §4, *Single flight*)."""
+    while True:
+        await asyncio.sleep(SETTLE_PERIOD_S)
+        for end in store.end_dead_sessions():
+            log_session_end("session's process is gone (its life mark went)", end)
+        # One line per pool and producer, never one per entry (nor any key).
+        for (engine_id, producer), aborted in Counter(store.abort_stale_pending()).items():
             log.warning(
-                "session lease expired",
+                "PENDING entries aborted: not committed within the pending timeout (their "
+                "producer is stuck, or encodes longer than that: raise --pending-timeout)",
                 extra={
-                    "session": tag(end.session_id),
-                    "client": end.client,
-                    "pid": end.pid,
-                    "aborted": end.aborted,
-                    "released": end.released,
+                    "engine_id": engine_id,
+                    "client": producer,
+                    "aborted": aborted,
+                    "timeout_s": store.config.pending_timeout_s,
                 },
             )
 

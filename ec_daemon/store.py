@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ EVICTION_SUMMARY_S = 10.0
 class StoreConfig:
     pools: PoolSettings
     lease_ttl_s: float = 10.0
+    # The longest an entry may stay PENDING: whoever waits for it (single flight) waits no
+    # longer for a producer that is alive but stuck (docs/design.md §4).
+    pending_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,12 @@ class Store:
         self._clock = clock
         self._started = clock()
         self._evictions_told: dict[str, EvictionsTold] = {}
+        # Per session, the pool files (by UUID) it was seen holding its life mark on: its absence
+        # from one of those, while it is still the pool's file, means the process is gone
+        # (end_dead_sessions). A file dropped or made anew since says nothing: the client marks
+        # a new file only when it opens it, so a session whose marked files are all gone is left
+        # to its lease.
+        self._marked: dict[str, set[uuid.UUID]] = {}
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -163,6 +173,42 @@ class Store:
             unclaimed, self._unclaimed = self._unclaimed, set()
             self._drop_unheld(unclaimed, "no session opened it again after the daemon restarted")
         return ends
+
+    def end_dead_sessions(self) -> list[SessionEnd]:
+        """End every session whose client's process is gone: seen holding its life mark on a
+        pool file once (ec_client/life_marks.py), it holds it on none of its pools now. Its
+        PENDING entries are aborted at once (whoever waits for them encodes), its pins
+        released; a session never seen marked is left to its lease."""
+        ends = []
+        for session in self._sessions.all():
+            pools = [p for p in map(self._pools.find, sorted(session.pools)) if p is not None]
+            files = {p.file.header.pool_uuid: p.file for p in pools}
+            marked_on = {u for u, f in files.items() if f.life_marked(session.id)}
+            seen = self._marked.get(session.id, set()) & files.keys()
+            if marked_on:
+                self._marked[session.id] = seen | marked_on
+            elif seen:  # a file it held its mark on is still the pool's, and the mark is gone
+                ends.append(self._end_session(session))
+        live = {s.id for s in self._sessions.all()}
+        self._marked = {s: u for s, u in self._marked.items() if s in live}
+        return ends
+
+    def abort_stale_pending(self) -> list[tuple[str, str]]:
+        """Abort the entries PENDING longer than `pending_timeout_s` (their producer is alive
+        but stuck, or its output is lost): their waiters encode instead, and the producer's late
+        Commit is answered NOT_FOUND. Returns (pool, producer's client name) of each."""
+        deadline = self._clock() - self.config.pending_timeout_s
+        aborted = []
+        for session in self._sessions.all():
+            for engine_id, key in sorted(session.pending):
+                pool = self._pools.find(engine_id)
+                entry = pool.index.get(key) if pool is not None else None
+                if entry is None or entry.created_at > deadline:
+                    continue
+                if pool is not None and pool.index.abort(key, session.id).status is api.Status.OK:
+                    session.pending.discard((engine_id, key))
+                    aborted.append((engine_id, session.name))
+        return aborted
 
     def _end_session(self, session: Session) -> SessionEnd:
         aborted = 0

@@ -27,12 +27,13 @@ def make_store(
     *,
     events: list[WatchEvent] | None = None,
     lease_ttl_s: float = 10.0,
+    pending_timeout_s: float = 30.0,
     **pools: Any,
 ) -> Store:
     """A Store on shm_dir with a 1 GiB budget; `pools` overrides PoolSettings fields."""
     settings = PoolSettings(**{"shm_dir": shm_dir, "max_bytes": 1 << 30, **pools})
     sink = events.append if events is not None else (lambda event: None)
-    return Store(StoreConfig(settings, lease_ttl_s), clock, sink)
+    return Store(StoreConfig(settings, lease_ttl_s, pending_timeout_s), clock, sink)
 
 
 def open_pool(

@@ -15,18 +15,22 @@ Keys of `ec_connector_extra_config`:
   between engines (a producer and a consumer engine) or to keep it across engine restarts.
 - `ecd_wait_ms`: how long a consumer holds a request back while an item it needs is not in the
   pool yet (another engine may be encoding it), before encoding it itself. Default 0.
-- `ecd_pending_wait_ms`: how long a consumer holds a request back while an item it needs is
-  being written into the pool (another engine encoded it and its save is on its way), before
-  encoding it itself. Default 2000: in the disaggregated flow the same request reaches the
-  prefill/decode engine as soon as the encoder engine answered, a step or two before that
-  engine's save is committed; waiting is cheaper than encoding again, and bounded by this.
+- `ecd_idle_wait_ms`: while requests are held back for items other engines are encoding (or
+  for `ecd_wait_ms`), how long a step that scheduled nothing waits for the pool to change
+  before the engine steps again; the commit or abort of a PENDING item (or any other event of
+  the pool) ends the wait at once. Default 50: an idle engine steps about 20 times a second
+  while it waits, instead of hundreds, and a new request that reaches an engine doing nothing
+  else waits at most this long more. 0 steps at once, as vLLM would.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon restarts. A call made while no daemon is there at all (no socket,
   nothing listening) fails at once: the scheduler's steps never wait on it. Default 2.
 
 `ecd_pins` and `ecd_pin_share` (of earlier versions: when cached items were pinned by a round
 trip on the scheduler thread) are ignored, with a warning: cached items are now pinned with no
-round trip (lock pins, see scheduler.py), so there is nothing left to choose.
+round trip (lock pins, see scheduler.py), so there is nothing left to choose. So is
+`ecd_pending_wait_ms` (a cap on how long a request waited for an item being encoded elsewhere):
+such a request now waits until that encode is committed or aborted, and the daemon bounds how
+long that can be (docs/design.md §4, *Single flight*).
 """
 
 from __future__ import annotations
@@ -50,8 +54,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("ec_client.vllm")
 
 # Settings of earlier versions that mean nothing now: accepted (an engine upgraded with its old
-# config still starts), with a warning.
-IGNORED = ("ecd_pins", "ecd_pin_share")
+# config still starts), with a warning saying why.
+_NO_ROUND_TRIP = "cached items are pinned with no round trip now, whatever it says"
+IGNORED = {
+    "ecd_pins": _NO_ROUND_TRIP,
+    "ecd_pin_share": _NO_ROUND_TRIP,
+    "ecd_pending_wait_ms": "a request waits for an item being encoded elsewhere until that "
+    "encode is committed or aborted (the daemon's --pending-timeout bounds it)",
+}
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,7 @@ class ConnectorConfig:
     is_producer: bool
     is_consumer: bool
     wait_s: float
-    pending_wait_s: float
+    idle_wait_s: float
     connect_timeout_s: float
     load_reports: int  # distinct worker ranks that must report a load before its pin goes
     # Each scheduler hears only its own worker (executor "uni", or "external_launcher", where
@@ -96,13 +106,13 @@ class ConnectorConfig:
         if ec is None:
             raise ValueError("ECDaemonConnector needs an ec_transfer_config")
         extra: dict[str, Any] = dict(ec.ec_connector_extra_config or {})
-        for key in IGNORED:
+        for key, why in IGNORED.items():
             if key in extra:
                 log.warning(
-                    "ec_connector_extra_config %s=%r is ignored: cached items are pinned with "
-                    "no round trip now, whatever it says; remove it",
+                    "ec_connector_extra_config %s=%r is ignored: %s; remove it",
                     key,
                     extra[key],
+                    why,
                 )
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
@@ -145,7 +155,7 @@ class ConnectorConfig:
             is_producer=bool(ec.is_ec_producer),
             is_consumer=bool(ec.is_ec_consumer),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
-            pending_wait_s=_number(extra, "ecd_pending_wait_ms", 2000) / 1000,
+            idle_wait_s=_number(extra, "ecd_idle_wait_ms", 50) / 1000,
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),
             load_reports=1 if alone else loaders,
             worker_is_alone=alone,

@@ -120,7 +120,9 @@ class ECDaemonConnector(ECConnectorBase):
         self.scheduler_side.update_state_after_free(request, index)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        return self.scheduler_side.build_connector_meta()
+        return self.scheduler_side.build_connector_meta(
+            scheduled_nothing=scheduler_output.total_num_scheduled_tokens == 0
+        )
 
     def take_unavailable_requests(self) -> set[str]:
         return self.scheduler_side.take_unavailable_requests()

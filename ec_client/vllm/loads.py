@@ -111,16 +111,17 @@ class LoadBook:
         now: float,
         wait_s: float,
         pending: Callable[[str], bool] = lambda key: False,
-        pending_wait_s: float = 0.0,
         lock: Lock = lambda key: None,
     ) -> bool:
         """Whether the request may be scheduled now: every key it still needs is pinned, or is
         to be encoded. A key with no pin is first offered to `lock`: a lock pin taken there
         admits it at once, a lock that missed has it encoded. Otherwise a key the pool has READY
         is wanted (pinned at the next flush); a key `pending` in the pool (a producer is
-        writing it) is waited for up to pending_wait_s, and with wait_s a key the pool lacks up
-        to that long (another engine may be about to encode it). Any of these holds the request
-        back this step."""
+        writing it) is waited for until its fate is known, however long: committed, it is READY
+        (then pinned and loaded); aborted (by its producer, at its process's death, or at the
+        daemon's pending timeout), it is absent (then encoded). With wait_s a key the pool
+        lacks is waited for up to that long (another engine may be about to encode it). Any of
+        these holds the request back this step."""
         admitted = True
         for key in keys:
             self._by_request[request_id].add(key)
@@ -146,9 +147,12 @@ class LoadBook:
             elif key in self._wanted or ready(key):
                 self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
-            elif (limit := max(wait_s, pending_wait_s) if pending(key) else wait_s) > 0:
+            elif pending(key):  # single flight: its producer's commit, or abort, decides
+                self._absent_since.pop((request_id, key), None)
+                admitted = False
+            elif wait_s > 0:
                 since = self._absent_since.setdefault((request_id, key), now)
-                admitted = admitted and now - since >= limit
+                admitted = admitted and now - since >= wait_s
         return admitted
 
     def pinned(self, key: str) -> bool:

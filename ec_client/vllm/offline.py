@@ -119,8 +119,10 @@ def schedule_step(connector: ECConnectorBase, requests: Sequence[Request]) -> Sc
     """vLLM's Scheduler.schedule() reduced to its calls into an EC connector, in its order: per
     request ensure_cache_available, has_cache_item per input not computed yet, then
     update_state_after_alloc for the inputs to encode and then those to load; once at the end
-    build_connector_meta. A scheduled request's whole prompt counts as computed."""
+    build_connector_meta, told how many tokens the step schedules (a request's whole prompt,
+    which counts as computed from then on: none for a step that only holds requests back)."""
     held: set[str] = set()
+    tokens = 0
     encode: dict[str, int] = {}
     load: set[str] = set()
     for request in requests:
@@ -142,8 +144,11 @@ def schedule_step(connector: ECConnectorBase, requests: Sequence[Request]) -> Sc
             feature = request.mm_features[index]
             encode[feature.identifier] = feature.mm_position.length
         load.update(request.mm_features[index].identifier for index in to_load)
+        tokens += request.num_prompt_tokens - request.num_computed_tokens
         request.num_computed_tokens = request.num_prompt_tokens
-    metadata = connector.build_connector_meta(SchedulerOutput.make_empty())
+    output = SchedulerOutput.make_empty()
+    output.total_num_scheduled_tokens = tokens
+    metadata = connector.build_connector_meta(output)
     return ScheduledStep(metadata, held, encode, load)
 
 

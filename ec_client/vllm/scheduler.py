@@ -47,9 +47,20 @@ so that it can be driven in-process against a stand-in (tests/unit/test_schedule
 way vLLM tests its own connectors with stand-in requests.
 
 A consumer holds a request back while an item it needs is being written into the pool (the
-view's `pending`: another engine encoded it, its save is not committed yet), up to
-`ecd_pending_wait_ms`, then loads it: in the disaggregated flow the request reaches this engine
-as soon as the encoder engine answered, a step or two before that engine commits.
+view's `pending`: another engine is encoding it, or encoded it and its save is not committed
+yet) until that entry is committed (then it loads it: single flight, docs/design.md §4) or
+aborted (then it encodes it); the daemon bounds how long that can take (its producer's death
+ends it at once, its --pending-timeout in any case). In the disaggregated flow the request
+reaches this engine as soon as the encoder engine answered, a step or two before that engine
+commits.
+
+While requests are held so, vLLM would step the engine empty as fast as it can (its busy loop
+steps while any request is unfinished, and offers a connector no way to park a request, nor to
+be woken: KV connectors' requests waiting for remote KV spin the same way). So a step that
+scheduled nothing, after one that scheduled nothing either, while requests are held for
+others' work (and nothing of this side's own is in flight) waits in `build_connector_meta`, up
+to `ecd_idle_wait_ms`, for the pool's view to change: the commit or abort it waits for ends that
+wait at once. A step with anything scheduled never waits.
 
 When our session is new (the daemon restarted, or our lease ran out), what the session held is
 void: its lease pins and PENDING entries are gone, and requests whose loads under lease pins
@@ -135,6 +146,11 @@ class PoolView(Protocol):
     def pending(self, key: bytes) -> bool: ...
 
     def slot(self, key: bytes) -> int | None: ...
+
+    @property
+    def changes(self) -> int: ...
+
+    def wait_change(self, since: int, timeout_s: float) -> bool: ...
 
     def add(self, key: bytes) -> None: ...
 
@@ -223,6 +239,11 @@ class NothingReady:
     def slot(self, key: bytes) -> int | None:
         return None
 
+    changes = 0
+
+    def wait_change(self, since: int, timeout_s: float) -> bool:
+        return False  # nothing is held for it: it never changes
+
     def add(self, key: bytes) -> None:
         pass
 
@@ -270,6 +291,15 @@ class SchedulerSide:
         # requests would find nothing new, at a look (~1 us) each; what comes back meanwhile
         # is taken by build_connector_meta, which ends the pass, before the step's metadata.
         self._answers_taken = False
+        # Whether this scheduling pass held a request back, and the view's change count when
+        # the pass began: a step that scheduled nothing waits for it to move (`_idle`).
+        self._held = False
+        self._changes_seen = 0
+        # Whether the step before scheduled nothing either: only then may a step wait. Under
+        # vLLM's async scheduling the step before may still be running; if it ran requests,
+        # their outputs are handled only after this step is scheduled, and must not wait.
+        self._empty_before = False
+        self.idle_waits = 0  # steps that waited so (for tests and the bench)
         # Set once, when the daemon is first reached: the view last, so that a synced view
         # always means a client and a generation to go with it.
         self.client: SchedulerClient | None = None
@@ -342,6 +372,7 @@ class SchedulerSide:
             return True
         if not self._answers_taken:
             self._answers_taken = True
+            self._changes_seen = self.view.changes  # before anything is decided from it
             self._take_answers()
         needed = [
             f.identifier
@@ -356,9 +387,9 @@ class SchedulerSide:
             time.monotonic(),
             wait_s,
             pending=self._pending,
-            pending_wait_s=self.config.pending_wait_s,
             lock=self._lock_pin,
         )
+        self._held = self._held or not admitted
         return admitted
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -383,7 +414,9 @@ class SchedulerSide:
             if spec is not None:
                 self.saves.plan(key, spec)
 
-    def build_connector_meta(self) -> ECDaemonConnectorMetadata:
+    def build_connector_meta(self, scheduled_nothing: bool = False) -> ECDaemonConnectorMetadata:
+        """The step's metadata; `scheduled_nothing`: the step runs no request (then, if requests
+        are held back, it first waits a little for the pool to change: see `_idle`)."""
         self._answers_taken = False  # the next pass takes them anew
         self._take_answers()
         self._unlock_done()
@@ -393,13 +426,30 @@ class SchedulerSide:
             self.loads.give_up()
             self.saves.drop_planned()
         saves, cancelled = self.saves.take_orders()
-        return ECDaemonConnectorMetadata(
+        meta = ECDaemonConnectorMetadata(
             pool=self.client.pool_info(self.config.pool) if self.client else None,
             saves=saves,
             loads=self.loads.take_step(),
             save_intents=self.saves.intents(),
             cancelled=cancelled,
         )
+        held, self._held = self._held, False
+        empty_before, self._empty_before = self._empty_before, scheduled_nothing
+        if held and scheduled_nothing and empty_before:
+            self._idle()
+        return meta
+
+    def _idle(self) -> None:
+        """A step with nothing to run, after one with nothing either, while requests are held
+        back for others' work (entries PENDING, or `ecd_wait_ms`): rather than let vLLM step
+        again at once (hundreds of empty steps a second, taking the CPU from the very encode
+        waited for), wait for the pool's view to change, up to `ecd_idle_wait_ms`. Not while
+        anything of this side's own is in flight (answers to read, copies to hear of, ops owed
+        again): those want the next step."""
+        if self.loads.busy() or self.saves.busy() or self._asked or not self.config.idle_wait_s:
+            return
+        self.idle_waits += 1
+        self.view.wait_change(self._changes_seen, self.config.idle_wait_s)
 
     def take_unavailable_requests(self) -> set[str]:
         self._take_answers()

@@ -105,7 +105,40 @@ def test_a_waiting_acquire_wakes_when_another_process_commits(daemon: Daemon) ->
     assert woke_after_commit < 10
 
 
-def test_a_killed_client_loses_its_allocations_and_pins_after_the_lease(daemon: Daemon) -> None:
+def test_a_killed_producers_pending_entry_is_aborted_at_once_and_its_waiter_hears_it(
+    daemon: Daemon,
+) -> None:
+    with daemon.client(name="waiter") as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        view = c.view(POOL)
+        producer = spawn(
+            daemon,
+            """
+            c = Client(ADDRESS, name="producer")
+            c.open_pool(POOL, BLOCK, CAPACITY)
+            c.allocate(POOL, [AllocateItem("encoding", (8192,), "uint8")])
+            print("encoding", flush=True)
+            time.sleep(60)
+        """,
+        )
+        assert producer.stdout is not None and producer.stdout.readline().strip() == "encoding"
+        wait_for(lambda: view.pending(b"encoding"), what="the waiter to see the entry PENDING")
+        time.sleep(0.5)  # the daemon's sweep has seen the producer's life mark by now
+        producer.send_signal(signal.SIGKILL)
+        producer.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: not view.pending(b"encoding"), what="the entry's abort")
+        heard_after = time.monotonic() - killed_at
+        assert not view.has(b"encoding")  # aborted, not committed: the waiter encodes it
+        assert c.stats().lease_expiries == 0  # ended by its death, not by its lease
+        [pool] = c.stats(POOL).pools
+        assert pool.entries_pending == 0 and pool.free_blocks == 64
+    assert heard_after < 1.0  # the 2 s lease would take 2-3 s
+
+
+def test_a_killed_client_that_holds_no_life_mark_loses_its_allocations_and_pins_after_the_lease(
+    daemon: Daemon,
+) -> None:
     with daemon.client(name="survivor") as c:
         c.open_pool(POOL, BLOCK, 64 * BLOCK)
         c.allocate(POOL, [AllocateItem("ready", (4096,), "uint8")])
@@ -113,6 +146,10 @@ def test_a_killed_client_loses_its_allocations_and_pins_after_the_lease(daemon: 
         victim = spawn(
             daemon,
             """
+            # As a client on another machine (TCP), or one that cannot open the pool's file: it
+            # marks nothing the daemon can probe, so only its lease tells it died.
+            from ec_client.life_marks import LifeMarks
+            LifeMarks.mark = lambda self, engine_id, path, session_id: None
             c = Client(ADDRESS, name="victim")
             c.open_pool(POOL, BLOCK, CAPACITY)
             c.allocate(POOL, [AllocateItem("half-written", (8192,), "uint8")])

@@ -81,23 +81,36 @@ def test_with_a_wait_an_absent_key_holds_the_request_that_long() -> None:
 def test_a_key_being_written_holds_the_request_until_it_is_ready() -> None:
     book = LoadBook(1)
     writing = ready("k")
-    assert not book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=writing, pending_wait_s=2.0)
-    assert not book.admit("r1", ["k"], ready(), 11.0, 0.0, pending=writing, pending_wait_s=2.0)
+    assert not book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=writing)
+    assert not book.admit("r1", ["k"], ready(), 11.0, 0.0, pending=writing)
     # Committed: wanted, so pinned at the next flush, then loaded.
-    assert not book.admit("r1", ["k"], ready("k"), 11.5, 0.0, pending=ready(), pending_wait_s=2.0)
+    assert not book.admit("r1", ["k"], ready("k"), 11.5, 0.0, pending=ready())
     assert book.wanted() == ["k"]
 
 
-def test_a_key_being_written_for_too_long_is_encoded_after_the_pending_wait() -> None:
+def test_a_key_being_written_holds_the_request_however_long_its_encode_takes() -> None:
     book = LoadBook(1)
     writing = ready("k")
-    assert not book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=writing, pending_wait_s=2.0)
-    assert book.admit("r1", ["k"], ready(), 12.0, 0.0, pending=writing, pending_wait_s=2.0)
+    assert not book.admit("r1", ["k"], ready(), 10.0, 2.0, pending=writing)
+    assert not book.admit("r1", ["k"], ready(), 3600.0, 2.0, pending=writing)
 
 
-def test_an_absent_key_nobody_writes_does_not_wait_for_the_pending_wait() -> None:
+def test_a_key_whose_write_was_aborted_is_encoded_at_once() -> None:
     book = LoadBook(1)
-    assert book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=ready(), pending_wait_s=2.0)
+    assert not book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=ready("k"))
+    assert book.admit("r1", ["k"], ready(), 10.1, 0.0, pending=ready())
+
+
+def test_after_an_aborted_write_the_absent_wait_starts_anew() -> None:
+    book = LoadBook(1)
+    assert not book.admit("r1", ["k"], ready(), 10.0, 2.0, pending=ready("k"))
+    assert not book.admit("r1", ["k"], ready(), 20.0, 2.0, pending=ready())  # aborted now
+    assert book.admit("r1", ["k"], ready(), 22.0, 2.0, pending=ready())
+
+
+def test_an_absent_key_nobody_writes_is_encoded_without_a_wait() -> None:
+    book = LoadBook(1)
+    assert book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=ready())
 
 
 def test_a_missed_key_does_not_hold_its_request_back_again() -> None:

@@ -255,3 +255,30 @@ def test_a_listener_that_fails_does_not_stop_the_view(setup: Any) -> None:
     stream.items.put(event(EventType.COMMITTED, "b", slot=1))
     eventually(lambda: view.has(b"b"))
     assert told == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("outcome", [EventType.COMMITTED, EventType.ABORTED])
+def test_a_waiter_for_a_change_wakes_at_the_commit_or_abort_of_a_pending_key(
+    setup: Any, outcome: EventType
+) -> None:
+    view, client, _ = setup
+    stream = client.streams.get(timeout=5)
+    stream.items.put(event(EventType.PENDING, "a"))
+    stream.items.put(event(EventType.SYNCED))
+    eventually(lambda: view.pending(b"a"))
+    seen = view.changes
+    assert not view.wait_change(seen, 0.05)  # nothing happened: it sleeps its whole timeout
+    threading.Timer(0.1, lambda: stream.items.put(event(outcome, "a"))).start()
+    started = time.monotonic()
+    assert view.wait_change(seen, 30)
+    assert time.monotonic() - started < 5 and not view.pending(b"a")
+
+
+def test_a_waiter_for_a_change_wakes_when_the_stream_breaks(setup: Any) -> None:
+    view, client, _ = setup
+    stream = synced(client)
+    eventually(lambda: view.synced)
+    seen = view.changes
+    stream.items.put(BROKEN)
+    assert view.wait_change(seen, 30)
+    assert not view.synced

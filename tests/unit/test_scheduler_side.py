@@ -60,14 +60,21 @@ class FakeView:
 
     def __init__(self) -> None:
         self.ready: dict[bytes, int | None] = {}
+        self.writing: set[bytes] = set()  # PENDING: another engine is encoding them
         self.synced = True
         self.listeners: list[Callable[[bytes, int], None]] = []
+        self.changes = 0
+        self.waits: list[tuple[int, float]] = []  # wait_change's (since, timeout_s), in order
 
     def has(self, key: bytes) -> bool:
         return self.synced and key in self.ready
 
     def pending(self, key: bytes) -> bool:
-        return False
+        return self.synced and key in self.writing
+
+    def wait_change(self, since: int, timeout_s: float) -> bool:
+        self.waits.append((since, timeout_s))
+        return since != self.changes
 
     def slot(self, key: bytes) -> int | None:
         return self.ready.get(key) if self.synced else None
@@ -602,3 +609,55 @@ def test_an_entry_heard_committed_is_read_ahead_so_that_its_lock_pin_parses_noth
     assert pool.slot_locked(3)
     side.shutdown()
     pool.close()
+
+
+def test_a_step_with_nothing_to_run_waits_for_the_view_while_a_request_is_held_for_an_encode(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client)
+    client.fake_view.writing.add(b"img")
+    side.build_connector_meta(scheduled_nothing=True)  # the step before: nothing either
+    client.fake_view.changes = 7  # as the pass begins
+    assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert client.fake_view.waits == [(7, side.config.idle_wait_s)]
+
+
+def test_the_first_empty_step_after_one_that_ran_requests_does_not_wait(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client)  # async scheduling: that step's outputs are still to be handled
+    client.fake_view.writing.add(b"img")
+    side.build_connector_meta(scheduled_nothing=False)
+    assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert client.fake_view.waits == []
+
+
+def test_a_step_that_runs_something_never_waits_for_the_view(client: FakeClient) -> None:
+    side = scheduler(client)
+    client.fake_view.writing.add(b"img")
+    side.build_connector_meta(scheduled_nothing=True)
+    assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
+    side.build_connector_meta(scheduled_nothing=False)
+    assert client.fake_view.waits == []
+
+
+def test_a_step_with_nothing_held_never_waits_for_the_view(client: FakeClient) -> None:
+    side = scheduler(client)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert client.fake_view.waits == []
+
+
+def test_a_step_whose_pins_are_on_their_way_does_not_wait_for_the_view(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client)
+    client.fake_view.ready[b"img"] = None  # READY, its slot not heard yet: an Acquire pins it
+    client.cached["img"] = spec(side)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert not side.ensure_cache_available(image_request("r1", ["img"], ROWS), 0)
+    side.build_connector_meta(scheduled_nothing=True)
+    assert client.fake_view.waits == []

@@ -9,6 +9,7 @@ import pytest
 from core_testing import FakeClock, make_store, open_pool, session, spec
 
 from ec_client.layout import HEADER_SIZE, Header, pool_file_name
+from ec_client.life_marks import LifeMarks
 from ec_client.slot_locks import SlotPins
 from ec_client.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
 from ec_daemon.errors import Code, CoreError, Reason
@@ -885,3 +886,66 @@ def test_misses_a_client_answered_from_its_view_add_to_the_pools_misses(store: S
     store.count_misses("p", 4)
     store.count_misses("gone", 2)  # a pool dropped meanwhile: nothing to count them in
     assert pool_stats(store).misses == 5
+
+
+# ---- single flight: a producer's fate is known soon ----------------------------------------------
+
+
+def producing(store: Store) -> tuple[str, str]:
+    """A producer's session that opened pool "p" and allocated b"k" (PENDING): (its ID, the
+    pool file's path)."""
+    sid = session(store)
+    info = store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a")
+    assert statuses(store.allocate(sid, "p", [(b"k", spec(BLOCK))])) == [Status.ALLOCATED]
+    return sid, info.path
+
+
+def test_a_session_whose_process_dropped_its_life_mark_ends_at_once_its_entries_aborted(
+    store: Store,
+) -> None:
+    sid, path = producing(store)
+    marks = LifeMarks()
+    marks.mark("p", path, sid)
+    assert store.end_dead_sessions() == []  # alive: seen marked from now on
+    marks.close()  # as the kernel drops it when the process dies
+    [end] = store.end_dead_sessions()
+    assert (end.session_id, end.aborted) == (sid, 1)
+    assert entry(store, b"k") is None  # its waiters encode now, not one lease later
+    store.check()
+
+
+def test_a_live_session_whose_marked_pool_was_made_anew_is_left_to_its_lease(
+    store: Store,
+) -> None:
+    """Its mark is on the old file; the new one says nothing about its process."""
+    sid, path = producing(store)
+    marks = LifeMarks()
+    marks.mark("p", path, sid)
+    assert store.end_dead_sessions() == []
+    store.drop_pool("p", force=True)
+    store.open_pool(session(store), "p", BLOCK, 16 * BLOCK, "model-a")
+    assert store.end_dead_sessions() == []
+    store.keep_alive(sid)  # still its own
+    marks.close()
+
+
+def test_a_session_never_seen_with_its_life_mark_is_left_to_its_lease(store: Store) -> None:
+    producing(store)  # a client over TCP, say: it cannot mark the pool's file
+    assert store.end_dead_sessions() == []
+    assert entry(store, b"k") is not None
+
+
+def test_an_entry_pending_past_the_pending_timeout_is_aborted(
+    store: Store, clock: FakeClock
+) -> None:
+    sid, _ = producing(store)
+    for _ in range(29):  # alive (its KeepAlives come), but its encode never ends
+        clock.advance(1)
+        store.keep_alive(sid)
+    assert store.abort_stale_pending() == []
+    clock.advance(2)
+    assert store.abort_stale_pending() == [("p", "producer")]
+    assert entry(store, b"k") is None
+    [late] = store.commit(sid, "p", [(b"k", 0, 0)])
+    assert late.status is Status.NOT_FOUND
+    store.check()

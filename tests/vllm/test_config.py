@@ -138,3 +138,18 @@ def test_the_pin_settings_of_earlier_versions_are_ignored_with_a_warning(
         c = config(extra={"ecd_pins": "ahead", "ecd_pin_share": "0.5"})
     assert c.capacity_bytes > 0  # an upgraded engine with its old config still starts
     assert "ecd_pins='ahead' is ignored" in caplog.text and "ecd_pin_share" in caplog.text
+
+
+def test_the_pending_wait_of_earlier_versions_is_ignored_with_a_warning_saying_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="ec_client.vllm"):
+        c = config(extra={"ecd_pending_wait_ms": 2000})
+    assert c.capacity_bytes > 0
+    assert "ecd_pending_wait_ms=2000 is ignored" in caplog.text
+    assert "until that encode is committed or aborted" in caplog.text
+
+
+def test_the_idle_wait_is_read_in_milliseconds() -> None:
+    assert config(extra={"ecd_idle_wait_ms": "20"}).idle_wait_s == 0.02
+    assert config().idle_wait_s == 0.05

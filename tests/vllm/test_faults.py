@@ -216,14 +216,16 @@ def test_a_worker_killed_mid_save_leaves_nothing_pending_once_its_engine_stops(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
     producer = engine(role="ec_producer", pool="shared")
-    # Not waiting for PENDING entries: a consumer's wait is bounded (test_two_engines).
-    consumer = engine(role="ec_consumer", pool="shared", extra={"ecd_pending_wait_ms": 0})
+    consumer = engine(role="ec_consumer", pool="shared")
     producer.schedule([request("p1", "img-a")])
     producer.answered()  # allocated: PENDING in the daemon
+    wait_until(lambda: consumer.scheduler.view.pending(b"img-a"))
     producer.workers[0].kill()  # before it copied anything
-    result = consumer.step(request("c1", "img-a"))
-    assert result.step.encode == {"img-a": ROWS}  # not waited for, not loaded: encoded
-    producer.close()  # vLLM shuts the engine down when a worker dies
+    waiting = request("c1", "img-a")
+    assert consumer.step(waiting).step.held == {"c1"}  # its producer's fate is not known yet
+    producer.close()  # vLLM shuts the engine down when a worker dies: its entry is aborted
+    _, result = consumer.admit(waiting, max_steps=200)
+    assert result.step.encode == {"img-a": ROWS}  # not loaded: encoded
     with daemon.client() as c:
         assert c.lookup("shared", ["img-a"])[0].state is EntryState.ABSENT
         c.open_pool(

@@ -51,7 +51,7 @@ def test_a_consumer_waits_for_an_item_the_producer_is_writing_and_loads_it(
     engine: EngineFactory,
 ) -> None:
     producer = engine(role="ec_producer", pool=SHARED)
-    consumer = engine(role="ec_consumer", pool=SHARED)  # the default ecd_pending_wait_ms
+    consumer = engine(role="ec_consumer", pool=SHARED)
     encoding = producer.schedule([request("p1", "img-a")])
     producer.answered()  # allocated: PENDING in the pool, the copy still to come
     wait_until(lambda: consumer.scheduler.view.pending(b"img-a"))
