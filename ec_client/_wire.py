@@ -100,7 +100,12 @@ def close_session() -> Call[tuple[int, int]]:
 
 
 def open_pool(
-    engine_id: str, block_size_bytes: int, capacity_bytes: int, compat_key: str, ephemeral: bool
+    engine_id: str,
+    block_size_bytes: int,
+    capacity_bytes: int,
+    compat_key: str,
+    ephemeral: bool,
+    cluster_namespace: str,
 ) -> Call[api.PoolInfo]:
     def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
         return mirror(api.PoolInfo, reply.pool, created=reply.created)
@@ -114,6 +119,7 @@ def open_pool(
             capacity_bytes=capacity_bytes,
             compat_key=compat_key,
             ephemeral=ephemeral,
+            cluster_namespace=cluster_namespace,
         ),
         parse,
         safe_to_retry=True,
@@ -393,6 +399,9 @@ def stats(engine_id: str) -> Call[api.Stats]:
             reply,
             pools=tuple(pool_stats(p) for p in reply.pools),
             peers=tuple(mirror(api.PeerStats, p) for p in reply.peers),
+            cluster=(
+                mirror(api.ClusterStats, reply.cluster) if reply.HasField("cluster") else None
+            ),
         )
 
     return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse, safe_to_retry=True)

@@ -163,8 +163,11 @@ class AsyncClient(BaseClient):
         capacity_bytes: int = 0,
         compat_key: str = "",
         ephemeral: bool = False,
+        cluster_namespace: str = "",
     ) -> PoolInfo:
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
+        call = _wire.open_pool(
+            engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, cluster_namespace
+        )
         return await self._drive(self._state.open_pool(call))
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:

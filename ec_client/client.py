@@ -207,6 +207,7 @@ class Client(BaseClient):
         capacity_bytes: int = 0,
         compat_key: str = "",
         ephemeral: bool = False,
+        cluster_namespace: str = "",
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
         With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
@@ -217,11 +218,18 @@ class Client(BaseClient):
         it when the last of them ends, closed or killed (its lease runs out). For a name nobody
         else knows, whose pool would otherwise outlive a client killed before it dropped it.
 
+        `cluster_namespace`: share the pool's entries with other nodes through the daemon's
+        Mooncake Store, under this namespace (vLLM's, for a pool vLLM engines share too:
+        docs/design.md §13). The first OpenPool that names one sets it; another one is
+        FAILED_PRECONDITION; empty leaves the pool as it is.
+
         Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
-        not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
-        file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
-        directory is full)."""
-        call = _wire.open_pool(engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral)
+        not exist), FAILED_PRECONDITION (it exists with another geometry, compat_key or
+        cluster_namespace, or its file was refused), RESOURCE_EXHAUSTED (over the budget, the
+        per-pool limit, or the shm directory is full)."""
+        call = _wire.open_pool(
+            engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, cluster_namespace
+        )
         return self._drive(self._state.open_pool(call))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:

@@ -213,6 +213,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 request.capacity_bytes,
                 request.compat_key,
                 request.ephemeral,
+                validate.cluster_namespace(request.cluster_namespace),
             )
         except CoreError as exc:
             peer_has_it = (
