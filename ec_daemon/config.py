@@ -111,13 +111,6 @@ def _positive_size(text: str | int) -> int:
     return size
 
 
-def _size(text: str | int) -> int:
-    size = parse_size(text)
-    if size < 0:
-        raise ValueError(f"{text!r} is not a size of 0 or more")
-    return size
-
-
 def _host_port(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if text and (not sep or not host or not port.isdigit()):
@@ -417,7 +410,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "store_segment_bytes",
-        _size,
+        parse_size,
         1 << 30,
         "memory this node lends the store for every node's entries (0: none; outside --max-bytes)",
         "SIZE",
