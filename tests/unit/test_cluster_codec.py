@@ -20,9 +20,7 @@ def test_a_key_that_is_not_utf8_goes_in_hex_under_a_prefix_vllm_never_asks_for()
 
 
 @pytest.mark.parametrize(("dtype", "code"), [("float32", 0), ("float16", 11), ("bfloat16", 12)])
-def test_the_header_of_a_2d_entry_is_magic_dtype_code_tokens_and_width(
-    dtype: str, code: int
-) -> None:
+def test_a_2d_entry_header_is_magic_dtype_code_tokens_and_width(dtype: str, code: int) -> None:
     spec = TensorSpec((576, 4096), dtype, 576 * 4096 * (4 if dtype == "float32" else 2))
     raw = codec.header(spec)
     assert struct.unpack("<IIQQ", raw) == (0x4D4F4F4E, code, 576, 4096)
