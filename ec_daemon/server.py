@@ -50,6 +50,10 @@ from ec_daemon.wire import add_to_server
 log = logging.getLogger("ecd.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
+# The health service's name for the store (--store-master): SERVING while its master answers,
+# NOT_SERVING while it does not; the daemon's own health is SERVING either way (it serves
+# locally). Unknown without a store.
+CLUSTER_HEALTH = "ecd.cluster"
 
 
 @dataclass
@@ -298,6 +302,7 @@ async def start(config: Config) -> Daemon:
         peers.follow()
     if cluster is not None:
         cluster.start()
+        daemon.tasks.append(asyncio.create_task(follow_cluster(health_servicer, cluster)))
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
@@ -406,6 +411,15 @@ async def check_pools(store: Store, interval_s: float) -> None:
             log.error(
                 "pool refused: its file changed under the daemon", extra={"engine_id": engine_id}
             )
+
+
+async def follow_cluster(health: health_aio.HealthServicer, cluster: ClusterNode) -> None:
+    """Keep the store's health status (CLUSTER_HEALTH) the node's: checked every second."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    while True:
+        await health.set(CLUSTER_HEALTH, serving if cluster.connected else not_serving)
+        await asyncio.sleep(1.0)
 
 
 async def feed_watchdog(interval_s: float) -> None:
