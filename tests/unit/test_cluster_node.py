@@ -66,7 +66,9 @@ def fake() -> FakeStore:
 
 
 @pytest.fixture
-def node_and_store(shm_dir: Path, fake: FakeStore) -> Iterator[tuple[ClusterNode, Store]]:
+def node_and_store(shm_dir: Path, fake: FakeStore) -> Iterator[tuple[ClusterNode, Store, str]]:
+    """A node publishing the commits of a Store whose pool "p" is shared under "ns"; a session
+    of that store."""
     settings = StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
     node = ClusterNode(settings, connect=lambda _: (fake, None))
     store = Store(
@@ -74,7 +76,9 @@ def node_and_store(shm_dir: Path, fake: FakeStore) -> Iterator[tuple[ClusterNode
     )
     node.bind(store)
     node.start()
-    yield node, store
+    sid = session(store)
+    store.open_pool(sid, "p", BLOCK, 2 * ROWS * BLOCK, "", cluster_namespace="ns")
+    yield node, store, sid
     node.stop(10)
     store.close()
 
@@ -101,11 +105,9 @@ def value(key: bytes, data: bytes) -> tuple[str, bytes]:
 
 
 def test_an_entry_removed_before_its_turn_is_not_published_nor_what_took_its_blocks(
-    node_and_store: tuple[ClusterNode, Store], fake: FakeStore
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
 ) -> None:
-    node, store = node_and_store
-    sid = session(store)
-    store.open_pool(sid, "p", BLOCK, 2 * ROWS * BLOCK, "", cluster_namespace="ns")
+    node, store, sid = node_and_store
     fake.gate.clear()
     first = put(store, sid, b"first", 1)
     assert fake.entered.wait(10)  # the node's thread holds "first" pinned, waiting on the store
@@ -119,11 +121,9 @@ def test_an_entry_removed_before_its_turn_is_not_published_nor_what_took_its_blo
 
 
 def test_a_publish_the_store_refuses_is_counted_and_the_commit_stands(
-    node_and_store: tuple[ClusterNode, Store], fake: FakeStore
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
 ) -> None:
-    node, store = node_and_store
-    sid = session(store)
-    store.open_pool(sid, "p", BLOCK, 2 * ROWS * BLOCK, "", cluster_namespace="ns")
+    node, store, sid = node_and_store
     fake.put_result = -800  # TRANSFER_FAIL
     put(store, sid, b"refused", 1)
     wait_until(lambda: node.failures == 1, 10)
