@@ -32,6 +32,7 @@ from ec_client.tls import TLSFiles
 from ec_client.token_file import client_token
 from ec_client.types import WatchEvent
 from ec_daemon import auth, checks, reflection, systemd
+from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.config import Config
@@ -71,6 +72,7 @@ class Daemon:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     peers: Peers | None = None
     cluster: ClusterNode | None = None
+    fetches: ClusterFetch | None = None
 
 
 @dataclass
@@ -247,6 +249,7 @@ async def start(config: Config) -> Daemon:
     store = build_store(config, budget, hub, peers, cluster)
     adopt_pools(store)
     remote = peers.connect(config, store, hub) if peers is not None else None
+    fetches = ClusterFetch(store, cluster, config.pull_timeout) if cluster is not None else None
     for check, problem in checks.environment_warnings(config.shm_dir, budget).items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
@@ -268,6 +271,7 @@ async def start(config: Config) -> Daemon:
         observe=metrics.observe,
         guard=guard,
         remote=remote,
+        cluster=fetches,
     )
     add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -297,6 +301,7 @@ async def start(config: Config) -> Daemon:
         metrics_server,
         peers=peers,
         cluster=cluster,
+        fetches=fetches,
     )
     if peers is not None:
         peers.follow()
@@ -454,6 +459,8 @@ async def stop(daemon: Daemon) -> None:
         task.cancel()
     if daemon.peers is not None:
         await daemon.peers.stop()
+    if daemon.fetches is not None:
+        await daemon.fetches.close()
     if daemon.cluster is not None:  # before the pool files go: it reads them
         await asyncio.to_thread(daemon.cluster.stop, daemon.config.shutdown_grace)
     daemon.store.close(drop_pools=daemon.config.drop_pools_on_exit)

@@ -24,6 +24,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate, wire
 from ec_daemon.auth import Action, Guard
+from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.remote import Remote
@@ -118,14 +119,17 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         observe: Callable[[str, str, float], None] = lambda method, code, seconds: None,
         guard: Guard | None = None,
         remote: Remote | None = None,
+        cluster: ClusterFetch | None = None,
     ) -> None:
-        """remote: pulls from peer daemons, with --peer."""
+        """remote: pulls from peer daemons, with --peer. cluster: fetches from the Mooncake
+        Store, with --store-master."""
         self.store = store
         self.hub = hub
         self.limits = limits
         self.observe = observe
         self.guard = guard or Guard(None, None)
         self.remote = remote
+        self.cluster = cluster
 
     def authorize(
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -340,6 +344,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         checked = wire.checked_keys(keys)
         # One deadline for both waits: a pull's wait counts against wait_ms.
         deadline = asyncio.get_running_loop().time() + wait_ms / 1000
+        if self.cluster is not None:  # keys of a shared pool the store has: fetched, waited for
+            await self.cluster.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if self.remote is not None:  # keys only peers hold: pulled, and waited for
             await self.remote.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if wait_ms:

@@ -30,13 +30,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ec_client.layout import LayoutError
 from ec_client.slot_locks import SlotPins
-from ec_client.types import ClusterStats, EventType, PoolInfo, WatchEvent
+from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import (
     StoreClient,
@@ -48,6 +49,7 @@ from ec_daemon.cluster.mooncake import (
 from ec_daemon.transport import MappedRegions, Region, byte_runs
 
 log = logging.getLogger("ecd.cluster")
+T = TypeVar("T")
 
 BATCH = 64  # commits published with one lookup and one put
 QUEUE_LIMIT = 4096  # commits waiting to be published; past it they are dropped (counted)
@@ -90,6 +92,24 @@ class Withdraw:
     engine_id: str
 
 
+@dataclass(frozen=True)
+class Call:
+    """Work the event loop hands the node's thread (a remote hit's lookup or read): run there,
+    in turn with the publishes, its answer in `future`."""
+
+    work: Callable[[StoreClient], Any]
+    future: Future[Any]
+
+
+@dataclass(frozen=True)
+class Read:
+    """One entry to read from the store into a local PENDING entry's extents."""
+
+    store_key: str
+    extents: tuple[Extent, ...]
+    nbytes: int
+
+
 @dataclass
 class Mounted:
     """A shared pool's file as the publisher reads it: lock pins and its data region, mapped
@@ -123,7 +143,7 @@ class ClusterNode:
         self._clock = clock
         self._pools: Pools | None = None
         self._shared: dict[str, SharedPool] = {}  # the event loop's: pools seen shared
-        self._jobs: queue.Queue[Publish | Withdraw | None] = queue.Queue()
+        self._jobs: queue.Queue[Publish | Withdraw | Call | None] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ecd-cluster", daemon=True)
         # The rest is the node's thread's (the counters are read by stats() too: plain ints).
@@ -172,6 +192,55 @@ class ClusterNode:
         pool = self._shared[engine_id] = SharedPool(namespace, self._pools.pool_info(engine_id))
         return pool
 
+    def ask(self, work: Callable[[StoreClient], T]) -> Future[T]:
+        """Run `work` with the store client on the node's thread (from the event loop). Once it
+        runs it cannot be cancelled: the future is done when it is over."""
+        future: Future[T] = Future()
+        self._jobs.put_nowait(Call(work, future))
+        return future
+
+    def sizes(self, store_keys: list[str]) -> Callable[[StoreClient], list[int]]:
+        """Work for `ask`: the size of each key's value in the store (one batched lookup at the
+        master); 0 for a key it lacks."""
+
+        def work(store: StoreClient) -> list[int]:
+            found = store.batch_get_replica_desc(store_keys)
+            return [_memory_size(found.get(key, [])) for key in store_keys]
+
+        return work
+
+    def read(
+        self, info: PoolInfo, reads: list[Read]
+    ) -> Callable[[StoreClient], list[TensorSpec | None]]:
+        """Work for `ask`: read each value, its header into a buffer of the thread's and its
+        bytes straight into the extents (of the pool `info`), with one call; per read the spec
+        its header gives, or None (not read whole, a header not the format's, or one that does
+        not fit: another size, or rows of another width than the pool's blocks)."""
+
+        def work(store: StoreClient) -> list[TensorSpec | None]:
+            mounted = self._mount(info)
+            if mounted is None or len(reads) > BATCH:
+                return [None] * len(reads)
+            base, size = ctypes.addressof(self._headers), codec.HEADER.size
+            runs = [list(byte_runs(r.extents, info.block_size_bytes, r.nbytes)) for r in reads]
+            results = store.batch_get_into_multi_buffers(
+                [r.store_key for r in reads],
+                [
+                    [base + i * size] + [mounted.region.address + o for o, _ in rs]
+                    for i, rs in enumerate(runs)
+                ],
+                [[size] + [n for _, n in rs] for rs in runs],
+            )
+            self._answered(results, "read")
+            return [
+                _fitting(ctypes.string_at(base + i * size, size), r.nbytes, info.block_size_bytes)
+                if result == size + r.nbytes
+                else None
+                for i, (r, result) in enumerate(zip(reads, results, strict=True))
+            ]
+
+        return work
+
     def stats(self) -> ClusterStats:
         return ClusterStats(
             master=self.settings.master,
@@ -211,7 +280,10 @@ class ClusterNode:
                 continue
             if job is None:
                 break
-            self._handle(self._batch(job))
+            if isinstance(job, Call):
+                self._call(job)
+            else:
+                self._handle(self._batch(job))
         self._leave()
 
     def _join(self) -> bool:
@@ -230,11 +302,20 @@ class ClusterNode:
         log.info("joined the store", extra={"master": self.settings.master})
         return True
 
-    def _batch(self, first: Publish | Withdraw) -> list[Publish | Withdraw]:
+    def _call(self, call: Call) -> None:
+        assert self._store is not None
+        if not call.future.set_running_or_notify_cancel():
+            return  # cancelled before it ran
+        try:
+            call.future.set_result(call.work(self._store))
+        except Exception as exc:  # the asker's to handle; the thread goes on
+            call.future.set_exception(exc)
+
+    def _batch(self, first: Publish | Withdraw) -> list[Publish | Withdraw | Call]:
         """`first` and the jobs queued behind it, up to BATCH publishes; a Withdraw ends it (the
         batch's pins of its pool are given back before its file is let go)."""
-        batch = [first]
-        while not isinstance(batch[-1], Withdraw) and len(batch) < BATCH:
+        batch: list[Publish | Withdraw | Call] = [first]
+        while isinstance(batch[-1], Publish) and len(batch) < BATCH:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
@@ -245,7 +326,7 @@ class ClusterNode:
             batch.append(job)
         return batch
 
-    def _handle(self, batch: list[Publish | Withdraw]) -> None:
+    def _handle(self, batch: list[Publish | Withdraw | Call]) -> None:
         items: list[Item] = []
         try:
             for job in batch:
@@ -259,6 +340,8 @@ class ClusterNode:
                 item.mounted.pins.unpin(item.slot)
         if isinstance(batch[-1], Withdraw):
             self._unmount(batch[-1].engine_id)
+        elif isinstance(batch[-1], Call):
+            self._call(batch[-1])
 
     def _pin(self, job: Publish) -> Item | None:
         """The entry lock-pinned, with what to publish; None (counted) if it cannot be."""
@@ -364,6 +447,13 @@ class ClusterNode:
         mounted.pins.close()
 
     def _leave(self) -> None:
+        while True:  # asks still queued get an answer: the node is gone
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Call):
+                job.future.set_exception(Unreachable("the daemon is stopping"))
         for engine_id in list(self._mounted):
             self._unmount(engine_id)
         if self._store is not None:
@@ -382,3 +472,23 @@ class ClusterNode:
         extra = {"why": why, "master": self.settings.master, "unlogged": self._unlogged}
         log.warning(what, extra=extra)
         self._logged_at, self._unlogged = now, 0
+
+
+def _memory_size(replicas: list[Any]) -> int:
+    """A value's size from its replica descriptors (batch_get_replica_desc); 0 without one in
+    memory."""
+    for replica in replicas:
+        if replica.is_memory_replica():
+            return int(replica.get_memory_descriptor().buffer_descriptor.size)
+    return 0
+
+
+def _fitting(raw: bytes, nbytes: int, block_size: int) -> TensorSpec | None:
+    """The spec a value's header gives, if it is the format's, holds `nbytes` and its rows are
+    as wide as the pool's blocks (the same model's width); else None."""
+    try:
+        spec = codec.parse_header(raw)
+    except ValueError:
+        return None
+    width = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
+    return spec if spec.nbytes == nbytes and width == block_size else None

@@ -1,0 +1,89 @@
+"""Remote hits: a get of a key a shared pool lacks, which the Mooncake Store has, is read from
+the store straight into a local entry, whoever published it (another ecd node, or vLLM 0.33's own
+store client), and checked against the pool (docs/design.md §13)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from cluster_testing import Master, running_master, store_daemon, vllm_store_client
+from ecd_testing import wait_until
+
+from ec_client import Client, Consumer, Producer
+from ec_daemon.cluster import codec
+
+NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"
+BLOCK = 4096  # one row of 2048 bf16
+POOL = dict(block_size_bytes=BLOCK, capacity_bytes=64 << 20, compat_key="llava")
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[Master]:
+    with running_master() as master:
+        yield master
+
+
+def pool_stats(client: Client, engine_id: str) -> Any:
+    [stats] = client.stats(engine_id).pools
+    return stats
+
+
+def test_a_key_another_node_published_is_read_from_the_store_bit_identical(master: Master) -> None:
+    tensor = torch.randn(2048, 2048, dtype=torch.bfloat16)  # 8 MiB
+    with (
+        store_daemon(master) as near,
+        store_daemon(master) as far,
+        near.client() as producer,
+        far.client() as consumer,
+    ):
+        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        Producer(producer, "shared").put("mm-1", tensor)
+        wait_until(lambda: producer.stats().cluster.published == 1, 20)  # type: ignore[union-attr]
+        consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        started = time.perf_counter()
+        got = Consumer(consumer, "shared").get("mm-1", wait_ms=5000)
+        remote_s = time.perf_counter() - started
+        started = time.perf_counter()
+        again = Consumer(consumer, "shared").get("mm-1")  # now here: a local hit
+        local_s = time.perf_counter() - started
+        print(f"remote hit of 8 MiB {1e3 * remote_s:.1f} ms, then local {1e3 * local_s:.1f} ms")
+        stats = pool_stats(consumer, "shared")
+    assert got is not None and torch.equal(got, tensor)
+    assert again is not None and torch.equal(again, tensor)
+    assert (stats.remote_hits, stats.remote_reads, stats.entries_ready) == (1, 1, 1)
+
+
+def test_a_key_vllms_store_client_published_is_read_bit_identical(master: Master) -> None:
+    from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+        make_embedding_key,
+    )
+
+    tensor = torch.randn(64, 2048, dtype=torch.bfloat16)
+    vllm = vllm_store_client(master)
+    try:
+        vllm.put_tensor(make_embedding_key(NAMESPACE, "from-vllm"), tensor)
+        with store_daemon(master) as daemon, daemon.client() as client:
+            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            got = Consumer(client, "shared").get("from-vllm", wait_ms=5000)
+    finally:
+        vllm.close()
+    assert got is not None and torch.equal(got, tensor)
+
+
+def test_a_value_whose_rows_are_not_the_pools_width_is_a_miss(master: Master) -> None:
+    vllm = vllm_store_client(master)
+    try:  # another model's value under the key: rows of 2048 bytes, in a pool of 4096
+        vllm.put_tensor(codec.store_key(NAMESPACE, b"other-model"), torch.ones(8, 512))
+        with store_daemon(master) as daemon, daemon.client() as client:
+            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            got = Consumer(client, "shared").get("other-model", wait_ms=2000)
+            stats = pool_stats(client, "shared")
+    finally:
+        vllm.close()
+    assert got is None
+    assert (stats.remote_misses, stats.entries_ready, stats.entries_pending) == (1, 0, 0)
+    assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
