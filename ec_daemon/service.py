@@ -422,14 +422,22 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(aborts),
             valid(acquires),
             valid(allocates),
-            count_misses=self.remote is None,  # else remote.step counts them, once they are known
+            # else counted once the store and the peers had their say
+            count_misses=self.remote is None and self.cluster is None,
         )
+        if self.cluster is not None:  # acquires the store can answer: fetched, and waited for
+            result = await self.cluster.step(request.session_id, engine_id, valid(acquires), result)
         if self.remote is not None:  # acquires only peers can answer: pulled, and waited for
             result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
-            if not self.store.has_pool(engine_id) or (
-                self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
-            ):  # recreated during the pulls: the answers may name either file
-                result = dataclasses.replace(result, pool_uuid="")
+        elif self.cluster is not None:
+            missed = sum(r.status is api.Status.MISS for r in result.acquires)
+            self.store.count_misses(engine_id, missed)
+        fetched = self.remote is not None or self.cluster is not None
+        if fetched and (
+            not self.store.has_pool(engine_id)
+            or self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
+        ):  # recreated during the fetches: the answers may name either file
+            result = dataclasses.replace(result, pool_uuid="")
         # Counted last, with nothing left to fail or wait for: a Step that raises left them to
         # the client's next one, so they are counted once.
         self.store.count_misses(engine_id, request.misses)

@@ -27,9 +27,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ec_client.types import EntryState
+from ec_client.types import EntryState, StepResult
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.node import ClusterNode, Read
+from ec_daemon.remote import acquire_fetched
 from ec_daemon.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
@@ -47,19 +48,22 @@ class ClusterFetch:
 
     async def fetch(
         self, session_id: str, engine_id: str, keys: Sequence[bytes], wait_ms: int
-    ) -> None:
+    ) -> list[bytes]:
         """Fetch the keys of a shared pool that are not here and that the store has, join the
-        fetches in flight, and wait for them up to the longer of wait_ms and the timeout."""
+        fetches in flight, and wait for them up to the longer of wait_ms and the timeout.
+        Returns the keys whose fetches were waited for."""
         namespace = self._store.cluster_namespace(engine_id)
         if not namespace or not self._node.connected:
-            return
+            return []
         self._store.may_consume(session_id)
         waits: set[asyncio.Future[None]] = set()
         absent: list[bytes] = []
+        joined: list[bytes] = []
         for found in self._store.lookup(engine_id, keys):
             fetching = self._fetching.get((engine_id, found.key))
             if fetching is not None:
                 waits.add(fetching)
+                joined.append(found.key)
             elif found.state is EntryState.ABSENT and found.key not in absent:
                 absent.append(found.key)
         if absent:
@@ -72,6 +76,16 @@ class ClusterFetch:
             waits.add(done)
         if waits:
             await asyncio.wait(waits, timeout=max(wait_ms / 1000, self.timeout_s))
+        return joined + absent
+
+    async def step(
+        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
+    ) -> StepResult:
+        """A Step's answer once the acquires it missed that the store has were fetched (its
+        misses are the caller's to count)."""
+        return await acquire_fetched(
+            self._store, self.fetch, session_id, engine_id, acquires, result
+        )
 
     async def _fetch(
         self, engine_id: str, namespace: str, keys: list[bytes], done: asyncio.Future[None]

@@ -13,7 +13,7 @@ import torch
 from cluster_testing import Master, running_master, store_daemon, vllm_store_client
 from ecd_testing import wait_until
 
-from ec_client import Client, Consumer, Producer
+from ec_client import Client, Consumer, Producer, Status
 from ec_daemon.cluster import codec
 
 NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"
@@ -87,3 +87,23 @@ def test_a_value_whose_rows_are_not_the_pools_width_is_a_miss(master: Master) ->
     assert got is None
     assert (stats.remote_misses, stats.entries_ready, stats.entries_pending) == (1, 0, 0)
     assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
+
+
+def test_a_steps_acquire_of_a_key_the_store_has_is_answered_by_a_remote_hit(master: Master) -> None:
+    rows = torch.randn(16, 2048, dtype=torch.bfloat16)
+    with (
+        store_daemon(master) as near,
+        store_daemon(master) as far,
+        near.client() as producer,
+        far.client() as consumer,
+    ):
+        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        Producer(producer, "shared").put("by-step", rows)
+        wait_until(lambda: producer.stats().cluster.published == 1, 20)  # type: ignore[union-attr]
+        consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        [hit] = consumer.step("shared", acquires=[b"by-step"]).acquires  # how vLLM's connector asks
+        consumer.release([hit.lease_id])
+        stats = pool_stats(consumer, "shared")
+    assert hit.status is Status.HIT and hit.spec is not None
+    assert (hit.spec.shape, hit.spec.dtype) == ((16, 2048), "bfloat16")
+    assert (stats.remote_hits, stats.hits, stats.misses) == (1, 1, 0)
