@@ -19,7 +19,9 @@ batch at a time and for each
 4. unpins.
 
 Failures (the master gone, the store full) are counted and logged at most every LOG_EVERY_S;
-nothing reaches an engine. A dropped pool's region is unregistered and unmapped in turn.
+nothing reaches an engine. A dropped pool's region is unregistered and unmapped in turn. The
+remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same thread, in turn with
+the publishes (`ask`): one thread owns the store client, the mappings and the header buffer.
 """
 
 from __future__ import annotations
