@@ -83,7 +83,7 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     # The library reads its MC_* settings when it is loaded, so defaults go in first.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
     except ImportError as exc:
         raise Unreachable(
             f"the Mooncake Store client cannot be loaded ({exc}): pip install 'ecd[mooncake]'"
@@ -100,7 +100,9 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     )
     if ret != 0:
         raise Unreachable(f"the store refused this node (setup answered {ret}; its log says why)")
-    return store, ReplicateConfig()
+    config = ReplicateConfig()  # as vLLM's store connector puts its values
+    config.data_type = ObjectDataType.TENSOR
+    return store, config
 
 
 def answered(results: Sequence[int]) -> bool:

@@ -221,27 +221,36 @@ class ClusterNode:
 
         def work(store: StoreClient) -> list[TensorSpec | None]:
             mounted = self._mount(info)
-            if mounted is None or len(reads) > BATCH:
+            if mounted is None:
                 return [None] * len(reads)
-            base, size = ctypes.addressof(self._headers), codec.HEADER.size
-            runs = [list(byte_runs(r.extents, info.block_size_bytes, r.nbytes)) for r in reads]
-            results = store.batch_get_into_multi_buffers(
-                [r.store_key for r in reads],
-                [
-                    [base + i * size] + [mounted.region.address + o for o, _ in rs]
-                    for i, rs in enumerate(runs)
-                ],
-                [[size] + [n for _, n in rs] for rs in runs],
-            )
-            self._answered(results, "read")
-            return [
-                _fitting(ctypes.string_at(base + i * size, size), r.nbytes, info.block_size_bytes)
-                if result == size + r.nbytes
-                else None
-                for i, (r, result) in enumerate(zip(reads, results, strict=True))
-            ]
+            specs: list[TensorSpec | None] = []
+            for first in range(0, len(reads), BATCH):  # as many as the header buffer holds
+                specs += self._read_batch(store, mounted, reads[first : first + BATCH])
+            return specs
 
         return work
+
+    def _read_batch(
+        self, store: StoreClient, mounted: Mounted, reads: list[Read]
+    ) -> list[TensorSpec | None]:
+        base, size = ctypes.addressof(self._headers), codec.HEADER.size
+        block_size = mounted.info.block_size_bytes
+        runs = [list(byte_runs(r.extents, block_size, r.nbytes)) for r in reads]
+        results = store.batch_get_into_multi_buffers(
+            [r.store_key for r in reads],
+            [
+                [base + i * size] + [mounted.region.address + o for o, _ in rs]
+                for i, rs in enumerate(runs)
+            ],
+            [[size] + [n for _, n in rs] for rs in runs],
+        )
+        self._answered(results, "read")
+        return [
+            _fitting(ctypes.string_at(base + i * size, size), r.nbytes, block_size)
+            if result == size + r.nbytes
+            else None
+            for i, (r, result) in enumerate(zip(reads, results, strict=True))
+        ]
 
     def stats(self) -> ClusterStats:
         return ClusterStats(
@@ -314,8 +323,9 @@ class ClusterNode:
             call.future.set_exception(exc)
 
     def _batch(self, first: Publish | Withdraw) -> list[Publish | Withdraw | Call]:
-        """`first` and the jobs queued behind it, up to BATCH publishes; a Withdraw ends it (the
-        batch's pins of its pool are given back before its file is let go)."""
+        """`first` and the publishes queued behind it, up to BATCH; a Withdraw or a Call ends it
+        (the batch's pins are given back before a pool's file is let go, or a read uses the
+        header buffer)."""
         batch: list[Publish | Withdraw | Call] = [first]
         while isinstance(batch[-1], Publish) and len(batch) < BATCH:
             try:

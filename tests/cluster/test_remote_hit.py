@@ -107,3 +107,19 @@ def test_a_steps_acquire_of_a_key_the_store_has_is_answered_by_a_remote_hit(mast
     assert hit.status is Status.HIT and hit.spec is not None
     assert (hit.spec.shape, hit.spec.dtype) == ((16, 2048), "bfloat16")
     assert (stats.remote_hits, stats.hits, stats.misses) == (1, 1, 0)
+
+
+def test_a_get_of_more_keys_than_one_read_takes_hits_them_all(master: Master) -> None:
+    rows = {f"k{i}": torch.full((1, 2048), float(i), dtype=torch.bfloat16) for i in range(70)}
+    with (
+        store_daemon(master) as near,
+        store_daemon(master) as far,
+        near.client() as producer,
+        far.client() as consumer,
+    ):
+        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        Producer(producer, "shared").put_many(rows)
+        wait_until(lambda: producer.stats().cluster.published == 70, 20)  # type: ignore[union-attr]
+        consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        got = Consumer(consumer, "shared").get_many(list(rows), wait_ms=5000)
+    assert all(got[k] is not None and torch.equal(got[k], t) for k, t in rows.items())
