@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -123,3 +124,25 @@ def test_a_get_of_more_keys_than_one_read_takes_hits_them_all(master: Master) ->
         consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
         got = Consumer(consumer, "shared").get_many(list(rows), wait_ms=5000)
     assert all(got[k] is not None and torch.equal(got[k], t) for k, t in rows.items())
+
+
+def test_concurrent_gets_on_a_node_read_the_store_once(master: Master) -> None:
+    tensor = torch.randn(1024, 2048, dtype=torch.bfloat16)  # 4 MiB
+    with (
+        store_daemon(master) as near,
+        store_daemon(master) as far,
+        near.client() as producer,
+    ):
+        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        Producer(producer, "shared").put("once", tensor)
+        wait_until(lambda: producer.stats().cluster.published == 1, 20)  # type: ignore[union-attr]
+        clients = [far.client(name=f"engine-{i}") for i in range(4)]
+        for client in clients:
+            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda c: Consumer(c, "shared").get("once", wait_ms=5000), clients))
+        stats = pool_stats(clients[0], "shared")
+        for client in clients:
+            client.close()
+    assert all(t is not None and torch.equal(t, tensor) for t in got)
+    assert (stats.remote_reads, stats.remote_hits) == (1, 1)
