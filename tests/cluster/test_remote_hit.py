@@ -81,7 +81,7 @@ def test_a_value_whose_rows_are_not_the_pools_width_is_a_miss(master: Master) ->
         vllm.put_tensor(codec.store_key(NAMESPACE, b"other-model"), torch.ones(8, 512))
         with store_daemon(master) as daemon, daemon.client() as client:
             client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            got = Consumer(client, "shared").get("other-model", wait_ms=2000)
+            got = Consumer(client, "shared").get("other-model", wait_ms=200)
             stats = pool_stats(client, "shared")
     finally:
         vllm.close()
