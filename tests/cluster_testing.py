@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ecd_testing import Daemon, running_daemon
+import torch
+from ecd_testing import Daemon, running_daemon, wait_until
 
+from ec_client import Client, Producer
 from ec_daemon.spawn import free_port
+
+# A shared pool as vLLM would name it: its namespace, rows of 2048 bf16 as blocks.
+NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"
+BLOCK = 4096
+POOL: dict[str, Any] = dict(block_size_bytes=BLOCK, capacity_bytes=64 << 20, compat_key="llava")
 
 # The mooncake extra installs it beside the interpreter (the venv's bin), on PATH or not.
 MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
@@ -102,6 +109,23 @@ def store_daemon(master: Master, *args: str) -> Iterator[Daemon]:
     with running_daemon(*master.flags(), *args) as daemon:
         yield daemon
         assert daemon.stop() == 0, daemon.log()
+
+
+def published(client: Client) -> int:
+    stats = client.stats().cluster
+    assert stats is not None, "the daemon has no store"
+    return stats.published
+
+
+@contextmanager
+def published_elsewhere(master: Master, tensors: dict[str, torch.Tensor]) -> Iterator[Daemon]:
+    """Two daemons in the store: `tensors` put into the shared pool "shared" on one of them and
+    published; yields the other one, which holds none of them."""
+    with store_daemon(master) as near, store_daemon(master) as far, near.client() as producer:
+        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        Producer(producer, "shared").put_many(tensors)
+        wait_until(lambda: published(producer) == len(tensors), 20)
+        yield far
 
 
 def vllm_store_client(master: Master) -> Any:

@@ -10,22 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from cluster_testing import Master, running_master, store_daemon, vllm_store_client
+from cluster_testing import NAMESPACE, POOL, Master, published, store_daemon, vllm_store_client
 from ecd_testing import wait_until
 
 from ec_client import Client, Consumer, Producer
 from ec_client.types import ClusterStats
 from ec_daemon.cluster import codec
-
-NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"
-BLOCK = 4096  # one row of 2048 bf16
-POOL = dict(block_size_bytes=BLOCK, capacity_bytes=64 << 20, compat_key="llava")
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[Master]:
-    with running_master() as master:
-        yield master
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def cluster(client: Client) -> ClusterStats:
 
 
 def wait_published(client: Client, count: int, timeout_s: float = 20.0) -> ClusterStats:
-    wait_until(lambda: cluster(client).published >= count, timeout_s)
+    wait_until(lambda: published(client) >= count, timeout_s)
     return cluster(client)
 
 

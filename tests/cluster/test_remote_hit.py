@@ -5,27 +5,21 @@ store client), and checked against the pool (docs/design.md §13)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import pytest
 import torch
-from cluster_testing import Master, running_master, store_daemon, vllm_store_client
-from ecd_testing import wait_until
+from cluster_testing import (
+    NAMESPACE,
+    POOL,
+    Master,
+    published_elsewhere,
+    store_daemon,
+    vllm_store_client,
+)
 
-from ec_client import Client, Consumer, Producer, Status
+from ec_client import Client, Consumer, Status
 from ec_daemon.cluster import codec
-
-NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"
-BLOCK = 4096  # one row of 2048 bf16
-POOL = dict(block_size_bytes=BLOCK, capacity_bytes=64 << 20, compat_key="llava")
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[Master]:
-    with running_master() as master:
-        yield master
 
 
 def pool_stats(client: Client, engine_id: str) -> Any:
@@ -35,15 +29,7 @@ def pool_stats(client: Client, engine_id: str) -> Any:
 
 def test_a_key_another_node_published_is_read_from_the_store_bit_identical(master: Master) -> None:
     tensor = torch.randn(2048, 2048, dtype=torch.bfloat16)  # 8 MiB
-    with (
-        store_daemon(master) as near,
-        store_daemon(master) as far,
-        near.client() as producer,
-        far.client() as consumer,
-    ):
-        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-        Producer(producer, "shared").put("mm-1", tensor)
-        wait_until(lambda: producer.stats().cluster.published == 1, 20)  # type: ignore[union-attr]
+    with published_elsewhere(master, {"mm-1": tensor}) as far, far.client() as consumer:
         consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
         started = time.perf_counter()
         got = Consumer(consumer, "shared").get("mm-1", wait_ms=5000)
@@ -92,15 +78,7 @@ def test_a_value_whose_rows_are_not_the_pools_width_is_a_miss(master: Master) ->
 
 def test_a_steps_acquire_of_a_key_the_store_has_is_answered_by_a_remote_hit(master: Master) -> None:
     rows = torch.randn(16, 2048, dtype=torch.bfloat16)
-    with (
-        store_daemon(master) as near,
-        store_daemon(master) as far,
-        near.client() as producer,
-        far.client() as consumer,
-    ):
-        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-        Producer(producer, "shared").put("by-step", rows)
-        wait_until(lambda: producer.stats().cluster.published == 1, 20)  # type: ignore[union-attr]
+    with published_elsewhere(master, {"by-step": rows}) as far, far.client() as consumer:
         consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
         [hit] = consumer.step("shared", acquires=[b"by-step"]).acquires  # how vLLM's connector asks
         consumer.release([hit.lease_id])
@@ -112,15 +90,7 @@ def test_a_steps_acquire_of_a_key_the_store_has_is_answered_by_a_remote_hit(mast
 
 def test_a_get_of_more_keys_than_one_read_takes_hits_them_all(master: Master) -> None:
     rows = {f"k{i}": torch.full((1, 2048), float(i), dtype=torch.bfloat16) for i in range(70)}
-    with (
-        store_daemon(master) as near,
-        store_daemon(master) as far,
-        near.client() as producer,
-        far.client() as consumer,
-    ):
-        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-        Producer(producer, "shared").put_many(rows)
-        wait_until(lambda: producer.stats().cluster.published == 70, 20)  # type: ignore[union-attr]
+    with published_elsewhere(master, rows) as far, far.client() as consumer:
         consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
         got = Consumer(consumer, "shared").get_many(list(rows), wait_ms=5000)
     assert all(got[k] is not None and torch.equal(got[k], t) for k, t in rows.items())
@@ -128,14 +98,7 @@ def test_a_get_of_more_keys_than_one_read_takes_hits_them_all(master: Master) ->
 
 def test_concurrent_gets_on_a_node_read_the_store_once(master: Master) -> None:
     tensor = torch.randn(1024, 2048, dtype=torch.bfloat16)  # 4 MiB
-    with (
-        store_daemon(master) as near,
-        store_daemon(master) as far,
-        near.client() as producer,
-    ):
-        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-        Producer(producer, "shared").put("once", tensor)
-        wait_until(lambda: producer.stats().cluster.published == 1, 20)  # type: ignore[union-attr]
+    with published_elsewhere(master, {"once": tensor}) as far:
         clients = [far.client(name=f"engine-{i}") for i in range(4)]
         for client in clients:
             client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
