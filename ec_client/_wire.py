@@ -105,7 +105,7 @@ def open_pool(
     capacity_bytes: int,
     compat_key: str,
     ephemeral: bool,
-    cluster_namespace: str,
+    cluster_namespace: str = "",
 ) -> Call[api.PoolInfo]:
     def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
         return mirror(api.PoolInfo, reply.pool, created=reply.created)
