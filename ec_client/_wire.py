@@ -133,6 +133,7 @@ def open_pool(
     ephemeral: bool,
     max_entries: int = 0,
     reopen: bool = False,
+    cluster_namespace: str = "",
 ) -> Call[api.PoolInfo]:
     """reopen: the client opening again by itself a pool it opened (see _session), which never
     makes anew one dropped while it held it."""
@@ -151,6 +152,7 @@ def open_pool(
             ephemeral=ephemeral,
             max_entries=max_entries,
             reopen=reopen,
+            cluster_namespace=cluster_namespace,
         ),
         parse,
         safe_to_retry=True,
@@ -499,6 +501,9 @@ def stats(engine_id: str) -> Call[api.Stats]:
             reply,
             pools=tuple(pool_stats(p) for p in reply.pools),
             peers=tuple(mirror(api.PeerStats, p) for p in reply.peers),
+            cluster=(
+                mirror(api.ClusterStats, reply.cluster) if reply.HasField("cluster") else None
+            ),
         )
 
     return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse, safe_to_retry=True)

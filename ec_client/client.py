@@ -210,6 +210,7 @@ class Client(BaseClient):
         compat_key: str = "",
         ephemeral: bool = False,
         max_entries: int = 0,
+        cluster_namespace: str = "",
     ) -> PoolInfo:
         """Create the pool, or attach to it if it exists with the same geometry and compat_key.
         With no geometry (`open_pool("name")`), only attach, whatever the pool's geometry and
@@ -226,12 +227,25 @@ class Client(BaseClient):
         (Stats' evictions_for_entries): ask for more. At most one per block and the daemon's
         limit (RESOURCE_EXHAUSTED over it); given, it must match an existing pool's.
 
+        `cluster_namespace`: share the pool's entries with other nodes through the daemon's
+        Mooncake Store, under this namespace (vLLM's, for a pool vLLM engines share too:
+        docs/design.md §13). The first OpenPool that names one sets it; another one is
+        FAILED_PRECONDITION; empty leaves the pool as it is.
+
         Raises INVALID_ARGUMENT (bad name or sizes), NOT_FOUND (attaching to a pool that does
-        not exist), FAILED_PRECONDITION (it exists with another geometry or compat_key, or its
-        file was refused), RESOURCE_EXHAUSTED (over the budget, the per-pool limit, or the shm
-        directory is full)."""
-        asked = (engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries)
-        call, again = _wire.open_pool(*asked), _wire.open_pool(*asked, reopen=True)
+        not exist), FAILED_PRECONDITION (it exists with another geometry, compat_key or
+        cluster_namespace, or its file was refused), RESOURCE_EXHAUSTED (over the budget, the
+        per-pool limit, or the shm directory is full)."""
+        asked = (
+            engine_id,
+            block_size_bytes,
+            capacity_bytes,
+            compat_key,
+            ephemeral,
+            max_entries,
+        )
+        call = _wire.open_pool(*asked, cluster_namespace=cluster_namespace)
+        again = _wire.open_pool(*asked, reopen=True, cluster_namespace=cluster_namespace)
         return self._drive(self._state.open_pool(call, again))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:

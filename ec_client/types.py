@@ -146,6 +146,7 @@ class PoolInfo:
     created: bool
     transfer_endpoint: str = ""  # where peer daemons read its blocks; "" without peers
     transfer_base: int = 0  # the address of block 0 at that endpoint
+    cluster_namespace: str = ""  # shared through the daemon's Mooncake Store under it; "" not
 
 
 # The results of item calls are built once per item on both sides of every hot-path call, so
@@ -287,6 +288,22 @@ class PeerStats:
 
 
 @dataclass(frozen=True)
+class ClusterStats:
+    """The daemon's part in a Mooncake Store (`ecd serve --store-master`): whether it is
+    connected, and what became of the commits of its shared pools."""
+
+    master: str
+    connected: bool
+    error: str  # why it is not connected; empty when it is
+    published: int
+    already_stored: int  # the store had the key: not written again
+    unpublishable: int  # not 2-D, or a dtype the format lacks: stays on its node
+    gone: int  # evicted or removed before its turn
+    publish_failures: int
+    dropped: int  # the queue was full
+
+
+@dataclass(frozen=True)
 class Stats:
     boot_epoch: str
     uptime_s: float
@@ -298,6 +315,7 @@ class Stats:
     version: str
     pools: tuple[PoolStats, ...]
     peers: tuple[PeerStats, ...] = ()
+    cluster: ClusterStats | None = None  # None without a store
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ec_client import Client, EcdError, ItemResult, Role, __version__, check_health
 from ec_client.address import default_target
-from ec_client.types import PeerStats
+from ec_client.types import ClusterStats, PeerStats
 from ec_client.units import format_size, parse_size
 from ec_daemon import config as config_module
 from ec_daemon.checks import StartupError
@@ -188,10 +188,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "COMPAT_KEY",
         )
         pools = table(headers, rows) if rows else "(no pools)"
-        return f"{head}\n\n{pools}" + (f"\n\n{peer_table(stats.peers)}" if stats.peers else "")
+        store = f"\n{cluster_line(stats.cluster)}" if stats.cluster is not None else ""
+        peers = f"\n\n{peer_table(stats.peers)}" if stats.peers else ""
+        return f"{head}{store}\n\n{pools}{peers}"
 
     emit(args, stats, human)
     return 0
+
+
+def cluster_line(c: ClusterStats) -> str:
+    state = "connected" if c.connected else f"NOT CONNECTED ({c.error})"
+    return (
+        f"store {c.master} {state}; published {c.published}, already stored {c.already_stored}, "
+        f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
+        f"dropped {c.dropped}"
+    )
 
 
 def peer_table(peers: Sequence[PeerStats]) -> str:

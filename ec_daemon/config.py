@@ -384,7 +384,8 @@ SETTINGS: tuple[Setting, ...] = (
         "transfer_host",
         str,
         "",
-        "the address peers reach this daemon's transfer engine at; default: --tcp's host",
+        "the address peers and the store's other clients reach this daemon's transfer engine "
+        "at; default: --tcp's host",
         "HOST",
         "(--tcp's host)",
     ),
@@ -400,6 +401,46 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "",
         "with rdma: the RDMA devices to use, comma-separated (e.g. mlx5_0,mlx5_1); default: all",
+        "DEVICES",
+        "(all)",
+    ),
+    Setting(
+        "store_master",
+        _host_port,
+        "",
+        "join the Mooncake Store whose master listens at HOST:PORT: the entries of pools opened "
+        "with a cluster_namespace are published to it (needs --store-metadata, and "
+        "--transfer-host or --tcp)",
+        "HOST:PORT",
+        "off",
+    ),
+    Setting(
+        "store_metadata",
+        str,
+        "",
+        "the store's metadata server, e.g. http://HOST:PORT/metadata (the master's own with "
+        "--enable_http_metadata_server)",
+        "URL",
+    ),
+    Setting(
+        "store_segment_bytes",
+        parse_size,
+        1 << 30,
+        "memory this node lends the store for every node's entries (0: none; outside --max-bytes)",
+        "SIZE",
+    ),
+    Setting(
+        "store_protocol",
+        _choice("tcp", "rdma"),
+        "tcp",
+        "how the store moves entries between nodes: tcp or rdma",
+        "PROTOCOL",
+    ),
+    Setting(
+        "store_devices",
+        str,
+        "",
+        "with rdma: the store's RDMA devices, comma-separated (e.g. mlx5_0); default: all",
         "DEVICES",
         "(all)",
     ),
@@ -446,6 +487,11 @@ class Config:
     transfer_host: str
     transfer_protocol: str
     transfer_devices: str
+    store_master: str
+    store_metadata: str
+    store_segment_bytes: int
+    store_protocol: str
+    store_devices: str
 
 
 assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(Config)]
@@ -516,6 +562,11 @@ def load(
             f"max_pool_bytes ({format_size(pool_limit)}, {sources['max_pool_bytes']}) is over "
             f"max_bytes ({format_size(budget)}, {sources['max_bytes']}): no pool could be that "
             "large; lower --max-pool-bytes or raise --max-bytes"
+        )
+    if bool(values["store_master"]) != bool(values["store_metadata"]):
+        raise ConfigError(
+            "store_master and store_metadata go together: the master's HOST:PORT and its "
+            "metadata server's URL (e.g. http://HOST:PORT/metadata)"
         )
     return Config(**values), sources
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -32,7 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ec_client.types import PoolStats, Stats
+from ec_client.types import ClusterStats, PoolStats, Stats
 from ec_daemon.checks import StartupError
 from ec_daemon.store import Store
 
@@ -198,6 +198,29 @@ class StoreCollector(Collector):
         for peer in snap.peers:
             peers.add_metric([peer.address, peer.state], peer.keys)
         yield peers
+        if snap.cluster is not None:
+            yield from cluster_metrics(snap.cluster)
+
+
+# The store's counters (ClusterStats' fields), with what each counts.
+CLUSTER_COUNTERS = (
+    ("published", "Entries of shared pools written to the Mooncake Store"),
+    ("already_stored", "Commits of shared pools whose key the store had: not written again"),
+    ("unpublishable", "Entries of shared pools the store's format cannot express (kept local)"),
+    ("gone", "Entries evicted or removed before their turn to be published"),
+    ("publish_failures", "Publishes the store refused or that failed"),
+    ("dropped", "Commits not published because the publish queue was full"),
+)
+
+
+def cluster_metrics(cluster: ClusterStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "ecd_cluster_connected",
+        "1 while the Mooncake Store's master answers this daemon, else 0",
+        value=int(cluster.connected),
+    )
+    for field, doc in CLUSTER_COUNTERS:
+        yield CounterMetricFamily(f"ecd_cluster_{field}", doc, value=getattr(cluster, field))
 
 
 def snapshot_on_loop(store: Store, loop: asyncio.AbstractEventLoop) -> Callable[[], Stats]:

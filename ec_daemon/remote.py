@@ -39,7 +39,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -202,34 +202,11 @@ class Remote:
         acquired again (after the Step's other parts, which the pulls could not disturb). The
         Step's acquires were pinned without counting their misses (Store.step's count_misses):
         its final MISS answers are counted here, so that a remote hit counts as a hit only."""
-        result = await self._pulled(session_id, engine_id, acquires, result)
+        result = await acquire_fetched(
+            self._store, self.fetch, session_id, engine_id, acquires, result
+        )
         self._store.count_misses(engine_id, sum(r.status is Status.MISS for r in result.acquires))
         return result
-
-    async def _pulled(
-        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
-    ) -> StepResult:
-        missed = {
-            key
-            for key, r in zip(acquires, result.acquires, strict=True)
-            if r.status in (Status.MISS, Status.PENDING)
-        }
-        if not missed:
-            return result
-        pulled = set(await self.fetch(session_id, engine_id, list(missed), 0))
-        again = [i for i, key in enumerate(acquires) if key in pulled]
-        if not again:
-            return result
-        try:
-            fresh = self._store.acquire(
-                session_id, engine_id, [acquires[i] for i in again], count_misses=False
-            )
-        except CoreError:  # the session or the pool went while the pulls ran
-            return result
-        answers = list(result.acquires)
-        for i, answer in zip(again, fresh, strict=True):
-            answers[i] = answer
-        return dataclasses.replace(result, acquires=answers)
 
     def start(self, engine_id: str, keys: Sequence[bytes]) -> dict[bytes, asyncio.Future[None]]:
         """Start pulling the keys that are not here but that readable peer pools hold; the
@@ -448,6 +425,40 @@ class Remote:
             }
             known = self._published[engine_id] = (local.pool_uuid, keys)
         return local, known[1]
+
+
+async def acquire_fetched(
+    store: Store,
+    fetch: Callable[[str, str, list[bytes], int], Awaitable[list[bytes]]],
+    session_id: str,
+    engine_id: str,
+    acquires: Sequence[bytes],
+    result: StepResult,
+) -> StepResult:
+    """A Step's answer once the acquires it missed were fetched from elsewhere (pulled from
+    peers, or read from the cluster's store): `fetch` answers the keys it waited for, which are
+    acquired again (after the Step's other parts, which the fetches could not disturb)."""
+    missed = {
+        key
+        for key, r in zip(acquires, result.acquires, strict=True)
+        if r.status in (Status.MISS, Status.PENDING)
+    }
+    if not missed:
+        return result
+    fetched = set(await fetch(session_id, engine_id, list(missed), 0))
+    again = [i for i, key in enumerate(acquires) if key in fetched]
+    if not again:
+        return result
+    try:
+        fresh = store.acquire(
+            session_id, engine_id, [acquires[i] for i in again], count_misses=False
+        )
+    except CoreError:  # the session or the pool went while the fetches ran
+        return result
+    answers = list(result.acquires)
+    for i, answer in zip(again, fresh, strict=True):
+        answers[i] = answer
+    return dataclasses.replace(result, acquires=answers)
 
 
 def readable_holdings(holdings: list[Holding], local: PoolInfo) -> list[Holding]:

@@ -33,7 +33,11 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.tls import TLSFiles
 from ec_client.token_file import client_token
+from ec_client.types import WatchEvent
 from ec_daemon import auth, checks, reflection, systemd
+from ec_daemon.cluster.fetch import ClusterFetch
+from ec_daemon.cluster.mooncake import StoreSettings
+from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
@@ -56,6 +60,10 @@ log = logging.getLogger("ecd.server")
 STREAM_ENDS_WRITTEN_S = 1.0
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
+# The health service's name for the store (--store-master): SERVING while its master answers,
+# NOT_SERVING while it does not; the daemon's own health is SERVING either way (it serves
+# locally). Unknown without a store.
+CLUSTER_HEALTH = "ecd.cluster"
 
 
 @dataclass
@@ -72,6 +80,8 @@ class Daemon:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     peers: Peers | None = None
+    cluster: ClusterNode | None = None
+    fetches: ClusterFetch | None = None
 
 
 @dataclass
@@ -164,7 +174,33 @@ def peer_access(config: Config, own_epoch: str) -> PeerAccess:
     return PeerAccess(own_epoch=own_epoch, token=token, tls=tls)
 
 
-def build_store(config: Config, budget: int, hub: EventHub, peers: Peers | None = None) -> Store:
+def cluster_node(config: Config) -> ClusterNode:
+    """The node's part in the Mooncake Store (--store-master), not joined yet: it joins on its
+    own thread once started, and keeps trying while the master cannot be reached."""
+    host = config.transfer_host or (PeerEntry.parse(config.tcp).host if config.tcp else "")
+    if not host or host in ("0.0.0.0", "::"):
+        raise checks.StartupError(
+            "--store-master needs the address the store's other clients reach this node at: "
+            "set --transfer-host (or --tcp HOST:PORT on that address)"
+        )
+    settings = StoreSettings(
+        config.store_master,
+        config.store_metadata,
+        host,
+        config.store_segment_bytes,
+        config.store_protocol,
+        config.store_devices,
+    )
+    return ClusterNode(settings)
+
+
+def build_store(
+    config: Config,
+    budget: int,
+    hub: EventHub,
+    peers: Peers | None = None,
+    cluster: ClusterNode | None = None,
+) -> Store:
     pools = PoolSettings(
         shm_dir=config.shm_dir,
         max_bytes=budget,
@@ -174,13 +210,24 @@ def build_store(config: Config, budget: int, hub: EventHub, peers: Peers | None 
         file_mode=config.pool_mode,
         file_gid=checks.group_id(config.pool_group),
     )
-    return Store(
+    publish = hub.publish
+    if cluster is not None:
+
+        def publish(event: WatchEvent) -> None:
+            hub.publish(event)
+            cluster.on_event(event)
+
+    store = Store(
         StoreConfig(pools, config.lease_ttl, config.pending_timeout),
         clock=time.monotonic,
-        publish=hub.publish,
+        publish=publish,
         pool_listener=ServedPools(peers.transport) if peers is not None else None,
         peers=(lambda: peer_stats(peers.directory)) if peers is not None else tuple,
+        cluster=cluster.stats if cluster is not None else lambda: None,
     )
+    if cluster is not None:
+        cluster.bind(store)
+    return store
 
 
 async def start(config: Config) -> Daemon:
@@ -207,9 +254,11 @@ async def start(config: Config) -> Daemon:
         lock.acquire()
     hub = EventHub()
     peers = start_peers(config) if config.peers else None
-    store = build_store(config, budget, hub, peers)
+    cluster = cluster_node(config) if config.store_master else None
+    store = build_store(config, budget, hub, peers, cluster)
     adopt_pools(store)
     remote = peers.connect(config, store, hub) if peers is not None else None
+    fetches = ClusterFetch(store, cluster, config.pull_timeout) if cluster is not None else None
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
@@ -237,6 +286,7 @@ async def start(config: Config) -> Daemon:
         observe=metrics.observe,
         guard=guard,
         remote=remote,
+        cluster=fetches,
     )
     add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -256,9 +306,23 @@ async def start(config: Config) -> Daemon:
     await server.start()
     secure_socket(config)
 
-    daemon = Daemon(config, store, hub, server, health_servicer, locks, metrics_server, peers=peers)
+    daemon = Daemon(
+        config,
+        store,
+        hub,
+        server,
+        health_servicer,
+        locks,
+        metrics_server,
+        peers=peers,
+        cluster=cluster,
+        fetches=fetches,
+    )
     if peers is not None:
         peers.follow()
+    if cluster is not None:
+        cluster.start()
+        daemon.tasks.append(asyncio.create_task(follow_cluster(health_servicer, cluster)))
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
@@ -278,6 +342,7 @@ async def start(config: Config) -> Daemon:
             "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
             "peers": ",".join(config.peers) or "off",
             "transfer": peers.transport.endpoint if peers else "off",
+            "store": config.store_master or "off",
             "shm_dir": str(config.shm_dir),
             "max_bytes": budget,
             "pools": len(store.engine_ids()),
@@ -394,6 +459,15 @@ async def check_pools(store: Store, interval_s: float) -> None:
             )
 
 
+async def follow_cluster(health: health_aio.HealthServicer, cluster: ClusterNode) -> None:
+    """Keep the store's health status (CLUSTER_HEALTH) the node's: checked every second."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    while True:
+        await health.set(CLUSTER_HEALTH, serving if cluster.connected else not_serving)
+        await asyncio.sleep(1.0)
+
+
 async def feed_watchdog(interval_s: float) -> None:
     while True:
         systemd.notify("WATCHDOG=1")
@@ -434,6 +508,10 @@ async def stop(daemon: Daemon) -> None:
         task.cancel()
     if daemon.peers is not None:
         await daemon.peers.stop()
+    if daemon.fetches is not None:
+        await daemon.fetches.close()
+    if daemon.cluster is not None:  # before the pool files go: it reads them
+        await asyncio.to_thread(daemon.cluster.stop, daemon.config.shutdown_grace)
     daemon.store.close(drop_pools=daemon.config.drop_pools_on_exit)
     if daemon.peers is not None:
         await daemon.peers.close(daemon.config.shutdown_grace)

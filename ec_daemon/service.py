@@ -25,6 +25,7 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate, wire
 from ec_daemon.auth import Action, Guard, identity
+from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
 from ec_daemon.remote import Remote
@@ -125,14 +126,17 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         observe: Callable[[str, str, float], None] = lambda method, code, seconds: None,
         guard: Guard | None = None,
         remote: Remote | None = None,
+        cluster: ClusterFetch | None = None,
     ) -> None:
-        """remote: pulls from peer daemons, with --peer."""
+        """remote: pulls from peer daemons, with --peer. cluster: fetches from the Mooncake
+        Store, with --store-master."""
         self.store = store
         self.hub = hub
         self.limits = limits
         self.observe = observe
         self.guard = guard or Guard(None, None)
         self.remote = remote
+        self.cluster = cluster
 
     def authorize(
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -238,6 +242,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                 request.ephemeral,
                 request.max_entries,
                 request.reopen,
+                validate.cluster_namespace(request.cluster_namespace),
             )
         except CoreError as exc:
             peer_has_it = (
@@ -365,6 +370,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         checked = wire.checked_keys(keys)
         # One deadline for both waits: a pull's wait counts against wait_ms.
         deadline = asyncio.get_running_loop().time() + wait_ms / 1000
+        if self.cluster is not None:  # keys of a shared pool the store has: fetched, waited for
+            await self.cluster.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if self.remote is not None:  # keys only peers hold: pulled, and waited for
             await self.remote.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if wait_ms:
@@ -441,14 +448,22 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(aborts),
             valid(acquires),
             valid(allocates),
-            count_misses=self.remote is None,  # else remote.step counts them, once they are known
+            # else counted once the store and the peers had their say
+            count_misses=self.remote is None and self.cluster is None,
         )
+        if self.cluster is not None:  # acquires the store can answer: fetched, and waited for
+            result = await self.cluster.step(request.session_id, engine_id, valid(acquires), result)
         if self.remote is not None:  # acquires only peers can answer: pulled, and waited for
             result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
-            if not self.store.has_pool(engine_id) or (
-                self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
-            ):  # recreated during the pulls: the answers may name either file
-                result = dataclasses.replace(result, pool_uuid="")
+        elif self.cluster is not None:
+            missed = sum(r.status is api.Status.MISS for r in result.acquires)
+            self.store.count_misses(engine_id, missed)
+        fetched = self.remote is not None or self.cluster is not None
+        if fetched and (
+            not self.store.has_pool(engine_id)
+            or self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
+        ):  # recreated during the fetches: the answers may name either file
+            result = dataclasses.replace(result, pool_uuid="")
         # Counted last, with nothing left to fail or wait for: a Step that raises left them to
         # the client's next one, so they are counted once.
         self.store.count_misses(engine_id, request.misses)

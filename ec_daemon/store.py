@@ -114,16 +114,22 @@ class Store:
         publish: Callable[[api.WatchEvent], None] = lambda event: None,
         pool_listener: PoolListener | None = None,
         peers: Callable[[], tuple[api.PeerStats, ...]] = tuple,
+        cluster: Callable[[], api.ClusterStats | None] = lambda: None,
     ) -> None:
         """publish: receives every event of every pool (the EventHub, in the daemon).
         pool_listener: told of every pool served and withdrawn (the transport, with peers).
-        peers: the peer daemons followed, for Stats."""
+        peers: the peer daemons followed, for Stats. cluster: the daemon's part in a Mooncake
+        Store, for Stats."""
         self.config = config
         self.boot_epoch = secrets.token_hex(8)
         self.lease_expiries = 0
         self._sessions = SessionTable(config.lease_ttl_s, clock)
         self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch, pool_listener)
         self._peers = peers
+        self._cluster = cluster
+        # engine_id -> the namespace its entries are shared under in the cluster's store
+        # (OpenPool's cluster_namespace): set once, gone with the pool.
+        self._namespaces: dict[str, str] = {}
         self._pulls = itertools.count(1)
         # Pools that live only as long as the sessions that opened them (OpenPool's ephemeral),
         # each marked so beside its file too, for a restarted daemon (adopt_pools).
@@ -269,12 +275,22 @@ class Store:
         ephemeral: bool = False,
         max_entries: int = 0,
         reopen: bool = False,
+        cluster_namespace: str = "",
     ) -> api.PoolInfo:
         """Attach to the pool of this engine_id or create it. The session holds it from now on;
         `ephemeral` makes it go when the last session holding it ends; `max_entries` is its slot
         count (0: the daemon's default); `reopen`: the client's library opens it again by
-        itself, which never makes anew a pool dropped while its clients held it."""
+        itself, which never makes anew a pool dropped while its clients held it;
+        `cluster_namespace` shares its entries with other nodes under that namespace (the first
+        that names one sets it; another one afterwards is FAILED_PRECONDITION)."""
         session = self._sessions.touch(session_id)
+        shared = self._namespaces.get(engine_id, "")
+        if cluster_namespace and shared and cluster_namespace != shared:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {engine_id!r} is shared under cluster_namespace {shared!r}, not "
+                f"{cluster_namespace!r}: open it with that namespace, or with none",
+            )
         try:
             pool, created = self._pools.open(
                 engine_id, block_size_bytes, capacity_bytes, compat_key, max_entries, reopen
@@ -283,6 +299,8 @@ class Store:
             if error.reason is Reason.POOL_DROPPED:
                 self._pools.refused_reopening(engine_id, session.id)
             raise
+        if cluster_namespace:
+            self._namespaces[engine_id] = cluster_namespace
         if created:
             geometry = pool.file.header.geometry
             log.info(
@@ -307,14 +325,23 @@ class Store:
                     "daemon restarted before they end will keep it",
                     extra={"engine_id": engine_id, "error": str(exc)},
                 )
-        return pool.info(created)
+        return self._info(pool, created)
+
+    def _info(self, pool: Pool, created: bool) -> api.PoolInfo:
+        namespace = self._namespaces.get(pool.engine_id, "")
+        info = pool.info(created)
+        return dataclasses.replace(info, cluster_namespace=namespace) if namespace else info
+
+    def cluster_namespace(self, engine_id: str) -> str:
+        """The namespace the pool's entries are shared under; "" for a pool on its node only."""
+        return self._namespaces.get(engine_id, "")
 
     def has_pool(self, engine_id: str) -> bool:
         return self._pools.find(engine_id) is not None
 
     def pool_info(self, engine_id: str) -> api.PoolInfo:
         """What OpenPool would answer for an existing pool; NOT_FOUND if there is none."""
-        return self._pools.get(engine_id).info(created=False)
+        return self._info(self._pools.get(engine_id), created=False)
 
     def engine_ids(self) -> list[str]:
         return [pool.engine_id for pool in self._pools.all()]
@@ -381,6 +408,7 @@ class Store:
             session.pools.discard(engine_id)  # a pool made anew under this name is not held
         self._ephemeral.discard(engine_id)
         self._unclaimed.discard(engine_id)
+        self._namespaces.pop(engine_id, None)
         dropped = pool.index.drop_all()
         self._pools.remove(pool)
         return dropped
@@ -741,6 +769,7 @@ class Store:
                 for p in pools
             ),
             peers=self._peers(),
+            cluster=self._cluster(),
         )
 
     def check(self) -> None:

@@ -59,8 +59,8 @@ def plan_copies(
     """The copies that move an entry's `nbytes` from its extents in a peer's pool (whose block 0
     is at `remote_base`) into its extents here: one per run contiguous on both sides, so an
     entry held in one extent on each side is one copy."""
-    remote_runs = list(_byte_runs(remote_extents, block_size, nbytes))
-    local_runs = list(_byte_runs(local_extents, block_size, nbytes))
+    remote_runs = list(byte_runs(remote_extents, block_size, nbytes))
+    local_runs = list(byte_runs(local_extents, block_size, nbytes))
     copies: list[Copy] = []
     i = j = remote_done = local_done = 0  # runs finished, bytes taken of the current ones
     while i < len(remote_runs):
@@ -85,9 +85,7 @@ def plan_copies(
     return copies
 
 
-def _byte_runs(
-    extents: Sequence[Extent], block_size: int, nbytes: int
-) -> Iterator[tuple[int, int]]:
+def byte_runs(extents: Sequence[Extent], block_size: int, nbytes: int) -> Iterator[tuple[int, int]]:
     """(offset, length) of the entry's bytes in each extent, in order, `nbytes` in all."""
     left = nbytes
     for extent in extents:

@@ -97,6 +97,18 @@ def tensor_spec(key: bytes, spec: pb.TensorSpec) -> TensorSpec | str:
     return TensorSpec(shape, dtype, nbytes)
 
 
+MAX_NAMESPACE_BYTES = 512  # vLLM's namespaces (model, revision, encoder hash...) are ~200
+
+
+def cluster_namespace(value: str) -> str:
+    """An OpenPool's cluster namespace: the prefix of its entries' keys in the store."""
+    if len(value.encode()) > MAX_NAMESPACE_BYTES:
+        raise _invalid(f"cluster_namespace is longer than {MAX_NAMESPACE_BYTES} UTF-8 bytes")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise _invalid(f"cluster_namespace {value!r} holds a control character; expected text")
+    return value
+
+
 def pool_request(
     block_size_bytes: int, capacity_bytes: int, compat_key: str, max_entries: int = 0
 ) -> None:

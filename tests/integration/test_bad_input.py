@@ -87,6 +87,7 @@ def open_pool(
     capacity: int = 64 * BLOCK,
     compat: str = "",
     max_entries: int = 0,
+    namespace: str = "",
 ) -> object:
     return w.stub.OpenPool(
         pb.OpenPoolRequest(
@@ -96,6 +97,7 @@ def open_pool(
             capacity_bytes=capacity,
             compat_key=compat,
             max_entries=max_entries,
+            cluster_namespace=namespace,
         )
     )
 
@@ -145,6 +147,18 @@ CASES = [
     ("negative block size", lambda w: open_pool(w, block=-7168), INVALID, "block_size_bytes"),
     ("capacity below one block", lambda w: open_pool(w, capacity=10), INVALID, "capacity_bytes"),
     ("capacity over the budget", lambda w: open_pool(w, capacity=1 << 40), EXHAUSTED, "budget"),
+    (
+        "cluster_namespace too long",
+        lambda w: open_pool(w, namespace="n" * 513),
+        INVALID,
+        "cluster_namespace is longer than 512",
+    ),
+    (
+        "cluster_namespace with a control character",
+        lambda w: open_pool(w, namespace="ns\n"),
+        INVALID,
+        "control character",
+    ),
     (
         "more blocks than extents can number",
         lambda w: open_pool(w, block=1, capacity=1 << 33),

@@ -113,6 +113,11 @@ def test_each_layer_sets_a_different_setting(tmp_path: Path) -> None:
             "no pool could be that large",
         ),
         (("--max-byte", "1GiB"), None, None, "unrecognized arguments: --max-byte"),
+        # the store: a master and its metadata server, together
+        (("--store-master", "10.0.0.1:50051"), None, None, "store_master and store_metadata go"),
+        ((), {"ECD_STORE_METADATA": "http://m:8080/metadata"}, None, "go together"),
+        (("--store-master", "master"), None, None, "'master' is not HOST:PORT"),
+        (("--store-segment-bytes", "-1"), None, None, "'-1' is not a size"),
     ],
 )
 def test_bad_values_name_the_setting_and_its_source(

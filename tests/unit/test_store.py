@@ -949,3 +949,38 @@ def test_an_entry_pending_past_the_pending_timeout_is_aborted(
     [late] = store.commit(sid, "p", [(b"k", 0, 0)])
     assert late.status is Status.NOT_FOUND
     store.check()
+
+
+# ---- shared pools (docs/design.md §13) -----------------------------------------------------------
+
+
+def test_the_first_open_pool_naming_a_cluster_namespace_shares_the_pool_under_it(
+    store: Store,
+) -> None:
+    sid = session(store)
+    assert store.pool_info("p").cluster_namespace == ""
+    info = store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a", cluster_namespace="ns-a")
+    assert info.cluster_namespace == store.pool_info("p").cluster_namespace == "ns-a"
+    attached = store.open_pool(sid, "p", 0, 0, "")  # naming none leaves it as it is
+    assert attached.cluster_namespace == store.cluster_namespace("p") == "ns-a"
+
+
+def test_an_open_pool_naming_another_cluster_namespace_is_refused(store: Store) -> None:
+    sid = session(store)
+    store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a", cluster_namespace="ns-a")
+    with pytest.raises(CoreError) as refused:
+        store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a", cluster_namespace="ns-b")
+    assert refused.value.code is Code.FAILED_PRECONDITION
+    assert "'ns-a'" in refused.value.message and "'ns-b'" in refused.value.message
+    assert store.cluster_namespace("p") == "ns-a"
+
+
+def test_a_dropped_pool_made_anew_is_not_shared_until_an_open_pool_names_a_namespace(
+    store: Store,
+) -> None:
+    sid = session(store)
+    store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a", cluster_namespace="ns-a")
+    store.drop_pool("p", force=True)
+    assert store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a").cluster_namespace == ""
+    reshared = store.open_pool(sid, "p", BLOCK, 16 * BLOCK, "model-a", cluster_namespace="ns-b")
+    assert reshared.cluster_namespace == "ns-b"

@@ -152,7 +152,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., aborted: _Optional[int] = ..., released: _Optional[int] = ...) -> None: ...
 
 class OpenPoolRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral", "max_entries", "reopen")
+    __slots__ = ("session_id", "engine_id", "block_size_bytes", "capacity_bytes", "compat_key", "ephemeral", "max_entries", "reopen", "cluster_namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class OpenPoolRequest(_message.Message):
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     REOPEN_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     block_size_bytes: int
@@ -169,10 +170,11 @@ class OpenPoolRequest(_message.Message):
     ephemeral: bool
     max_entries: int
     reopen: bool
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., max_entries: _Optional[int] = ..., reopen: _Optional[bool] = ...) -> None: ...
+    cluster_namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., max_entries: _Optional[int] = ..., reopen: _Optional[bool] = ..., cluster_namespace: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base")
+    __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base", "cluster_namespace")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class PoolInfo(_message.Message):
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BASE_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     path: str
     block_size_bytes: int
@@ -195,7 +198,8 @@ class PoolInfo(_message.Message):
     max_entries: int
     transfer_endpoint: str
     transfer_base: int
-    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ..., transfer_base: _Optional[int] = ...) -> None: ...
+    cluster_namespace: str
+    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ..., transfer_base: _Optional[int] = ..., cluster_namespace: _Optional[str] = ...) -> None: ...
 
 class OpenPoolReply(_message.Message):
     __slots__ = ("boot_epoch", "pool", "created")
@@ -620,7 +624,7 @@ class StatsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "peers")
+    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "peers", "cluster")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -631,6 +635,7 @@ class StatsReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     uptime_s: float
     max_bytes: int
@@ -641,7 +646,30 @@ class StatsReply(_message.Message):
     version: str
     capacity_bytes: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerStats]
-    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ...) -> None: ...
+    cluster: ClusterStats
+    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+
+class ClusterStats(_message.Message):
+    __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped")
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    UNPUBLISHABLE_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    master: str
+    connected: bool
+    error: str
+    published: int
+    already_stored: int
+    unpublishable: int
+    gone: int
+    publish_failures: int
+    dropped: int
+    def __init__(self, master: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ..., published: _Optional[int] = ..., already_stored: _Optional[int] = ..., unpublishable: _Optional[int] = ..., gone: _Optional[int] = ..., publish_failures: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("engine_id", "snapshot", "include_remote", "include_pending")

@@ -1,0 +1,157 @@
+"""Remote hits from the store (docs/design.md §13): an Acquire of keys a shared pool lacks asks
+the store once for the batch, and reads what it has straight into local PENDING entries.
+
+For the keys of one Acquire that are ABSENT here, in a shared pool, while the node is joined:
+
+1. one batched lookup at the master (`batch_get_replica_desc`): each value's size;
+2. each key the store has is allocated here, PENDING, under a session of its own (the pulls'
+   `Store.pull_allocate`: local askers wait on it, a local producer is told PENDING: single
+   flight per node), and marked as being written (its blocks held, however it is removed,
+   until the read is over);
+3. one read for the batch (`batch_get_into_multi_buffers`): each value's header into a buffer
+   of the node's thread, its bytes straight into the entry's extents in the pool's mapped,
+   registered data region;
+4. a value whose header is the format's, holds the entry's size and whose rows are as wide as
+   the pool's blocks is committed with the header's shape and dtype; anything else (not read
+   whole, another model's value under the key) aborts the entry: a miss, nothing partial.
+
+An asker waits for the keys being fetched up to the longer of its wait_ms and the fetch timeout;
+a fetch given up on goes on and ends as above. Counted as the pulls from peers are
+(remote_hits, remote_misses, remote_bytes, remote_reads, remote_seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from ec_client.types import EntryState, StepResult
+from ec_daemon.cluster import codec
+from ec_daemon.cluster.node import ClusterNode, Read
+from ec_daemon.remote import acquire_fetched
+from ec_daemon.store import PullSlot, Store
+
+log = logging.getLogger("ecd.cluster")
+
+
+class ClusterFetch:
+    """The fetches from the store in flight, one per (pool, key)."""
+
+    def __init__(self, store: Store, node: ClusterNode, timeout_s: float) -> None:
+        self._store = store
+        self._node = node
+        self.timeout_s = timeout_s
+        self._fetching: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def fetch(
+        self, session_id: str, engine_id: str, keys: Sequence[bytes], wait_ms: int
+    ) -> list[bytes]:
+        """Fetch the keys of a shared pool that are not here and that the store has, join the
+        fetches in flight, and wait for them up to the longer of wait_ms and the timeout.
+        Returns the keys whose fetches were waited for."""
+        namespace = self._store.cluster_namespace(engine_id)
+        if not namespace or not self._node.connected:
+            return []
+        self._store.may_consume(session_id)
+        waits: set[asyncio.Future[None]] = set()
+        absent: list[bytes] = []
+        joined: list[bytes] = []
+        for found in self._store.lookup(engine_id, keys):
+            fetching = self._fetching.get((engine_id, found.key))
+            if fetching is not None:
+                waits.add(fetching)
+                joined.append(found.key)
+            elif found.state is EntryState.ABSENT and found.key not in absent:
+                absent.append(found.key)
+        if absent:
+            done = asyncio.get_running_loop().create_future()
+            for key in absent:
+                self._fetching[(engine_id, key)] = done
+            task = asyncio.create_task(self._fetch(engine_id, namespace, absent, done))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            waits.add(done)
+        if waits:
+            await asyncio.wait(waits, timeout=max(wait_ms / 1000, self.timeout_s))
+        return joined + absent
+
+    async def step(
+        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
+    ) -> StepResult:
+        """A Step's answer once the acquires it missed that the store has were fetched (its
+        misses are the caller's to count)."""
+        return await acquire_fetched(
+            self._store, self.fetch, session_id, engine_id, acquires, result
+        )
+
+    async def _fetch(
+        self, engine_id: str, namespace: str, keys: list[bytes], done: asyncio.Future[None]
+    ) -> None:
+        started = time.monotonic()
+        slots: list[PullSlot] = []
+        try:
+            store_keys = [codec.store_key(namespace, key) for key in keys]
+            sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(store_keys)))
+            if not self._store.has_pool(engine_id):
+                return
+            info = self._store.pool_info(engine_id)  # the file the allocations below are in
+            reads = []
+            for key, store_key, size in zip(keys, store_keys, sizes, strict=True):
+                nbytes = size - codec.HEADER.size
+                slot = (
+                    self._store.pull_allocate(engine_id, key, nbytes, "the cluster's store")
+                    if nbytes > 0
+                    else None
+                )
+                if slot is not None:
+                    self._store.pull_reading(slot)
+                    slots.append(slot)
+                    reads.append(Read(store_key, slot.extents, nbytes))
+            if not slots:
+                return
+            reading = self._node.ask(self._node.read(info, reads))
+            try:
+                specs = await asyncio.wrap_future(reading)
+            except BaseException:
+                # The read may still be writing into the entries' blocks: they go now (askers
+                # see a miss), their blocks held until it is over.
+                loop = asyncio.get_running_loop()
+                held, slots = slots, []
+                for slot in held:
+                    self._store.pull_abort(slot)
+                reading.add_done_callback(
+                    lambda _: loop.call_soon_threadsafe(self._read_over, held)
+                )
+                raise
+            seconds = time.monotonic() - started
+            for slot, spec in zip(slots, specs, strict=True):
+                self._store.pull_read_over(slot)
+                if spec is None or not self._store.pull_commit(slot, spec, 0, seconds):
+                    self._store.pull_abort(slot)
+            slots = []
+        except Exception as exc:  # a store call that failed: the entries go, as misses
+            log.info(
+                "a fetch from the store failed", extra={"engine_id": engine_id, "why": str(exc)}
+            )
+        finally:
+            for slot in slots:  # not read: nothing writes into them
+                self._store.pull_abort(slot)
+            self._read_over(slots)
+            for key in keys:
+                if self._fetching.get((engine_id, key)) is done:
+                    del self._fetching[(engine_id, key)]
+            done.set_result(None)
+
+    def _read_over(self, slots: list[PullSlot]) -> None:
+        for slot in slots:
+            self._store.pull_read_over(slot)
+
+    async def close(self) -> None:
+        """Cancel the fetches in flight (each aborts its entries)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,110 @@
+"""The Mooncake Store client, as the cluster tier uses it: `MooncakeDistributedStore` (the
+`mooncake-transfer-engine` wheel), joined and called on one thread of the daemon's own, never on
+the event loop (its calls block; a failed call waits seconds for a master gone).
+
+Its `setup` holds the interpreter's lock for as long as it runs, and runs about 90 s when the
+master or the metadata server cannot be reached (Mooncake 0.3.x): a daemon that called it then
+would freeze, event loop included. So `connect` first checks, with a short timeout of its own,
+that both accept a connection, and calls `setup` only then (a master that dies in between still
+freezes the daemon for that long: a limit of this slice, docs/design.md §13).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+REACH_TIMEOUT_S = 1.0
+# The store client's own buffer for calls that do not name registered memory: this node only
+# reads and writes registered pool regions and header buffers, so it needs little.
+LOCAL_BUFFER_BYTES = 16 << 20
+# Mooncake's error codes that mean the master did not answer (types.h, ErrorCode).
+RPC_FAIL, RPC_TIMEOUT = -900, -901
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How this node joins the store (ecd serve --store-*)."""
+
+    master: str  # HOST:PORT of the master
+    metadata: str  # the metadata server's URL
+    host: str  # where the store's other clients reach this node's transfer engine
+    segment_bytes: int  # memory lent to the store for every node's entries
+    protocol: str = "tcp"
+    devices: str = ""
+
+
+class StoreClient(Protocol):
+    """What the cluster tier calls on the store (a test may stand in a fake)."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], buffers: list[list[int]], sizes: list[list[int]], config: Any
+    ) -> list[int]: ...
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], buffers: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]: ...
+
+    def register_buffer(self, address: int, length: int) -> int: ...
+
+    def unregister_buffer(self, address: int) -> int: ...
+
+    def close(self) -> int: ...
+
+
+class Unreachable(Exception):
+    """The store cannot be joined now; the message says why."""
+
+
+def reachable(address: str) -> None:
+    """Unreachable unless HOST:PORT accepts a TCP connection within REACH_TIMEOUT_S."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), REACH_TIMEOUT_S).close()
+    except (OSError, ValueError) as exc:
+        raise Unreachable(f"{address}: {exc}") from None
+
+
+def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
+    """A store client joined to the store, and the replication config puts take; Unreachable
+    when the master or the metadata server does not answer, or the store refuses this node."""
+    reachable(settings.master)
+    url = urlsplit(settings.metadata)
+    if url.scheme in ("http", "https") and url.hostname:
+        reachable(f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 80)}")
+    # The library reads its MC_* settings when it is loaded, so defaults go in first.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    try:
+        from mooncake.store import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
+    except ImportError as exc:
+        raise Unreachable(
+            f"the Mooncake Store client cannot be loaded ({exc}): pip install 'ecd[mooncake]'"
+        ) from None
+    store = MooncakeDistributedStore()
+    ret = store.setup(
+        settings.host,
+        settings.metadata,
+        settings.segment_bytes,
+        LOCAL_BUFFER_BYTES,
+        settings.protocol,
+        settings.devices,
+        settings.master,
+    )
+    if ret != 0:
+        raise Unreachable(f"the store refused this node (setup answered {ret}; its log says why)")
+    config = ReplicateConfig()  # as vLLM's store connector puts its values
+    config.data_type = ObjectDataType.TENSOR
+    return store, config
+
+
+def answered(results: Sequence[int]) -> bool:
+    """Whether a batch's results show the master answered (no RPC failure among them)."""
+    return not any(r in (RPC_FAIL, RPC_TIMEOUT) for r in results)

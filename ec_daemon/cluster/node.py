@@ -1,0 +1,506 @@
+"""What a daemon that joined a Mooncake Store runs (docs/design.md §13): every commit of a shared
+pool (one opened with a cluster_namespace) published to the store in the background.
+
+The event loop only hands over: `on_event` sees every event the core emits and queues a
+publish for each COMMITTED entry of a shared pool (nobody waits on it). One thread of this
+node's own does the rest, in order: it joins the store (again and again, backing off, while the
+master cannot be reached: the daemon serves locally meanwhile), then takes the queued commits a
+batch at a time and for each
+
+1. pins the entry by a lock pin on its slot, as any reader does (ec_client.slot_locks: the
+   daemon's own index cannot erase the slot's record, hence cannot reuse the entry's blocks,
+   while the pin holds), and checks that the slot still holds the key; an entry evicted or
+   removed meanwhile is skipped (`gone`), so the bytes published are always the committed
+   entry's own;
+2. asks the store once for the whole batch which keys it has (those are not written again);
+3. writes the rest with one call, each value its header (a registered buffer of this thread)
+   and the entry's bytes straight from the pool's data region, which it mapped and registered
+   with the store client at the pool's first publish (no copy of the data in this process);
+4. unpins.
+
+Failures (the master gone, the store full) are counted and logged at most every LOG_EVERY_S;
+nothing reaches an engine. A dropped pool's region is unregistered and unmapped in turn. The
+remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same thread, in turn with
+the publishes (`ask`): one thread owns the store client, the mappings and the header buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from ec_client.layout import LayoutError
+from ec_client.slot_locks import SlotPins
+from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
+from ec_daemon.cluster import codec
+from ec_daemon.cluster.mooncake import (
+    StoreClient,
+    StoreSettings,
+    Unreachable,
+    answered,
+    connect,
+)
+from ec_daemon.transport import MappedRegions, Region, byte_runs
+
+log = logging.getLogger("ecd.cluster")
+T = TypeVar("T")
+
+BATCH = 64  # commits published with one lookup and one put
+QUEUE_LIMIT = 4096  # commits waiting to be published; past it they are dropped (counted)
+HEARTBEAT_S = 5.0  # an idle node asks the store this often whether it answers
+FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # joining the store again backs off between these
+LOG_EVERY_S = 10.0
+OBJECT_ALREADY_EXISTS = -705
+HEARTBEAT_KEY = "ecd@heartbeat"  # never written: asking for it tells whether the master answers
+
+
+class Pools(Protocol):
+    """What the node asks the daemon's store about pools (on the event loop's thread)."""
+
+    def cluster_namespace(self, engine_id: str) -> str: ...
+
+    def pool_info(self, engine_id: str) -> PoolInfo: ...
+
+
+@dataclass(frozen=True)
+class SharedPool:
+    """A shared pool as its publisher reads it: one file (its UUID) and where its blocks are."""
+
+    namespace: str
+    info: PoolInfo
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A commit to publish: the entry `key` whose record the commit wrote into `slot`."""
+
+    pool: SharedPool
+    key: bytes
+    slot: int
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """A shared pool dropped: stop reading its file."""
+
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Work the event loop hands the node's thread (a remote hit's lookup or read): run there,
+    in turn with the publishes, its answer in `future`."""
+
+    work: Callable[[StoreClient], Any]
+    future: Future[Any]
+
+
+@dataclass(frozen=True)
+class Read:
+    """One entry to read from the store into a local PENDING entry's extents."""
+
+    store_key: str
+    extents: tuple[Extent, ...]
+    nbytes: int
+
+
+@dataclass
+class Mounted:
+    """A shared pool's file as the publisher reads it: lock pins and its data region, mapped
+    and registered with the store client."""
+
+    info: PoolInfo
+    pins: SlotPins
+    region: Region
+
+
+@dataclass
+class Item:
+    """One entry of a batch being published, lock-pinned until the batch is over."""
+
+    mounted: Mounted
+    slot: int
+    store_key: str
+    header: bytes
+    buffers: list[tuple[int, int]]  # (address, length) of its bytes in the region
+
+
+class ClusterNode:
+    def __init__(
+        self,
+        settings: StoreSettings,
+        connect: Callable[[StoreSettings], tuple[StoreClient, Any]] = connect,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._connect = connect
+        self._clock = clock
+        self._pools: Pools | None = None
+        self._shared: dict[str, SharedPool] = {}  # the event loop's: pools seen shared
+        self._jobs: queue.Queue[Publish | Withdraw | Call | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ecd-cluster", daemon=True)
+        # The rest is the node's thread's (the counters are read by stats() too: plain ints).
+        self._store: StoreClient | None = None
+        self._replicate: Any = None
+        self._headers = ctypes.create_string_buffer(BATCH * codec.HEADER.size)
+        self._mounted: dict[str, Mounted] = {}
+        self._regions = MappedRegions()
+        self.connected = False
+        self.error = "not joined yet"
+        self.published = self.already_stored = self.unpublishable = self.gone = 0
+        self.failures = self.dropped = 0
+        self._logged_at = -LOG_EVERY_S
+        self._unlogged = 0
+
+    # ---- the event loop's side -----------------------------------------------------------------
+
+    def bind(self, pools: Pools) -> None:
+        self._pools = pools
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def on_event(self, event: WatchEvent) -> None:
+        """Every event the core emits (on the event loop): a commit in a shared pool is queued
+        for publishing, a dropped shared pool for unmapping. Costs a dict lookup otherwise."""
+        if event.remote or self._pools is None:
+            return
+        if event.type is EventType.COMMITTED and event.slot is not None:
+            pool = self._shared.get(event.engine_id) or self._share(event.engine_id)
+            if pool is None:
+                return
+            if self._jobs.qsize() >= QUEUE_LIMIT:
+                self.dropped += 1
+                return
+            self._jobs.put_nowait(Publish(pool, event.key, event.slot))
+        elif event.type is EventType.POOL_DROPPED and event.engine_id in self._shared:
+            del self._shared[event.engine_id]
+            self._jobs.put_nowait(Withdraw(event.engine_id))
+
+    def _share(self, engine_id: str) -> SharedPool | None:
+        assert self._pools is not None
+        namespace = self._pools.cluster_namespace(engine_id)
+        if not namespace:
+            return None
+        pool = self._shared[engine_id] = SharedPool(namespace, self._pools.pool_info(engine_id))
+        return pool
+
+    def ask(self, work: Callable[[StoreClient], T]) -> Future[T]:
+        """Run `work` with the store client on the node's thread (from the event loop). Once it
+        runs it cannot be cancelled: the future is done when it is over."""
+        future: Future[T] = Future()
+        self._jobs.put_nowait(Call(work, future))
+        return future
+
+    def sizes(self, store_keys: list[str]) -> Callable[[StoreClient], list[int]]:
+        """Work for `ask`: the size of each key's value in the store (one batched lookup at the
+        master); 0 for a key it lacks."""
+
+        def work(store: StoreClient) -> list[int]:
+            found = store.batch_get_replica_desc(store_keys)
+            return [_memory_size(found.get(key, [])) for key in store_keys]
+
+        return work
+
+    def read(
+        self, info: PoolInfo, reads: list[Read]
+    ) -> Callable[[StoreClient], list[TensorSpec | None]]:
+        """Work for `ask`: read each value, its header into a buffer of the thread's and its
+        bytes straight into the extents (of the pool `info`), with one call; per read the spec
+        its header gives, or None (not read whole, a header not the format's, or one that does
+        not fit: another size, or rows of another width than the pool's blocks)."""
+
+        def work(store: StoreClient) -> list[TensorSpec | None]:
+            mounted = self._mount(info)
+            if mounted is None:
+                return [None] * len(reads)
+            specs: list[TensorSpec | None] = []
+            for first in range(0, len(reads), BATCH):  # as many as the header buffer holds
+                specs += self._read_batch(store, mounted, reads[first : first + BATCH])
+            return specs
+
+        return work
+
+    def _read_batch(
+        self, store: StoreClient, mounted: Mounted, reads: list[Read]
+    ) -> list[TensorSpec | None]:
+        base, size = ctypes.addressof(self._headers), codec.HEADER.size
+        block_size = mounted.info.block_size_bytes
+        runs = [list(byte_runs(r.extents, block_size, r.nbytes)) for r in reads]
+        results = store.batch_get_into_multi_buffers(
+            [r.store_key for r in reads],
+            [
+                [base + i * size] + [mounted.region.address + o for o, _ in rs]
+                for i, rs in enumerate(runs)
+            ],
+            [[size] + [n for _, n in rs] for rs in runs],
+        )
+        self._answered(results, "read")
+        return [
+            _fitting(ctypes.string_at(base + i * size, size), r.nbytes, block_size)
+            if result == size + r.nbytes
+            else None
+            for i, (r, result) in enumerate(zip(reads, results, strict=True))
+        ]
+
+    def stats(self) -> ClusterStats:
+        return ClusterStats(
+            master=self.settings.master,
+            connected=self.connected,
+            error=self.error,
+            published=self.published,
+            already_stored=self.already_stored,
+            unpublishable=self.unpublishable,
+            gone=self.gone,
+            publish_failures=self.failures,
+            dropped=self.dropped,
+        )
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop publishing and leave the store (blocking: call it off the event loop). A thread
+        still inside a store call after timeout_s is left to the process's exit."""
+        self._stopping.set()
+        self._jobs.put_nowait(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the store client is still busy at exit", extra={"timeout_s": timeout_s})
+
+    # ---- the node's thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        retry_s = FIRST_RETRY_S
+        while not self._stopping.is_set():
+            if self._store is None:
+                if not self._join():
+                    self._stopping.wait(retry_s)
+                    retry_s = min(retry_s * 2, MAX_RETRY_S)
+                continue
+            try:
+                job = self._jobs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                self._answered(self._store.batch_is_exist([HEARTBEAT_KEY]), "heartbeat")
+                continue
+            if job is None:
+                break
+            if isinstance(job, Call):
+                self._call(job)
+            else:
+                self._handle(self._batch(job))
+        self._leave()
+
+    def _join(self) -> bool:
+        try:
+            self._store, self._replicate = self._connect(self.settings)
+        except Unreachable as exc:
+            self.error = str(exc)
+            self._failed("cannot join the store; serving locally, trying again", str(exc))
+            return False
+        if self._store.register_buffer(ctypes.addressof(self._headers), len(self._headers)) != 0:
+            self._failed("the store client refused the header buffer", "register_buffer")
+            self._store.close()
+            self._store = None
+            return False
+        self.connected, self.error = True, ""
+        log.info("joined the store", extra={"master": self.settings.master})
+        return True
+
+    def _call(self, call: Call) -> None:
+        assert self._store is not None
+        if not call.future.set_running_or_notify_cancel():
+            return  # cancelled before it ran
+        try:
+            call.future.set_result(call.work(self._store))
+        except Exception as exc:  # the asker's to handle; the thread goes on
+            call.future.set_exception(exc)
+
+    def _batch(self, first: Publish | Withdraw) -> list[Publish | Withdraw | Call]:
+        """`first` and the publishes queued behind it, up to BATCH; a Withdraw or a Call ends it
+        (the batch's pins are given back before a pool's file is let go, or a read uses the
+        header buffer)."""
+        batch: list[Publish | Withdraw | Call] = [first]
+        while isinstance(batch[-1], Publish) and len(batch) < BATCH:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._jobs.put_nowait(None)  # seen again by _run, once this batch is done
+                break
+            batch.append(job)
+        return batch
+
+    def _handle(self, batch: list[Publish | Withdraw | Call]) -> None:
+        items: list[Item] = []
+        try:
+            for job in batch:
+                if isinstance(job, Publish):
+                    item = self._pin(job)
+                    if item is not None:
+                        items.append(item)
+            self._publish(items)
+        finally:
+            for item in items:
+                item.mounted.pins.unpin(item.slot)
+        if isinstance(batch[-1], Withdraw):
+            self._unmount(batch[-1].engine_id)
+        elif isinstance(batch[-1], Call):
+            self._call(batch[-1])
+
+    def _pin(self, job: Publish) -> Item | None:
+        """The entry lock-pinned, with what to publish; None (counted) if it cannot be."""
+        mounted = self._mount(job.pool.info)
+        entry = mounted.pins.pin(job.slot, job.key) if mounted is not None else None
+        if mounted is None or entry is None:
+            self.gone += 1
+            return None
+        try:
+            header = codec.header(entry.spec)
+        except codec.Unpublishable:
+            mounted.pins.unpin(job.slot)
+            self.unpublishable += 1
+            return None
+        block_size = mounted.info.block_size_bytes
+        buffers = [
+            (mounted.region.address + offset, length)
+            for offset, length in byte_runs(entry.extents, block_size, entry.spec.nbytes)
+        ]
+        return Item(
+            mounted, job.slot, codec.store_key(job.pool.namespace, job.key), header, buffers
+        )
+
+    def _publish(self, items: list[Item]) -> None:
+        if not items or self._store is None:
+            return
+        present = self._store.batch_is_exist([item.store_key for item in items])
+        if not self._answered(present, "lookup"):
+            self.failures += len(items)
+            return
+        todo: dict[str, Item] = {}  # one per key: a batch may name a key twice
+        for item, state in zip(items, present, strict=True):
+            if state == 1 or item.store_key in todo:
+                self.already_stored += 1
+            else:
+                todo[item.store_key] = item
+        if not todo:
+            return
+        base = ctypes.addressof(self._headers)
+        size = codec.HEADER.size
+        for i, item in enumerate(todo.values()):
+            ctypes.memmove(base + i * size, item.header, size)
+        results = self._store.batch_put_from_multi_buffers(
+            list(todo),
+            [[base + i * size] + [a for a, _ in it.buffers] for i, it in enumerate(todo.values())],
+            [[size] + [n for _, n in it.buffers] for it in todo.values()],
+            self._replicate,
+        )
+        self._answered(results, "put")
+        for result in results:
+            if result == 0:
+                self.published += 1
+            elif result == OBJECT_ALREADY_EXISTS:
+                self.already_stored += 1
+            else:
+                self.failures += 1
+                self._failed("a publish failed", f"the store answered {result}")
+
+    def _answered(self, results: list[int], what: str) -> bool:
+        """Whether the master answered the call; the node's connected state follows."""
+        if answered(results):
+            self.connected, self.error = True, ""
+            return True
+        self.connected, self.error = False, f"the master did not answer a {what}"
+        self._failed("the store's master does not answer", what)
+        return False
+
+    def _mount(self, info: PoolInfo) -> Mounted | None:
+        """The pool's file as published from: its lock pins and its data region, mapped and
+        registered once; None if that file is no longer the pool's (dropped, made anew)."""
+        mounted = self._mounted.get(info.engine_id)
+        if mounted is not None and mounted.info.pool_uuid == info.pool_uuid:
+            return mounted
+        if mounted is not None:
+            self._unmount(info.engine_id)
+        assert self._store is not None
+        try:
+            pins = SlotPins(info.path, info.pool_uuid)
+        except (OSError, LayoutError):
+            return None
+        try:
+            length = info.block_size_bytes * info.num_blocks
+            region = self._regions.map(info.engine_id, Path(info.path), info.data_offset, length)
+        except (OSError, ValueError):
+            pins.close()
+            return None
+        # Mapped after the pins opened the file: both are of one file if it is still at the
+        # path now (a file, once replaced, never comes back: docs/design.md §3).
+        if not pins.still_at_path() or self._store.register_buffer(region.address, length) != 0:
+            self._regions.retire(info.engine_id)
+            pins.close()
+            return None
+        mounted = self._mounted[info.engine_id] = Mounted(info, pins, region)
+        return mounted
+
+    def _unmount(self, engine_id: str) -> None:
+        mounted = self._mounted.pop(engine_id, None)
+        if mounted is None:
+            return
+        if self._store is not None:
+            self._store.unregister_buffer(mounted.region.address)
+        self._regions.retire(engine_id)
+        mounted.pins.close()
+
+    def _leave(self) -> None:
+        while True:  # asks still queued get an answer: the node is gone
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Call):
+                job.future.set_exception(Unreachable("the daemon is stopping"))
+        for engine_id in list(self._mounted):
+            self._unmount(engine_id)
+        if self._store is not None:
+            self._store.unregister_buffer(ctypes.addressof(self._headers))
+            self._store.close()
+            self._store = None
+        self._regions.unmap_all()
+        self.connected, self.error = False, "stopped"
+
+    def _failed(self, what: str, why: str) -> None:
+        """Log a failure at most every LOG_EVERY_S, saying how many went unlogged since."""
+        now = self._clock()
+        if now - self._logged_at < LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        extra = {"why": why, "master": self.settings.master, "unlogged": self._unlogged}
+        log.warning(what, extra=extra)
+        self._logged_at, self._unlogged = now, 0
+
+
+def _memory_size(replicas: list[Any]) -> int:
+    """A value's size from its replica descriptors (batch_get_replica_desc); 0 without one in
+    memory."""
+    for replica in replicas:
+        if replica.is_memory_replica():
+            return int(replica.get_memory_descriptor().buffer_descriptor.size)
+    return 0
+
+
+def _fitting(raw: bytes, nbytes: int, block_size: int) -> TensorSpec | None:
+    """The spec a value's header gives, if it is the format's, holds `nbytes` and its rows are
+    as wide as the pool's blocks (the same model's width); else None."""
+    try:
+        spec = codec.parse_header(raw)
+    except ValueError:
+        return None
+    width = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
+    return spec if spec.nbytes == nbytes and width == block_size else None

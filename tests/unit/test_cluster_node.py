@@ -1,0 +1,132 @@
+"""Publishing from a node (ec_daemon/cluster/node.py) against a store client of this test's own:
+a real core Store on a private directory, its commits handed to a real ClusterNode thread."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from core_testing import FakeClock, session
+from ecd_testing import wait_until
+
+from ec_client.types import PoolInfo, Status, TensorSpec
+from ec_daemon.cluster import codec
+from ec_daemon.cluster.mooncake import StoreSettings
+from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.pools import PoolSettings
+from ec_daemon.store import Store, StoreConfig
+
+BLOCK = 4096  # one row of 2048 bf16
+ROWS = 4
+
+
+class FakeStore:
+    """A store client keeping values in memory. `gate` holds lookups (the node's thread waits
+    there, its queue filling behind it); `entered` says one is waiting; `put_result` is what
+    every put answers (0: stored)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.put_result = 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return [int(k in self.values) for k in keys]
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], buffers: list[list[int]], sizes: list[list[int]], config: Any
+    ) -> list[int]:
+        for key, ptrs, lengths in zip(keys, buffers, sizes, strict=True):
+            if self.put_result == 0:
+                self.values[key] = b"".join(map(ctypes.string_at, ptrs, lengths))
+        return [self.put_result] * len(keys)
+
+    def register_buffer(self, address: int, length: int) -> int:
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0
+
+    def close(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def fake() -> FakeStore:
+    return FakeStore()
+
+
+@pytest.fixture
+def node_and_store(shm_dir: Path, fake: FakeStore) -> Iterator[tuple[ClusterNode, Store, str]]:
+    """A node publishing the commits of a Store whose pool "p" is shared under "ns"; a session
+    of that store."""
+    settings = StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
+    node = ClusterNode(settings, connect=lambda _: (fake, None))
+    store = Store(
+        StoreConfig(PoolSettings(shm_dir=shm_dir, max_bytes=1 << 30)), FakeClock(), node.on_event
+    )
+    node.bind(store)
+    node.start()
+    sid = session(store)
+    store.open_pool(sid, "p", BLOCK, 2 * ROWS * BLOCK, "", cluster_namespace="ns")
+    yield node, store, sid
+    node.stop(10)
+    store.close()
+
+
+def put(store: Store, sid: str, key: bytes, fill: int) -> bytes:
+    """Commit `key`, ROWS rows of bf16 whose bytes are all `fill`, written into its extents."""
+    data = bytes([fill]) * ROWS * BLOCK
+    [result] = store.allocate(sid, "p", [(key, TensorSpec((ROWS, 2048), "bfloat16", len(data)))])
+    assert result.status is Status.ALLOCATED
+    info: PoolInfo = store.pool_info("p")
+    fd = os.open(info.path, os.O_WRONLY)
+    try:
+        for extent in result.extents:  # one, in a pool this empty
+            os.pwrite(fd, data, info.data_offset + extent.start * BLOCK)
+    finally:
+        os.close(fd)
+    assert [r.status for r in store.commit(sid, "p", [(key, 0, result.allocation)])] == [Status.OK]
+    return data
+
+
+def value(key: bytes, data: bytes) -> tuple[str, bytes]:
+    spec = TensorSpec((ROWS, 2048), "bfloat16", len(data))
+    return codec.store_key("ns", key), codec.header(spec) + data
+
+
+def test_an_entry_removed_before_its_turn_is_not_published_nor_what_took_its_blocks(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
+) -> None:
+    node, store, sid = node_and_store
+    fake.gate.clear()
+    first = put(store, sid, b"first", 1)
+    assert fake.entered.wait(10)  # the node's thread holds "first" pinned, waiting on the store
+    put(store, sid, b"removed", 2)
+    store.delete("p", [b"removed"])
+    third = put(store, sid, b"third", 3)  # into the blocks "removed" had: "first" holds the rest
+    fake.gate.set()
+    wait_until(lambda: node.published + node.gone == 3, 10)
+    assert (node.published, node.gone) == (2, 1)
+    assert fake.values == dict([value(b"first", first), value(b"third", third)])
+
+
+def test_a_publish_the_store_refuses_is_counted_and_the_commit_stands(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
+) -> None:
+    node, store, sid = node_and_store
+    fake.put_result = -800  # TRANSFER_FAIL
+    put(store, sid, b"refused", 1)
+    wait_until(lambda: node.failures == 1, 10)
+    assert node.published == 0 and not fake.values
+    assert node.connected  # the master answered: the store refused this one
+    store.check()
