@@ -159,6 +159,24 @@ def open_pool(
     )
 
 
+def open_pool_calls(
+    engine_id: str,
+    block_size_bytes: int,
+    capacity_bytes: int,
+    compat_key: str,
+    ephemeral: bool,
+    max_entries: int,
+    cluster_namespace: str,
+) -> tuple[Call[api.PoolInfo], Call[api.PoolInfo]]:
+    """OpenPool as the application asks it, and as the client sends it again by itself (with
+    reopen): what both clients' open_pool hand SessionState.open_pool."""
+    asked = (engine_id, block_size_bytes, capacity_bytes, compat_key, ephemeral, max_entries)
+    return (
+        open_pool(*asked, cluster_namespace=cluster_namespace),
+        open_pool(*asked, reopen=True, cluster_namespace=cluster_namespace),
+    )
+
+
 def drop_pool(engine_id: str, force: bool) -> Call[int]:
     return Call(
         "DropPool",

@@ -165,16 +165,15 @@ class AsyncClient(BaseClient):
         max_entries: int = 0,
         cluster_namespace: str = "",
     ) -> PoolInfo:
-        asked = (
+        call, again = _wire.open_pool_calls(
             engine_id,
             block_size_bytes,
             capacity_bytes,
             compat_key,
             ephemeral,
             max_entries,
+            cluster_namespace,
         )
-        call = _wire.open_pool(*asked, cluster_namespace=cluster_namespace)
-        again = _wire.open_pool(*asked, reopen=True, cluster_namespace=cluster_namespace)
         return await self._drive(self._state.open_pool(call, again))
 
     async def drop_pool(self, engine_id: str, force: bool = False) -> int:

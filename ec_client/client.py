@@ -236,16 +236,15 @@ class Client(BaseClient):
         not exist), FAILED_PRECONDITION (it exists with another geometry, compat_key or
         cluster_namespace, or its file was refused), RESOURCE_EXHAUSTED (over the budget, the
         per-pool limit, or the shm directory is full)."""
-        asked = (
+        call, again = _wire.open_pool_calls(
             engine_id,
             block_size_bytes,
             capacity_bytes,
             compat_key,
             ephemeral,
             max_entries,
+            cluster_namespace,
         )
-        call = _wire.open_pool(*asked, cluster_namespace=cluster_namespace)
-        again = _wire.open_pool(*asked, reopen=True, cluster_namespace=cluster_namespace)
         return self._drive(self._state.open_pool(call, again))
 
     def drop_pool(self, engine_id: str, force: bool = False) -> int:
