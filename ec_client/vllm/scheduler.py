@@ -99,6 +99,7 @@ from ec_client.types import (
     LeaseResult,
     PoolInfo,
     Role,
+    Stats,
     Status,
     StepResult,
     TensorSpec,
@@ -186,7 +187,11 @@ class SchedulerClient(Protocol):
         capacity_bytes: int,
         compat_key: str,
         ephemeral: bool = False,
+        *,
+        cluster_namespace: str = "",
     ) -> PoolInfo: ...
+
+    def stats(self, engine_id: str = "") -> Stats: ...
 
     def pool_info(self, engine_id: str) -> PoolInfo: ...
 
@@ -324,9 +329,19 @@ class SchedulerSide:
         c = self.config
         client = self._new_client()
         try:
+            # "auto" shares the pool only through a daemon that has a store: one Stats, at
+            # connect only (the client reopens the pool with what it was opened with).
+            namespace = c.cluster_namespace
+            if namespace and c.namespace_if_store and client.stats().cluster is None:
+                namespace = ""
             # A private pool (per-run name) goes with our session, however the engine ends.
             client.open_pool(
-                c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key, c.pool_is_private
+                c.pool,
+                c.block_size_bytes,
+                c.capacity_bytes,
+                c.compat_key,
+                c.pool_is_private,
+                cluster_namespace=namespace,
             )
         except EcdError as error:
             client.close()
