@@ -1,8 +1,9 @@
 """The connector and the daemon's Mooncake Store (docs/design.md §13): by default an engine's
 pool is shared under the namespace vLLM's own store connector derives from the same config, when
-its daemon has a store, and stays on its node otherwise or when `ecd_cluster_namespace` is "".
+its daemon has a store, so that vLLM's own store client finds what the engine saved under the
+key it would use; the pool stays on its node otherwise or when `ecd_cluster_namespace` is "".
 A real `mooncake_master` and real daemons; vLLM's real connector factory builds the scheduler
-side."""
+side, and real worker processes save."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cluster_testing import Master, running_master, store_daemon
-from ecd_testing import Daemon
+import torch
+from cluster_testing import Master, published, running_master, store_daemon, vllm_store_client
+from ecd_testing import Daemon, wait_until
 from peer_testing import needs_mooncake
 from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+    TensorSpec,
     build_embedding_namespace,
+    make_embedding_key,
 )
-from vllm_testing import Engine, EngineFactory, EngineSpec
+from vllm_testing import Engine, EngineFactory, EngineSpec, WorkerPool, encoder_output
 
 pytestmark = needs_mooncake
 
@@ -49,6 +53,29 @@ def test_an_engines_pool_is_shared_under_vllms_namespace_on_a_daemon_with_a_stor
             assert pool_namespace(daemon, SHARED) == expected
         finally:
             engine.close()
+
+
+def test_vllms_store_client_reads_what_an_engine_saved_under_the_key_vllm_would_use(
+    master: Master, worker_pool: WorkerPool
+) -> None:
+    with store_daemon(master) as daemon, daemon.client() as client:
+        spec = EngineSpec(daemon.address, pool=SHARED)
+        engine = Engine(spec, worker_pool.take(spec))
+        try:
+            engine.save("p1", "img-a")
+            wait_until(lambda: published(client) == 1, 20)
+        finally:
+            engine.close()
+            worker_pool.give_back()
+        expected = encoder_output("img-a")
+        key = make_embedding_key(build_embedding_namespace(spec.vllm_config()), "img-a")
+        vllm_client = vllm_store_client(master)
+        try:
+            wanted = TensorSpec(tuple(expected.shape), str(expected.dtype), expected.nbytes)
+            loaded = vllm_client.load_tensors({key: wanted}, "cpu")
+        finally:
+            vllm_client.close()
+    assert torch.equal(loaded[key], expected)
 
 
 def test_an_empty_ecd_cluster_namespace_keeps_the_pool_on_a_daemon_with_a_store_local(
