@@ -8,12 +8,13 @@ side, and real worker processes save."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from cluster_testing import Master, published, running_master, store_daemon, vllm_store_client
-from ecd_testing import Daemon, wait_until
+from ecd_testing import Daemon, auth_args, wait_until
 from peer_testing import needs_mooncake
 from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
     TensorSpec,
@@ -21,6 +22,8 @@ from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data imp
     make_embedding_key,
 )
 from vllm_testing import Engine, EngineFactory, EngineSpec, WorkerPool, encoder_output
+
+from ec_client.vllm.scheduler import PoolRefused
 
 pytestmark = needs_mooncake
 
@@ -78,6 +81,24 @@ def test_vllms_store_client_reads_what_an_engine_saved_under_the_key_vllm_would_
     assert torch.equal(loaded[key], expected)
 
 
+def test_an_engine_whose_token_may_not_see_every_pool_shares_its_own(
+    master: Master, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stats of every pool needs an admin's token: the connector asks its pool's."""
+    tokens = {"engine": "engine-secret-0123456789", "ops": "ops-secret-0123456789"}
+    acl = f'[[rule]]\npools = ["{SHARED}"]\nproduce = ["engine"]\nconsume = ["engine"]\n'
+    acl += '[[rule]]\npools = ["*"]\nadmin = ["ops"]\n'
+    with store_daemon(master, *auth_args(tmp_path, tokens, acl)) as daemon:
+        monkeypatch.setenv("ECD_TOKEN", tokens["engine"])
+        engine, spec = scheduler_on(daemon)
+        try:
+            with daemon.client(token=tokens["ops"]) as client:
+                shared = client.open_pool(SHARED).cluster_namespace
+            assert shared == build_embedding_namespace(spec.vllm_config())
+        finally:
+            engine.close()
+
+
 def test_an_empty_ecd_cluster_namespace_keeps_the_pool_on_a_daemon_with_a_store_local(
     master: Master,
 ) -> None:
@@ -94,3 +115,13 @@ def test_an_engines_pool_stays_on_a_daemon_without_a_store(
 ) -> None:
     engine(workers=False, pool=SHARED)
     assert pool_namespace(daemon, SHARED) == ""
+
+
+def test_an_engine_naming_another_namespace_for_a_shared_pool_is_refused_saying_so(
+    engine: EngineFactory,
+) -> None:
+    engine(workers=False, pool=SHARED, extra={"ecd_cluster_namespace": "team-a"})
+    with pytest.raises(PoolRefused) as refused:
+        engine(workers=False, pool=SHARED, extra={"ecd_cluster_namespace": "team-b"})
+    message = str(refused.value)
+    assert "'team-a'" in message and "'team-b'" in message and "cluster namespace" in message
