@@ -24,6 +24,13 @@ Keys of `ec_connector_extra_config`:
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon restarts. A call made while no daemon is there at all (no socket,
   nothing listening) fails at once: the scheduler's steps never wait on it. Default 2.
+- `ecd_cluster_namespace`: the namespace the pool's entries are shared under in the daemon's
+  Mooncake Store (OpenPool's cluster_namespace, docs/design.md §13). `"auto"` (the default): the
+  one vLLM's own store connector (`mooncake_store_embedding`) derives from the same config, set
+  only when the daemon has a store, so that both name an image the same way; `""`: the pool
+  stays on its node; any other string: that namespace. `embedding_cache_prefix` and
+  `embedding_model_identity`, vLLM's store connector's keys, change the derived namespace as
+  they change vLLM's.
 
 `ecd_pins` and `ecd_pin_share` (of earlier versions: when cached items were pinned by a round
 trip on the scheduler thread) are ignored, with a warning: cached items are now pinned with no
@@ -89,6 +96,11 @@ class ConnectorConfig:
     # every rank is an engine of its own): that worker saves and reports for itself.
     worker_is_alone: bool
     client_name: str
+    # OpenPool's cluster_namespace ("" keeps the pool on its node); `namespace_if_store`: asked
+    # only of a daemon that has a store ("auto": an engine config is the same on every node,
+    # with a store or without).
+    cluster_namespace: str
+    namespace_if_store: bool
 
     def await_daemon(self) -> None:
         """Return once the daemon answers a connection, within connect_timeout_s (it may be
@@ -144,6 +156,12 @@ class ConnectorConfig:
         # ones that load; a pin may go once each of them reported its copy landed.
         loaders = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
         alone = _worker_is_alone(parallel.distributed_executor_backend, loaders)
+        namespace = extra.get("ecd_cluster_namespace", AUTO)
+        if not isinstance(namespace, str):
+            raise ValueError(
+                f'ecd_cluster_namespace must be a string ("auto", "" or a namespace), got '
+                f"{namespace!r}"
+            )
         return cls(
             address=str(address) if address else None,
             pool=pool,
@@ -160,7 +178,38 @@ class ConnectorConfig:
             load_reports=1 if alone else loaders,
             worker_is_alone=alone,
             client_name=f"vllm-{pool}-pid{os.getpid()}",
+            cluster_namespace=(
+                embedding_namespace(vllm_config, extra) if namespace == AUTO else namespace
+            ),
+            namespace_if_store=namespace == AUTO,
         )
+
+
+AUTO = "auto"
+# vLLM 0.33's EMBEDDING_CACHE_KEY_VERSION (mooncake_store_embedding/data.py): the namespace's last
+# part, which vLLM changes when its key or value format changes.
+EMBEDDING_KEY_VERSION = "v3"
+
+
+def embedding_namespace(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
+    """The namespace vLLM's own store connector derives from this config
+    (`build_embedding_namespace`, mooncake_store_embedding/data.py, vLLM 0.33), built the same
+    way here rather than imported: vLLM 0.32 has no such module. tests/vllm/test_config.py
+    checks it against vLLM's function."""
+    model = vllm_config.model_config
+    multimodal = model.multimodal_config
+    encoder = multimodal.compute_hash() if multimodal is not None else "encoder:default"
+    cache_prefix = str(extra.get("embedding_cache_prefix", ""))
+    model_name = str(extra.get("embedding_model_identity", model.model))
+    prefix = f"{cache_prefix}@" if cache_prefix else ""
+    return (
+        f"{prefix}embedding"
+        f"@model:{model_name}"
+        f"@revision:{model.revision or 'default'}"
+        f"@encoder:{encoder}"
+        f"@dtype:{model.dtype}"
+        f"@protocol:{EMBEDDING_KEY_VERSION}"
+    )
 
 
 def _size(extra: dict[str, Any], key: str) -> int:

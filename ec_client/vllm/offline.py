@@ -1,9 +1,10 @@
 """vLLM's side of a step, for driving a connector outside a running engine (benchmark, tests).
 
 A real VllmConfig cannot be built without a GPU platform, so the config is a stand-in holding a
-real ParallelConfig and a real ECTransferConfig, with a stand-in ModelConfig answering the three
-questions connectors ask (model name, dtype, input-embedding width): the parts of VllmConfig that
-EC connectors read, and nothing else, so a connector that reads more fails here loudly. Requests
+real ParallelConfig and a real ECTransferConfig, with a stand-in ModelConfig answering what
+connectors ask (model name, dtype, input-embedding width; revision and multimodal config for the
+store's namespace): the parts of VllmConfig that EC connectors read, and nothing else, so a
+connector that reads more fails here loudly. Requests
 are real vLLM Requests with real MultiModalFeatureSpec / PlaceholderRange features.
 `schedule_step` and `finish_step` make the calls vLLM's scheduler makes into a connector, in its
 order.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import MultiModalConfig, VllmConfig
 from vllm.config.ec_transfer import ECRole, ECTransferConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
@@ -66,7 +67,8 @@ class OfflineModelConfig:
     model: str
     dtype: torch.dtype
     width: int
-    multimodal_config: None = None
+    multimodal_config: MultiModalConfig | None = None
+    revision: str | None = None
 
     def get_inputs_embeds_size(self) -> int:
         return self.width

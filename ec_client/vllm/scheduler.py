@@ -99,6 +99,7 @@ from ec_client.types import (
     LeaseResult,
     PoolInfo,
     Role,
+    Stats,
     Status,
     StepResult,
     TensorSpec,
@@ -186,7 +187,11 @@ class SchedulerClient(Protocol):
         capacity_bytes: int,
         compat_key: str,
         ephemeral: bool = False,
+        *,
+        cluster_namespace: str = "",
     ) -> PoolInfo: ...
+
+    def stats(self, engine_id: str = "") -> Stats: ...
 
     def pool_info(self, engine_id: str) -> PoolInfo: ...
 
@@ -323,19 +328,27 @@ class SchedulerSide:
         the pool is another engine's: a configuration error, said at once."""
         c = self.config
         client = self._new_client()
+        # A private pool (per-run name) goes with our session, however the engine ends.
+        pool = (c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key, c.pool_is_private)
         try:
-            # A private pool (per-run name) goes with our session, however the engine ends.
-            client.open_pool(
-                c.pool, c.block_size_bytes, c.capacity_bytes, c.compat_key, c.pool_is_private
-            )
+            if c.namespace_if_store:
+                # "auto": shared only through a daemon that has a store, which the pool's Stats
+                # says (that of every pool needs an admin's token), so the pool is opened, then
+                # opened again with the namespace. At connect only: the client reopens the pool
+                # as it was last opened.
+                client.open_pool(*pool)
+                if client.stats(c.pool).cluster is not None:
+                    client.open_pool(*pool, cluster_namespace=c.cluster_namespace)
+            else:
+                client.open_pool(*pool, cluster_namespace=c.cluster_namespace)
         except EcdError as error:
             client.close()
             if error.code is grpc.StatusCode.FAILED_PRECONDITION:
                 raise PoolRefused(
                     f"ecd at {client.target} refused pool {c.pool!r} to this engine: "
                     f"{error.message}. Engines share a pool only with the same model, dtype, "
-                    "embedding width, vLLM version and ec_cpu_bytes; give this engine another "
-                    "ecd_pool."
+                    "embedding width, vLLM version, ec_cpu_bytes and cluster namespace; give "
+                    "this engine another ecd_pool."
                 ) from None
             raise
         self.client = client

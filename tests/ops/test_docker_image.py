@@ -110,3 +110,12 @@ def test_build_copies_only_existing_files_that_the_ignore_file_admits() -> None:
     assert sources == admitted
     # README.md is written by the project's docs; everything else must be there now.
     assert all((REPO / s).exists() for s in sources - {"README.md"})
+
+
+def test_the_image_installs_the_mooncake_extra_which_ships_the_store_client_and_master() -> None:
+    """The store (ecd serve --store-master) and the master of deploy/k8s/mooncake-master.yaml,
+    which runs from this image, both come with the mooncake extra."""
+    runs = [s.value for s in final_stage() if s.keyword == "RUN"]
+    [project] = [r for r in runs if "/wheels/" in r]
+    assert "[mooncake]" in project
+    assert any("libibverbs1" in r for r in runs)  # the transfer engine's library loads it

@@ -1,19 +1,25 @@
 """deploy/k8s: every manifest validates against the Kubernetes schemas (offline, strict: unknown
-fields are errors), and the pods are wired the way the daemon and its clients need."""
+fields are errors), and the pods are wired the way the daemon and its clients need: the Mooncake
+master behind its Service, and the daemons that join it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
 import yaml
+from cluster_testing import MASTER_BINARY
 from ecd_testing import REPO
+from peer_testing import needs_mooncake
 
 from ec_client.units import parse_size
+from ec_daemon.cluster.mooncake import LOCAL_BUFFER_BYTES
 from ec_daemon.config import Config
 from ec_daemon.peers import PeerEntry
 
@@ -75,6 +81,17 @@ def ec_transfer_config(c: Doc) -> Doc:
     args = c["args"]
     parsed: Doc = json.loads(args[args.index("--ec-transfer-config") + 1])
     return parsed
+
+
+def daemon_at_pod_ip(daemonset: Doc, serve_config: Callable[..., Config]) -> tuple[Doc, Config]:
+    """A DaemonSet's ecd container, told its pod IP by the downward API (Kubernetes expands
+    $(POD_IP) in its args), and its configuration; its probes checked."""
+    ecd = container(pod_spec(daemonset), "ecd")
+    env = {e["name"]: e for e in ecd["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    config = serve_config(ecd["args"])
+    check_probes(ecd, config)
+    return ecd, config
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -183,12 +200,7 @@ def test_daemonset_with_peers_follows_every_daemon_through_a_headless_service(
     serve_config: Callable[..., Config],
 ) -> None:
     service, policy, daemonset = load("daemonset-peers.yaml")
-    spec = pod_spec(daemonset)
-    ecd = container(spec, "ecd")
-    env = {e["name"]: e for e in ecd["env"]}
-    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    config = serve_config(ecd["args"])
-    check_probes(ecd, config)
+    _, config = daemon_at_pod_ip(daemonset, serve_config)
     # Peers: the headless Service in front of these very pods, at the port they listen on.
     [peer] = [PeerEntry.parse(p) for p in config.peers]
     tcp = PeerEntry.parse(config.tcp)
@@ -205,3 +217,71 @@ def test_daemonset_with_peers_follows_every_daemon_through_a_headless_service(
     assert peers_rule["from"] == [{"podSelector": {"matchLabels": selector}}]
     ports = {p["port"]: p.get("endPort") for p in peers_rule["ports"]}
     assert ports == {tcp.port: None, 15000: 17000}
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """--name=value arguments (mooncake_master's gflags form) by name."""
+    return dict(a.removeprefix("--").split("=", 1) for a in args)
+
+
+def test_the_master_runs_from_the_ecd_image_behind_a_service_of_its_ports() -> None:
+    service, deployment = load("mooncake-master.yaml")
+    assert deployment["kind"] == "Deployment" and deployment["spec"]["replicas"] == 1
+    # Never two masters at once: each would hold a directory of its own.
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    master = container(pod_spec(deployment), "master")
+    # The binary ships in the mooncake extra the ecd image installs.
+    [daemon] = load("daemonset.yaml")
+    assert master["image"] == container(pod_spec(daemon), "ecd")["image"]
+    assert master["command"] == ["mooncake_master"]
+    flags = flag_values(master["args"])
+    assert flags["enable_http_metadata_server"] == "true"
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+    assert ports == {
+        "rpc": int(flags["rpc_port"]),
+        "metadata": int(flags["http_metadata_server_port"]),
+        "metrics": int(flags["metrics_port"]),
+    }
+    assert master["securityContext"]["runAsNonRoot"] is True
+
+
+@needs_mooncake
+def test_every_flag_given_to_the_master_is_one_mooncake_master_has() -> None:
+    _, deployment = load("mooncake-master.yaml")
+    given = flag_values(container(pod_spec(deployment), "master")["args"])
+    known = subprocess.run(
+        [MASTER_BINARY, "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert [flag for flag in given if f"-{flag} (" not in known] == []
+
+
+def test_daemonset_with_a_store_joins_the_master_service_and_its_memory_covers_the_segment(
+    serve_config: Callable[..., Config],
+) -> None:
+    policy, daemonset = load("daemonset-store.yaml")
+    service, _ = load("mooncake-master.yaml")
+    ecd, config = daemon_at_pod_ip(daemonset, serve_config)
+    # The master and its metadata server, at the Service's name and ports.
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    master = PeerEntry.parse(config.store_master)
+    assert master.host.startswith(service["metadata"]["name"] + ".")
+    assert master.port == ports["rpc"]
+    metadata = urlsplit(config.store_metadata)
+    assert metadata.hostname == master.host and metadata.port == ports["metadata"]
+    # Other nodes read this node's segment at its pod IP.
+    assert config.transfer_host == "$(POD_IP)"
+    # The pools, the segment and the store client's buffer are all charged to the daemon.
+    assert config.max_bytes is not None and config.store_segment_bytes > 0
+    lent = config.max_bytes + config.store_segment_bytes + LOCAL_BUFFER_BYTES
+    assert parse_size(ecd["resources"]["limits"]["memory"]) > lent
+    # Only other daemons reach the transfer engine's ports.
+    selector = daemonset["spec"]["template"]["metadata"]["labels"]
+    rule = policy["spec"]["ingress"][0]
+    assert policy["spec"]["podSelector"] == {"matchLabels": selector}
+    assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]
+    assert {p["port"]: p.get("endPort") for p in rule["ports"]} == {15000: 17000}
+    # The same node-local wiring as daemonset.yaml: engine pods are unchanged.
+    [plain] = load("daemonset.yaml")
+    assert volumes(pod_spec(daemonset)) == volumes(pod_spec(plain))
+    assert mounts(ecd) == mounts(container(pod_spec(plain), "ecd"))

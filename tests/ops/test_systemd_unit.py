@@ -4,6 +4,7 @@ and the daemon speaks the sd_notify protocol that Type=notify and WatchdogSec= e
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -171,3 +172,18 @@ def test_daemon_notifies_ready_watchdog_and_stopping(tmp_path: Path) -> None:
                 assert time.monotonic() - started < 10
             assert state == "STOPPING=1"
             assert daemon.stop() == 0
+
+
+def test_the_commented_cluster_settings_are_ones_the_daemon_takes(
+    tmp_path: Path, serve_config: Callable[..., Config]
+) -> None:
+    """Uncommented, the example lines of ecd.toml (peers and store) load: no misspelled key, no
+    value the daemon refuses, none missing that another needs."""
+    text = re.sub(r"(?m)^# (\w+ = )", r"\1", (SYSTEMD / "ecd.toml").read_text())
+    config_file = tmp_path / "ecd.toml"
+    config_file.write_text(text)
+    config = serve_config(["--config", str(config_file)])
+    assert config.store_master == "10.0.0.5:50051"
+    assert config.store_metadata == "http://10.0.0.5:8080/metadata"
+    assert config.store_segment_bytes == 4 << 30
+    assert config.peers and config.transfer_host

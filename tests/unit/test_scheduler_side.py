@@ -35,11 +35,13 @@ from ec_client.types import (
     AcquireResult,
     AllocateItem,
     AllocateResult,
+    ClusterStats,
     Extent,
     ItemResult,
     Key,
     LeaseResult,
     PoolInfo,
+    Stats,
     Status,
     StepResult,
     TensorSpec,
@@ -131,6 +133,9 @@ class FakeClient:
         self.sent: list[Sent] = []
         self.closed = False
         self.ephemeral: bool | None = None  # as the pool was opened
+        self.namespace: str | None = None  # the cluster_namespace the pool was opened with
+        self.store: ClusterStats | None = None  # Stats' cluster: the daemon's store, if any
+        self.stats_asked = 0
         self._next_lease = 100
         self.allocations: dict[str, int] = {}  # key -> the allocation answered for it, last
         self.before_answer: Callable[[], None] = lambda: None  # as the daemon reads a Step
@@ -193,9 +198,16 @@ class FakeClient:
         capacity_bytes: int,
         compat_key: str,
         ephemeral: bool = False,
+        *,
+        cluster_namespace: str = "",
     ) -> PoolInfo:
         self.ephemeral = ephemeral
+        self.namespace = cluster_namespace
         return self.info
+
+    def stats(self, engine_id: str = "") -> Stats:
+        self.stats_asked += 1
+        return Stats("epoch-1", 0.0, 0, 0, 0, 1, 0, "test", (), cluster=self.store)
 
     def pool_info(self, engine_id: str) -> PoolInfo:
         return self.info
@@ -214,9 +226,11 @@ class FakeClient:
         self.outbox.close()
 
 
-def connector_config(role: ECRole, tp: int = 1) -> tuple[VllmConfig, ConnectorConfig]:
+def connector_config(
+    role: ECRole, tp: int = 1, **extra: object
+) -> tuple[VllmConfig, ConnectorConfig]:
     vllm_config = offline_config(
-        {"ecd_address": "unix:///fake/ecd.sock", "ec_cpu_bytes": 1 << 20},
+        {"ecd_address": "unix:///fake/ecd.sock", "ec_cpu_bytes": 1 << 20, **extra},
         instance_id=f"test-{uuid.uuid4().hex[:8]}",
         role=role,
         width=WIDTH,
@@ -232,8 +246,10 @@ def client() -> Iterator[FakeClient]:
     fake.outbox.close()
 
 
-def scheduler(client: FakeClient, role: ECRole = "ec_both", tp: int = 1) -> SchedulerSide:
-    vllm_config, config = connector_config(role, tp)
+def scheduler(
+    client: FakeClient, role: ECRole = "ec_both", tp: int = 1, **extra: object
+) -> SchedulerSide:
+    vllm_config, config = connector_config(role, tp, **extra)
     return SchedulerSide(vllm_config, config, connect=lambda: client)
 
 
@@ -291,6 +307,36 @@ def test_a_named_pool_is_not_opened_ephemeral_it_outlives_the_engine(client: Fak
     )
     SchedulerSide(vllm_config, ConnectorConfig.from_vllm(vllm_config), connect=lambda: client)
     assert client.ephemeral is False
+
+
+STORE = ClusterStats("127.0.0.1:50051", True, "", 0, 0, 0, 0, 0, 0)
+
+
+def test_a_pool_is_shared_under_vllms_namespace_when_the_daemon_has_a_store(
+    client: FakeClient,
+) -> None:
+    client.store = STORE
+    side = scheduler(client)
+    assert client.namespace == side.config.cluster_namespace
+    assert client.namespace.startswith("embedding@model:offline/tiny-vlm@")
+
+
+def test_a_pool_stays_on_its_node_when_the_daemon_has_no_store(client: FakeClient) -> None:
+    scheduler(client)
+    assert client.namespace == ""
+
+
+def test_an_empty_cluster_namespace_keeps_the_pool_on_its_node_whatever_the_daemon(
+    client: FakeClient,
+) -> None:
+    client.store = STORE
+    scheduler(client, ecd_cluster_namespace="")
+    assert (client.namespace, client.stats_asked) == ("", 0)
+
+
+def test_a_cluster_namespace_given_is_asked_as_it_is_with_no_stats(client: FakeClient) -> None:
+    scheduler(client, ecd_cluster_namespace="team-a@embedding")
+    assert (client.namespace, client.stats_asked) == ("team-a@embedding", 0)
 
 
 def test_a_miss_the_view_answers_is_owed_to_the_daemon_with_the_next_step_and_nothing_is_sent(

@@ -4,24 +4,31 @@ Proves: extra-config values given as strings (vLLM does not coerce them) are par
 capacity or a bad pool name is refused naming the key; the pool geometry and compatibility key
 come from the model; vLLM's factory loads the class by name and module path; importing
 ec_client alone does not import vLLM; settings of earlier versions that mean nothing now are
-ignored with a warning, not refused.
+ignored with a warning, not refused; the store namespace is vLLM's own store connector's, from
+the same config.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, cast
 
 import pytest
 import torch
 from ecd_testing import run_python
+from vllm.config import MultiModalConfig, VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+    build_embedding_namespace,
+)
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm_testing import WIDTH, EngineSpec
 
 from ec_client.vllm import ECDaemonConnector
 from ec_client.vllm.config import ConnectorConfig
+from ec_client.vllm.offline import OfflineVllmConfig
 
 ADDRESS = "unix:///nonexistent/ecd.sock"
 
@@ -153,3 +160,36 @@ def test_the_pending_wait_of_earlier_versions_is_ignored_with_a_warning_saying_w
 def test_the_idle_wait_is_read_in_milliseconds() -> None:
     assert config(extra={"ecd_idle_wait_ms": "20"}).idle_wait_s == 0.02
     assert config().idle_wait_s == 0.05
+
+
+@pytest.mark.parametrize(
+    ("extra", "revision", "multimodal"),
+    [
+        ({}, None, None),
+        ({}, "abc123", MultiModalConfig(mm_encoder_tp_mode="data")),
+        ({"embedding_cache_prefix": "team-a", "embedding_model_identity": "llava"}, "v2", None),
+    ],
+)
+def test_the_default_cluster_namespace_is_the_one_vllms_store_connector_derives(
+    extra: dict[str, str], revision: str | None, multimodal: MultiModalConfig | None
+) -> None:
+    offline = cast(OfflineVllmConfig, EngineSpec(ADDRESS, extra=extra).vllm_config())
+    model = dataclasses.replace(
+        offline.model_config, revision=revision, multimodal_config=multimodal
+    )
+    vllm_config = cast(VllmConfig, dataclasses.replace(offline, model_config=model))
+
+    c = ConnectorConfig.from_vllm(vllm_config)
+
+    assert c.cluster_namespace == build_embedding_namespace(vllm_config)
+    assert c.namespace_if_store
+
+
+def test_a_cluster_namespace_given_is_used_as_it_is_whatever_the_daemon() -> None:
+    c = config(extra={"ecd_cluster_namespace": "team-a@embedding"})
+    assert (c.cluster_namespace, c.namespace_if_store) == ("team-a@embedding", False)
+
+
+def test_a_cluster_namespace_that_is_not_a_string_is_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match="ecd_cluster_namespace"):
+        config(extra={"ecd_cluster_namespace": False})
