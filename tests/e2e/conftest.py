@@ -69,16 +69,8 @@ def baseline(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    """A real `ecd serve` on a private socket and shm directory.
-
-    --pending-timeout 300 rather than 30: on a loaded 2-core machine an engine's worker has
-    stalled for over 30 s with its encode's Commit still to send (three CPU hogs beside the
-    single-flight test: both engines sent nothing but KeepAlives for 30 s), and the timeout then
-    aborted the entry and let the waiting engine encode too. These tests check single flight and
-    the connector, not the timeout (tests/unit/test_store.py and tests/vllm do)."""
-    with running_daemon(
-        "--max-bytes", "512MiB", "--log-level", "debug", "--pending-timeout", "300"
-    ) as d:
+    """A real `ecd serve` on a private socket and shm directory."""
+    with running_daemon("--max-bytes", "512MiB", "--log-level", "debug") as d:
         yield d
         for log in d.workdir.glob("daemon-*.log"):  # the workdir goes with the daemon
             shutil.copy(log, tmp_path)

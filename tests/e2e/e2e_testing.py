@@ -43,8 +43,6 @@ class EngineSpec:
     pool: str | None = None
     dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict)
-    # A file holding the seconds each encoder call sleeps first (test only: e2e_engine.py).
-    encode_delay_file: str | None = None
 
     def to_json(self) -> str:
         spec = asdict(self)
@@ -60,15 +58,12 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Generated:
-    """The answer to `Engine.generate`: per request (one image each) its greedy tokens,
-    latency and time to first token (as vLLM measured it, when it did), and how many encoder
-    outputs the engine computed and steps it ran meanwhile."""
+    """The answer to `Engine.generate`: per request (one image each) its greedy tokens and
+    latency, and how many encoder outputs the engine computed for them."""
 
     tokens: list[list[int]]
     latency_s: list[float]
     encoded: int
-    ttft_s: list[float | None] = field(default_factory=list)
-    steps: int = 0
 
 
 class Leftovers:
