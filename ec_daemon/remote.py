@@ -67,6 +67,9 @@ from ec_daemon.transport import Transport, TransportError, plan_copies
 
 log = logging.getLogger("ecd.remote")
 
+# How long past the pull timeout an asker still waits for the pulls it joined (Remote.fetch).
+_LATE_LOOP_S = 0.5
+
 
 class PeerCalls(Protocol):
     """What a pull asks of a peer: the session this daemon's follower holds there."""
@@ -192,7 +195,11 @@ class Remote:
         self._store.may_consume(session_id)
         waits = self.start(engine_id, keys)
         if waits:
-            await asyncio.wait(set(waits.values()), timeout=max(wait_ms / 1000, self.timeout_s))
+            # Each pull ends by its own deadline, timeout_s after it began; the margin keeps a
+            # loaded loop that wakes this caller before the pull's own timer from answering a
+            # pull that is about to end as still PENDING.
+            timeout = max(wait_ms / 1000, self.timeout_s + _LATE_LOOP_S)
+            await asyncio.wait(set(waits.values()), timeout=timeout)
         return list(waits)
 
     async def step(
