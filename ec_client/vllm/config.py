@@ -128,6 +128,15 @@ class ConnectorConfig:
                 )
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
+        if images_are_named_by_request(vllm_config):
+            log.warning(
+                "this engine names each image by its request, not its content: with prefix "
+                "caching off and mm_processor_cache_gb=0, vLLM gives an image without a "
+                "multi_modal_uuid an identifier of its request, so no encoder cache (ecd's or "
+                "vLLM's own) can ever find it again and every image is encoded anew. Set "
+                "--mm-processor-cache-gb above 0 (or keep prefix caching on), or send "
+                "multi_modal_uuids with the requests"
+            )
 
         dtype = model.dtype
         if not isinstance(dtype, torch.dtype):
@@ -209,6 +218,20 @@ def embedding_namespace(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
         f"@encoder:{encoder}"
         f"@dtype:{model.dtype}"
         f"@protocol:{EMBEDDING_KEY_VERSION}"
+    )
+
+
+def images_are_named_by_request(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM names an image without a caller-given multi_modal_uuid after its request
+    (`{request id}-image-0`) rather than its content: it skips content hashing when neither the
+    prefix cache nor the multimodal processor cache would use the hash (renderers/base.py,
+    `_process_mm_uuids`, vLLM 0.32 and 0.33). An encoder-only engine (ec_producer) has prefix
+    caching turned off by vLLM itself, so there the processor cache at 0 alone does it."""
+    multimodal = vllm_config.model_config.multimodal_config
+    return (
+        multimodal is not None
+        and multimodal.mm_processor_cache_gb == 0
+        and not vllm_config.cache_config.enable_prefix_caching
     )
 
 

@@ -13,11 +13,11 @@ order.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from vllm.config import MultiModalConfig, VllmConfig
+from vllm.config import CacheConfig, MultiModalConfig, VllmConfig
 from vllm.config.ec_transfer import ECRole, ECTransferConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
@@ -84,6 +84,7 @@ class OfflineVllmConfig:
     instance_id: str
     use_v2_model_runner: bool = True
     lora_config: None = None
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
 
 
 def image_request(request_id: str, keys: Sequence[str], rows: int) -> Request:

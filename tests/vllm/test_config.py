@@ -5,7 +5,8 @@ capacity or a bad pool name is refused naming the key; the pool geometry and com
 come from the model; vLLM's factory loads the class by name and module path; importing
 ec_client alone does not import vLLM; settings of earlier versions that mean nothing now are
 ignored with a warning, not refused; the store namespace is vLLM's own store connector's, from
-the same config.
+the same config; an engine that names images by their request (so nothing can ever hit) is
+warned at start.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, cast
 import pytest
 import torch
 from ecd_testing import run_python
-from vllm.config import MultiModalConfig, VllmConfig
+from vllm.config import CacheConfig, MultiModalConfig, VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
@@ -193,3 +194,33 @@ def test_a_cluster_namespace_given_is_used_as_it_is_whatever_the_daemon() -> Non
 def test_a_cluster_namespace_that_is_not_a_string_is_refused_naming_the_key() -> None:
     with pytest.raises(ValueError, match="ecd_cluster_namespace"):
         config(extra={"ecd_cluster_namespace": False})
+
+
+def naming(prefix_caching: bool, processor_cache_gb: float) -> VllmConfig:
+    offline = cast(OfflineVllmConfig, EngineSpec(ADDRESS).vllm_config())
+    model = dataclasses.replace(
+        offline.model_config,
+        multimodal_config=MultiModalConfig(mm_processor_cache_gb=processor_cache_gb),
+    )
+    cache = CacheConfig(enable_prefix_caching=prefix_caching)
+    return cast(VllmConfig, dataclasses.replace(offline, model_config=model, cache_config=cache))
+
+
+def test_an_engine_that_names_images_by_request_is_warned_that_nothing_can_hit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="ec_client.vllm"):
+        ConnectorConfig.from_vllm(naming(prefix_caching=False, processor_cache_gb=0))
+    assert "names each image by its request" in caplog.text
+    assert "--mm-processor-cache-gb" in caplog.text and "multi_modal_uuids" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("prefix_caching", "processor_cache_gb"), [(True, 0), (False, 4), (True, 4)]
+)
+def test_an_engine_that_names_images_by_content_is_not_warned(
+    caplog: pytest.LogCaptureFixture, prefix_caching: bool, processor_cache_gb: float
+) -> None:
+    with caplog.at_level("WARNING", logger="ec_client.vllm"):
+        ConnectorConfig.from_vllm(naming(prefix_caching, processor_cache_gb))
+    assert "names each image by its request" not in caplog.text
