@@ -110,8 +110,11 @@ def serve(llm: Any, conn: Connection) -> None:
         try:
             if command == "generate":
                 answer: Any = generate(llm, *args)
-            elif command == "reset_encoder_cache":
-                answer = llm.llm_engine.reset_encoder_cache()
+            elif command == "reset_caches":
+                llm.llm_engine.reset_encoder_cache()
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM kept its prefix cache: a request still holds blocks")
+                answer = None
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", answer))

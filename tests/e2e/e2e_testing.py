@@ -164,10 +164,12 @@ class Engine:
         self.answers.append(answer)
         return answer
 
-    def reset_encoder_cache(self) -> None:
-        """Empty vLLM's own encoder cache, so the next request of a seen image asks the
-        connector (vLLM skips a repeated image in one engine by itself)."""
-        self._call("reset_encoder_cache")
+    def reset_caches(self) -> None:
+        """Empty vLLM's own encoder cache and prefix cache: the next request of a seen image
+        asks the connector (vLLM skips a repeated image in one engine by itself) and prefills
+        anew, so that a hit's figure measures the cache, not vLLM's reuse of the encode's KV
+        blocks."""
+        self._call("reset_caches")
 
     def close(self, timeout_s: float = 120.0) -> int:
         """Shut the engine down as its user would (vLLM's shutdown, the connector's too)."""

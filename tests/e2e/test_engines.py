@@ -42,7 +42,7 @@ def load_again(engine: Engine, image: int, timeout_s: float) -> int:
 
     def loaded() -> bool:
         nonlocal encoded
-        engine.reset_encoder_cache()
+        engine.reset_caches()
         answer = engine.generate(image)
         encoded += answer.encoded
         return answer.encoded == 0
@@ -89,12 +89,12 @@ def test_c_one_engine_with_both_roles_loads_images_it_saw_and_encodes_new_ones(
     first = engine.generate(1, 2)
     assert first.encoded == 2
 
-    engine.reset_encoder_cache()
+    engine.reset_caches()
     again = engine.generate(1, 2, 3)
 
     assert again.encoded == 1  # image 3 only
     assert again.tokens == [baseline[1], baseline[2], baseline[3]]
-    engine.reset_encoder_cache()
+    engine.reset_caches()
     assert engine.generate(3).encoded == 0  # saved on its first encode
 
 
@@ -162,7 +162,7 @@ def test_g_an_engine_answers_while_the_daemon_is_away_and_loads_once_it_is_back(
 
     daemon.start()  # a warm restart: image 2 is still in the pool
     load_again(engine, 2, timeout_s=60)
-    engine.reset_encoder_cache()
+    engine.reset_caches()
     assert engine.generate(2).tokens == [baseline[2]]
 
 
