@@ -4,17 +4,17 @@ file and socket permissions, size limits."""
 from __future__ import annotations
 
 import os
-import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from ecd_testing import Daemon, running_daemon
+from ecd_testing import Daemon, auth_args, running_daemon
 from pki_testing import make_pki, tls_args
 
 from ec_client import AllocateItem, Client, EcdError, Status, TLSFiles, check_health
+from ec_daemon.spawn import free_port
 
 TOKENS = {
     "encoder": "enc-0123456789abcdef",
@@ -36,14 +36,8 @@ BLOCK = 4096
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    directory = tmp_path_factory.mktemp("auth")
-    tokens = directory / "tokens"
-    tokens.write_text("".join(f"{name} {token}\n" for name, token in TOKENS.items()))
-    acl = directory / "acl.toml"
-    acl.write_text(ACL)
-    with running_daemon(
-        "--max-bytes", "64MiB", "--token-file", str(tokens), "--acl-file", str(acl)
-    ) as daemon:
+    auth = auth_args(tmp_path_factory.mktemp("auth"), TOKENS, ACL)
+    with running_daemon("--max-bytes", "64MiB", *auth) as daemon:
         yield daemon
 
 
@@ -176,12 +170,6 @@ def test_a_token_file_others_may_read_is_warned_about(tmp_path: Path) -> None:
     tokens.chmod(0o644)
     with running_daemon("--max-bytes", "64MiB", "--token-file", str(tokens)) as daemon:
         assert "token file is readable by every user" in daemon.log()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_tls_on_tcp_serves_clients_that_trust_the_ca_and_not_plaintext(tmp_path: Path) -> None:
