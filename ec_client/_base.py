@@ -41,7 +41,7 @@ class BaseClient:
         a get's wait_ms ending first answers None). `role`
         limits what the session may do (see Role); `token` defaults to ECD_TOKEN or
         ECD_TOKEN_FILE, `tls` to ECD_TLS_CA / ECD_TLS_CERT / ECD_TLS_KEY (unless from_env is
-        False, as for a daemon calling its peers). `linger_s`: how long what is owed (commits of
+        False). `linger_s`: how long what is owed (commits of
         puts, releases of gets) waits for a call to ride on before it goes alone (see `outbox`)."""
         self.options = Options.make(
             target,

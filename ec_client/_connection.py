@@ -60,7 +60,7 @@ class Options:
         wait_for_daemon_s: float = 0.0,
     ) -> Options:
         """from_env: a token or TLS files not given come from ECD_TOKEN, ECD_TOKEN_FILE and
-        ECD_TLS_*. Not for a daemon calling its peers: its own settings share those names."""
+        ECD_TLS_*."""
         if from_env:
             token = token or os.environ.get("ECD_TOKEN") or _token_from_file()
             tls = tls or TLSFiles.from_env()

@@ -518,7 +518,6 @@ def stats(engine_id: str) -> Call[api.Stats]:
             api.Stats,
             reply,
             pools=tuple(pool_stats(p) for p in reply.pools),
-            peers=tuple(mirror(api.PeerStats, p) for p in reply.peers),
             cluster=(
                 mirror(api.ClusterStats, reply.cluster) if reply.HasField("cluster") else None
             ),
@@ -536,15 +535,8 @@ def pool_stats(message: pb.PoolStats) -> api.PoolStats:
     )
 
 
-def watch_request(
-    engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool = False
-) -> pb.WatchRequest:
-    return pb.WatchRequest(
-        engine_id=engine_id,
-        snapshot=snapshot,
-        include_remote=include_remote,
-        include_pending=include_pending,
-    )
+def watch_request(engine_id: str, snapshot: bool, include_pending: bool = False) -> pb.WatchRequest:
+    return pb.WatchRequest(engine_id=engine_id, snapshot=snapshot, include_pending=include_pending)
 
 
 def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
@@ -554,7 +546,6 @@ def watch_event(event: pb.WatchEvent) -> api.WatchEvent:
         key=event.key,
         nbytes=event.nbytes,
         boot_epoch=event.boot_epoch,
-        remote=event.remote,
         slot=event.slot if event.HasField("slot") else None,
     )
 

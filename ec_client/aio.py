@@ -270,21 +270,19 @@ class AsyncClient(BaseClient):
         self,
         engine_id: str = "",
         snapshot: bool = False,
-        include_remote: bool = False,
         include_pending: bool = False,
     ) -> AsyncIterator[WatchEvent]:
-        return aiter(self.open_watch(engine_id, snapshot, include_remote, include_pending))
+        return aiter(self.open_watch(engine_id, snapshot, include_pending))
 
     def open_watch(
         self,
         engine_id: str = "",
         snapshot: bool = False,
-        include_remote: bool = False,
         include_pending: bool = False,
     ) -> AsyncWatchStream:
         return AsyncWatchStream(
             self._stub.Watch(
-                _wire.watch_request(engine_id, snapshot, include_remote, include_pending),
+                _wire.watch_request(engine_id, snapshot, include_pending),
                 metadata=self.options.metadata,
             )
         )
@@ -400,11 +398,9 @@ class _FromThreads:
     def run(self, work: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(_awaited(work), self._loop).result()
 
-    def open_watch(
-        self, engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool
-    ) -> _ThreadStream:
+    def open_watch(self, engine_id: str, snapshot: bool, include_pending: bool) -> _ThreadStream:
         async def opened() -> AsyncWatchStream:
-            return self._client.open_watch(engine_id, snapshot, include_remote, include_pending)
+            return self._client.open_watch(engine_id, snapshot, include_pending)
 
         return _ThreadStream(self, self._loop, self.run(opened()))
 

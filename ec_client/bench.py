@@ -11,8 +11,6 @@ reported as ratios to a baseline measured side by side in the same run:
   cached entries (a get right after its own put waits for the commit first: the handoff figure);
 - load: puts and gets per second with 1 and several client processes;
 - handoff: from a producer's commit to a waiting consumer's wake-up, across processes;
-- remote: a get of an entry only a peer daemon holds (a pull) against a get of an entry held
-  here and against a bare transfer-engine read of the same bytes (two daemons; docs/design.md §13);
 - restart: a warm restart (docs/design.md §8): a pool filled with 10,000 or 100,000 one-block
   entries, the daemon SIGKILLed and started again on the same shm directory, timed until it is
   SERVING and an old key is a hit, against a start with nothing to adopt; and a put's cost per
@@ -22,7 +20,6 @@ reported as ratios to a baseline measured side by side in the same run:
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import multiprocessing
 import statistics
@@ -50,7 +47,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 POOL = "ecd-bench"
 BLOCK = 4096
-BareRead = Callable[[str, int, int], float]  # (peer's transfer endpoint, address, nbytes) -> s
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -279,6 +275,14 @@ def bench_latency(client: Client, runs: int, iterations: int, size: int, report:
 # ---- data path ---------------------------------------------------------------------------------
 
 
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"still waiting for {what} after {timeout_s} s")
+        time.sleep(0.0005)
+
+
 def _save_and_wait(mover: TensorMover, tensor: torch.Tensor, extents: Sequence[Extent]) -> None:
     mover.save(tensor, extents).wait()
 
@@ -489,107 +493,6 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
     )
 
 
-# ---- pulls from a peer daemon -------------------------------------------------------------------
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"still waiting for {what} after {timeout_s} s")
-        time.sleep(0.0005)
-
-
-def _drop_local_copy(client: Client, key: str) -> None:
-    """Evict this node's copy of `key`, until the client's view offers it from the peer only."""
-    client.flush()  # the last get's pin goes back first
-    client.evict(POOL, [key])
-    view, raw = client.view(POOL), key.encode()
-    _wait(lambda: view.has(raw) and not view.has_local(raw), "the peer's copy to be offered")
-
-
-def bench_remote(
-    here: Client,
-    there: Client,
-    sizes: Sequence[int],
-    runs: int,
-    samples: int,
-    bare: BareRead,
-    report: Report,
-) -> None:
-    """A get here of an entry only the peer daemon `there` holds (the pull: the peer's pin, one
-    transfer-engine read, the commit; then the copy out, as in any get), against a get of an
-    entry held here and a bare transfer-engine read of the same bytes from the peer's pool,
-    side by side in each run; medians of runs of medians. Bytes are checked after the run."""
-    import torch
-
-    from ec_client import Consumer, Producer
-
-    capacity = 4 * max(sizes) + (64 << 20)
-    for client in (here, there):
-        client.open_pool(POOL, BLOCK, capacity, "ecd-bench")
-    _wait(lambda: [p.state for p in here.stats().peers] == ["synced"], "the peer to be followed")
-    consumer, info = Consumer(here, POOL), there.pool_info(POOL)
-    for size in sizes:
-        tensor = torch.randint(0, 256, (size,), dtype=torch.uint8)
-        out = torch.empty_like(tensor)
-        near, far = f"near-{size}", f"far-{size}"
-        Producer(here, POOL).put(near, tensor)
-        Producer(there, POOL).put(far, tensor)
-        here.flush()
-        there.flush()
-        [pinned] = there.acquire(POOL, [far])  # where the bare reads read, for the whole size
-        address = info.transfer_base + pinned.extents[0].start * BLOCK
-        _wait(functools.partial(here.view(POOL).has, far.encode()), "the peer's entry")
-        consumer.get(far, "cpu", 0, out)  # the first read from a peer pays its handshake
-        [before] = here.stats(POOL).pools
-        rows: list[dict[str, float]] = []
-        for _ in progress(range(runs), f"remote {format_size(size)}"):
-            local = [timed(consumer.get, near, "cpu", 0, out) for _ in range(samples)]
-            remote = []
-            for _ in range(samples):
-                _drop_local_copy(here, far)
-                remote.append(timed(consumer.get, far, "cpu", 0, out))
-            if not torch.equal(out, tensor):
-                raise RuntimeError(f"a remote get of {format_size(size)} returned other bytes")
-            reads = [bare(info.transfer_endpoint, address, size) for _ in range(samples)]
-            rows.append(
-                {
-                    "local_ms": statistics.median(local) * 1e3,
-                    "remote_ms": statistics.median(remote) * 1e3,
-                    "bare_read_ms": statistics.median(reads) * 1e3,
-                }
-            )
-        [after] = here.stats(POOL).pools
-        there.release([pinned.lease_id])
-        here.flush()
-        here.evict(POOL, [near, far])
-        there.evict(POOL, [far])
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        hits = after.remote_hits - before.remote_hits
-        report.add(
-            "remote",
-            {
-                "size": format_size(size),
-                **med,
-                "pull_ms": (after.remote_seconds_sum - before.remote_seconds_sum) / hits * 1e3,
-                "remote_vs_local": med["remote_ms"] / med["local_ms"],
-                "bare_vs_remote": med["bare_read_ms"] / med["remote_ms"],
-                "reads_per_hit": (after.remote_reads - before.remote_reads) / hits,
-            },
-        )
-
-
-def run_remote(here: str, there: str, args: Any, bare: BareRead, report: Report) -> None:
-    """The remote suite between the daemon at `here` and its peer at `there`."""
-    with (
-        Client(here, name="ecd-bench", role=Role.BOTH) as near,
-        Client(there, name="ecd-bench-peer", role=Role.BOTH) as far,
-        pool_dropped(near, far),
-    ):
-        bench_remote(near, far, args.remote_sizes, args.runs, args.remote_samples, bare, report)
-
-
 # ---- a warm restart ----------------------------------------------------------------------------
 
 RESTART_BLOCK = 8 << 10
@@ -785,20 +688,6 @@ SECTIONS = {
     "handoff": (
         "Handoff: producer commit -> waiting consumer wakes (other process)",
         ["samples", "p50_us", "p99_us"],
-    ),
-    "remote": (
-        "Remote get (a pull from a peer daemon, then the copy out) vs a local get and a bare "
-        "transfer-engine read of the same bytes (medians; pull_ms: the daemon's mean pull)",
-        [
-            "size",
-            "local_ms",
-            "remote_ms",
-            "bare_read_ms",
-            "pull_ms",
-            "remote_vs_local",
-            "bare_vs_remote",
-            "reads_per_hit",
-        ],
     ),
     "restart": (
         "Warm restart: SIGKILL, start again on the same shm directory; seconds from the process's "

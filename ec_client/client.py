@@ -362,27 +362,24 @@ class Client(BaseClient):
         self,
         engine_id: str = "",
         snapshot: bool = False,
-        include_remote: bool = False,
         include_pending: bool = False,
     ) -> Iterator[WatchEvent]:
         """Events of one pool (or all) as they happen; with snapshot, first every READY key and
-        then a SYNCED event; with include_remote, also the keys peer daemons hold (events with
-        `remote` set: an Acquire here pulls such a key); with include_pending, also PENDING
-        events (in the snapshot too): entries allocated whose producer is writing them. Stop
-        early by closing the returned generator."""
-        return iter(self.open_watch(engine_id, snapshot, include_remote, include_pending))
+        then a SYNCED event; with include_pending, also PENDING events (in the snapshot too):
+        entries allocated whose producer is writing them. Stop early by closing the returned
+        generator."""
+        return iter(self.open_watch(engine_id, snapshot, include_pending))
 
     def open_watch(
         self,
         engine_id: str = "",
         snapshot: bool = False,
-        include_remote: bool = False,
         include_pending: bool = False,
     ) -> WatchStream:
         """Like watch, as a stream that another thread can end with `cancel()`."""
         return WatchStream(
             self._stub.Watch(
-                _wire.watch_request(engine_id, snapshot, include_remote, include_pending),
+                _wire.watch_request(engine_id, snapshot, include_pending),
                 metadata=self.options.metadata,
             )
         )

@@ -11,10 +11,10 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
    together, SlotPins.pin_many), which also reads the entry's record (extents, shape, dtype,
    checksum): a local hit makes no round trip. A lock pin that finds another entry in the slot
    (the view was behind an eviction) is a miss.
-2. Everything else asks the daemon, in one Step for the batch: keys only a peer daemon holds
-   (the Acquire pulls them), keys whose slot the view has not heard yet, keys whose Commit this
-   client still owes (the same Step carries the Commit first, or waits for the Step of the
-   outbox's thread that carries it now: a client reads its own writes),
+2. Everything else asks the daemon, in one Step for the batch: keys whose slot the view has
+   not heard yet, keys whose Commit this client still owes (the same Step carries the Commit
+   first, or waits for the Step of the outbox's thread that carries it now: a client reads its
+   own writes),
    and every key while the view is not synced (starting, or the daemon away) or with wait_ms
    (the daemon is what waits, for a key PENDING or not there yet).
 3. The copies out of the pool are launched, each batch's together (the lock-pinned ones, then

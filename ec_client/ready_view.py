@@ -15,11 +15,6 @@ and takes a fresh snapshot. A pool dropped while this client had it is not made 
 reattaching (docs/design.md §3): the view says so once, at warning, and stays unsynced until
 someone opens the pool with its geometry again.
 
-With peer daemons (docs/design.md §13) the stream also carries the keys peers hold (include_remote:
-events with `remote` set), kept apart: `has` counts them too, since an Acquire here pulls such
-a key from a peer (waiting for the transfer), while `has_local` counts only this daemon's
-entries, for callers that must not wait on a transfer.
-
 Each local READY key comes with its slot in the pool file (the events carry it), where a reader
 takes a lock pin and finds the entry's record (`slot`: docs/design.md §5, ec_client/slot_locks.py):
 a hit with no round trip. A slot from the view is a hint too: the lock pin checks the record.
@@ -61,9 +56,7 @@ class Stream(Protocol):
 
 
 class Watcher(Protocol):
-    def open_watch(
-        self, engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool
-    ) -> Stream: ...
+    def open_watch(self, engine_id: str, snapshot: bool, include_pending: bool) -> Stream: ...
 
 
 class ReadyView:
@@ -76,7 +69,6 @@ class ReadyView:
         self._reattach = reattach
         self._lock = threading.Lock()
         self._ready: dict[bytes, int | None] = {}  # READY here -> its slot (None: not heard yet)
-        self._remote: set[bytes] = set()  # keys peer daemons hold (whether here or not)
         self._pending: set[bytes] = set()  # keys being written into this daemon's pool
         self._added: set[bytes] = set()  # add()ed since the stream opened: merged at SYNCED
         self._on_committed: list[Callable[[bytes, int], None]] = []
@@ -103,12 +95,8 @@ class ReadyView:
         return self._synced.wait(timeout_s)
 
     def has(self, key: bytes) -> bool:
-        """READY here, or held by a peer daemon (an Acquire here pulls it)."""
-        # A set lookup under the GIL is atomic: no lock on this, the hottest path.
-        return (key in self._ready or key in self._remote) and self.synced
-
-    def has_local(self, key: bytes) -> bool:
-        """READY in this daemon's pool: an Acquire pins it without a transfer."""
+        """READY in the daemon's pool."""
+        # A dict lookup under the GIL is atomic: no lock on this, the hottest path.
         return key in self._ready and self.synced
 
     def slot(self, key: bytes) -> int | None:
@@ -155,10 +143,9 @@ class ReadyView:
         self._on_committed.append(listener)
 
     def discard(self, key: bytes) -> None:
-        """An Acquire found `key` gone (here and at the peers) before the event came."""
+        """An Acquire found `key` gone before the event came."""
         with self._lock:
             self._ready.pop(key, None)
-            self._remote.discard(key)
             self._added.discard(key)
 
     def close(self) -> None:
@@ -197,22 +184,16 @@ class ReadyView:
         """Follow one Watch stream until it ends; returns whether it got as far as SYNCED."""
         with self._lock:
             self._added.clear()
-        stream = self._client.open_watch(
-            self._engine_id, snapshot=True, include_remote=True, include_pending=True
-        )
+        stream = self._client.open_watch(self._engine_id, snapshot=True, include_pending=True)
         with self._lock:
             self._stream = stream
         if self._closed.is_set():
             stream.cancel()  # close() ran between the loop's check and the assignment
         snapshot: dict[bytes, int | None] = {}
-        remote: set[bytes] = set()
         pending: set[bytes] = set()
         for event in stream:
             if event.type is EventType.SNAPSHOT:
-                if event.remote:
-                    remote.add(event.key)
-                else:
-                    snapshot[event.key] = event.slot
+                snapshot[event.key] = event.slot
             elif event.type is EventType.PENDING:
                 with self._lock:
                     (self._pending if self.synced else pending).add(event.key)
@@ -221,27 +202,20 @@ class ReadyView:
                     # A key committed here after the stream opened may be missing from the
                     # snapshot, its event still to come: the client must read its own writes.
                     self._ready = dict.fromkeys(self._added) | snapshot
-                    self._remote = remote
                     self._pending = pending - self._ready.keys()
                 self.synced = True
                 self._synced.set()
             elif event.type is EventType.COMMITTED:
                 with self._lock:
-                    if event.remote:
-                        self._remote.add(event.key)
-                    else:
-                        self._ready[event.key] = event.slot
-                        self._pending.discard(event.key)
-                if not event.remote and event.slot is not None:
+                    self._ready[event.key] = event.slot
+                    self._pending.discard(event.key)
+                if event.slot is not None:
                     self._tell_committed(event.key, event.slot)
             elif event.type in _GONE:
                 with self._lock:
-                    if event.remote:
-                        self._remote.discard(event.key)
-                    else:
-                        self._ready.pop(event.key, None)
-                        self._added.discard(event.key)
-                        self._pending.discard(event.key)
+                    self._ready.pop(event.key, None)
+                    self._added.discard(event.key)
+                    self._pending.discard(event.key)
             elif event.type is EventType.POOL_DROPPED:
                 break  # reattached once the pool is there again; then a fresh snapshot
             if self.synced:

@@ -1,5 +1,4 @@
-"""TLSFiles: the PEM files of a TLS connection over TCP, shared by clients and by the daemon
-calling its peers."""
+"""TLSFiles: the PEM files of a client's TLS connection over TCP."""
 
 from __future__ import annotations
 

@@ -144,8 +144,6 @@ class PoolInfo:
     compat_key: str
     max_entries: int
     created: bool
-    transfer_endpoint: str = ""  # where peer daemons read its blocks; "" without peers
-    transfer_base: int = 0  # the address of block 0 at that endpoint
     cluster_namespace: str = ""  # shared through the daemon's Mooncake Store under it; "" not
 
 
@@ -277,17 +275,6 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
-class PeerStats:
-    """A peer daemon this one follows (`ecd serve --peer`)."""
-
-    address: str
-    state: str  # connecting, syncing, synced, down, or self
-    boot_epoch: str
-    keys: int  # READY keys it holds, as last heard
-    error: str  # why its last stream ended; empty while it never broke
-
-
-@dataclass(frozen=True)
 class ClusterStats:
     """The daemon's part in a Mooncake Store (`ecd serve --store-master`): whether it is
     connected, and what became of the commits of its shared pools."""
@@ -314,7 +301,6 @@ class Stats:
     lease_expiries: int
     version: str
     pools: tuple[PoolStats, ...]
-    peers: tuple[PeerStats, ...] = ()
     cluster: ClusterStats | None = None  # None without a store
 
 
@@ -325,5 +311,4 @@ class WatchEvent:
     key: bytes
     nbytes: int
     boot_epoch: str
-    remote: bool = False  # about the keys peer daemons hold (Watch with include_remote)
     slot: int | None = None  # the entry's slot (local SNAPSHOT, PENDING, COMMITTED): lock pins

@@ -12,7 +12,6 @@ configuration.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import enum
 import json
@@ -24,7 +23,7 @@ from typing import Any
 
 from ec_client import Client, EcdError, ItemResult, Role, __version__, check_health
 from ec_client.address import default_target
-from ec_client.types import ClusterStats, PeerStats
+from ec_client.types import ClusterStats
 from ec_client.units import format_size, parse_size
 from ec_daemon import config as config_module
 from ec_daemon.checks import StartupError
@@ -189,8 +188,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
         pools = table(headers, rows) if rows else "(no pools)"
         store = f"\n{cluster_line(stats.cluster)}" if stats.cluster is not None else ""
-        peers = f"\n\n{peer_table(stats.peers)}" if stats.peers else ""
-        return f"{head}{store}\n\n{pools}{peers}"
+        return f"{head}{store}\n\n{pools}"
 
     emit(args, stats, human)
     return 0
@@ -203,11 +201,6 @@ def cluster_line(c: ClusterStats) -> str:
         f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
         f"dropped {c.dropped}"
     )
-
-
-def peer_table(peers: Sequence[PeerStats]) -> str:
-    rows = [(p.address, p.state.upper(), p.boot_epoch or "-", p.keys, p.error) for p in peers]
-    return table(("PEER", "STATE", "EPOCH", "KEYS", "LAST ERROR"), rows)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -313,7 +306,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 
-SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "remote", "restart")
+SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "restart")
 
 
 def suite_set(text: str) -> set[str]:
@@ -353,7 +346,7 @@ def count_list(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ec_client import bench
     from ec_daemon import costs
-    from ec_daemon.spawn import bare_reads, restartable_daemon, spawned_daemon, spawned_peers
+    from ec_daemon.spawn import restartable_daemon, spawned_daemon
 
     report = bench.Report({})
     suites = args.suite
@@ -367,18 +360,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         daemon = costs.measure(args.batch * 4, args.iterations * 2)
         bench.bench_costs(daemon, args.batch * 4, args.iterations * 2, report)
     spawned = ("--max-bytes", "4GiB", "--log-level", "warning")
-    if "remote" in suites:  # two daemons, peers of each other; not part of "all"
-        if not args.spawn and not args.remote_address:
-            print("ecd: --suite remote needs --spawn, or --remote-address", file=sys.stderr)
-            return 2
-        with contextlib.ExitStack() as stack:
-            here, there = (
-                stack.enter_context(spawned_peers(2, *spawned, prefix="ecd-bench-"))
-                if args.spawn
-                else (args.address or default_target(), args.remote_address)
-            )
-            bare = stack.enter_context(bare_reads(max(args.remote_sizes)))
-            bench.run_remote(here, there, args, bare, report)
     if "restart" in suites:  # daemons of its own, killed and started again; not part of "all"
         bench.bench_restart(
             lambda flags: restartable_daemon(*flags, prefix="ecd-bench-", cache_bytecode=True),
@@ -386,7 +367,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.runs,
             report,
         )
-    if suites - {"costs", "remote", "restart"}:
+    if suites - {"costs", "restart"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
                 bench.run(address, args, report)
@@ -492,9 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--suite",
         type=suite_set,
         default="all",
-        help="costs,latency,control,data,load,handoff or all; remote (two peered daemons: "
-        "with --spawn, or --address and its peer's --remote-address) and restart (a warm "
-        "restart after a SIGKILL; with --spawn) only when named",
+        help="costs,latency,control,data,load,handoff or all; restart (a warm restart after a "
+        "SIGKILL; with --spawn) only when named",
     )
     bench.add_argument("--runs", type=count, default=5, help="repetitions; medians are reported")
     bench.add_argument(
@@ -513,14 +493,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-size", type=size, default="256KiB", help="entry size (latency, load)"
     )
     bench.add_argument("--seconds", type=float, default=5.0, help="duration per count (load)")
-    bench.add_argument(
-        "--remote-sizes",
-        type=size_list,
-        default="8MiB,64MiB",
-        help="entry sizes (remote: pulls from a peer)",
-    )
-    bench.add_argument("--remote-samples", type=count, default=10, help="gets per run (remote)")
-    bench.add_argument("--remote-address", help="a peer daemon of --address (remote)")
     bench.add_argument(
         "--restart-entries",
         type=count_list,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import tomllib
@@ -18,7 +19,6 @@ from typing import Any
 
 from ec_client.address import daemon_socket_path
 from ec_client.units import format_size, parse_size
-from ec_daemon.peers import PeerEntry, peer_address
 
 ENV_PREFIX = "ECD_"
 
@@ -122,13 +122,6 @@ def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None
 
 
-def _peers(value: str | list[str]) -> tuple[str, ...]:
-    """HOST:PORT entries: a list (repeated flag, TOML array) or comma-separated text (env)."""
-    entries = value.split(",") if isinstance(value, str) else value
-    parsed = [PeerEntry.parse(str(entry)) for entry in entries if str(entry).strip()]
-    return tuple(peer_address(p.host, p.port) for p in parsed)
-
-
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -137,11 +130,10 @@ class Setting:
     help: str
     metavar: str = ""
     unset: str = "(none)"  # what a value of None means, as --help and --print-config show it
-    repeated: str = ""  # the flag's singular name when the flag is repeated (--peer for peers)
 
     @property
     def flag(self) -> str:
-        return "--" + (self.repeated or self.name).replace("_", "-")
+        return "--" + self.name.replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -149,10 +141,8 @@ class Setting:
 
     def show(self, value: Any) -> str:
         """A value as an operator writes it: modes in octal, TOML booleans, unset as what it means."""
-        if value is None or value == "" or value == ():
+        if value is None or value == "":
             return self.unset
-        if isinstance(value, tuple):
-            return ",".join(value)
         if isinstance(value, bool):
             return str(value).lower()
         if self.name.endswith("_mode"):
@@ -334,75 +324,21 @@ SETTINGS: tuple[Setting, ...] = (
         "BOOL",
     ),
     Setting(
-        "peers",
-        _peers,
-        (),
-        "a peer daemon to pull entries from: its --tcp HOST:PORT; repeat the flag for each (env "
-        "and TOML: a list); a DNS name is one peer per address (a Kubernetes headless Service). "
-        "Needs --tcp",
-        "HOST:PORT",
-        repeated="peer",
-    ),
-    Setting(
-        "peer_refresh",
-        _seconds(1),
-        30.0,
-        "seconds between DNS lookups of peer names",
-        "SECONDS",
-    ),
-    Setting(
         "pull_timeout",
         _seconds(0, above=True),
         1.0,
-        "seconds a pull from peers may take; an Acquire of a key only peers hold waits up to "
-        "this long, or its wait_ms if longer",
+        "seconds a remote hit from the store may take; an Acquire of a key a shared pool lacks "
+        "waits up to this long for it, or its wait_ms if longer",
         "SECONDS",
     ),
-    Setting(
-        "peer_token_file",
-        _optional_path,
-        None,
-        "the bearer token this daemon presents to its peers (a file holding it)",
-        "FILE",
-    ),
-    Setting(
-        "peer_tls_ca",
-        _optional_path,
-        None,
-        "with peers on TLS: the CA that signed their certificates (PEM)",
-        "FILE",
-    ),
-    Setting(
-        "peer_tls_cert",
-        _optional_path,
-        None,
-        "with peers on mutual TLS: the certificate this daemon presents to them (PEM)",
-        "FILE",
-    ),
-    Setting("peer_tls_key", _optional_path, None, "private key of --peer-tls-cert (PEM)", "FILE"),
     Setting(
         "transfer_host",
         str,
         "",
-        "the address peers and the store's other clients reach this daemon's transfer engine "
-        "at; default: --tcp's host",
+        "the address the store's other clients reach this daemon's transfer engine at; "
+        "default: --tcp's host",
         "HOST",
         "(--tcp's host)",
-    ),
-    Setting(
-        "transfer_protocol",
-        _choice("tcp", "rdma"),
-        "tcp",
-        "how the transfer engine moves entries between nodes: tcp or rdma",
-        "PROTOCOL",
-    ),
-    Setting(
-        "transfer_devices",
-        str,
-        "",
-        "with rdma: the RDMA devices to use, comma-separated (e.g. mlx5_0,mlx5_1); default: all",
-        "DEVICES",
-        "(all)",
     ),
     Setting(
         "store_master",
@@ -477,16 +413,8 @@ class Config:
     log_level: str
     shutdown_grace: float
     drop_pools_on_exit: bool
-    peers: tuple[str, ...]
-    peer_refresh: float
     pull_timeout: float
-    peer_token_file: Path | None
-    peer_tls_ca: Path | None
-    peer_tls_cert: Path | None
-    peer_tls_key: Path | None
     transfer_host: str
-    transfer_protocol: str
-    transfer_devices: str
     store_master: str
     store_metadata: str
     store_segment_bytes: int
@@ -495,6 +423,39 @@ class Config:
 
 
 assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(Config)]
+
+_STORE_INSTEAD = (
+    "daemons no longer follow each other as peers; they share entries through a Mooncake "
+    "Store: run a mooncake_master and start every daemon with --store-master HOST:PORT "
+    "--store-metadata URL (docs/operations.md, Several nodes)"
+)
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A setting of the peer mesh, which the Mooncake Store replaced (docs/design.md §13): a
+    daemon given one refuses to start, saying what replaces it, rather than start without the
+    cluster its operator asked for."""
+
+    name: str
+    flag: str
+    instead: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+REMOVED: tuple[Removed, ...] = (
+    Removed("peers", "--peer", _STORE_INSTEAD),
+    Removed("peer_refresh", "--peer-refresh", _STORE_INSTEAD),
+    Removed("peer_token_file", "--peer-token-file", _STORE_INSTEAD),
+    Removed("peer_tls_ca", "--peer-tls-ca", _STORE_INSTEAD),
+    Removed("peer_tls_cert", "--peer-tls-cert", _STORE_INSTEAD),
+    Removed("peer_tls_key", "--peer-tls-key", _STORE_INSTEAD),
+    Removed("transfer_protocol", "--transfer-protocol", "the store's is --store-protocol"),
+    Removed("transfer_devices", "--transfer-devices", "the store's is --store-devices"),
+)
 
 
 class ConfigError(ValueError):
@@ -517,9 +478,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             setting.flag,
             dest=setting.name,
             metavar=setting.metavar or None,
-            action="append" if setting.repeated else "store",
             help=f"{setting.help} [env {setting.env}; default {setting.show(setting.default)}]",
         )
+    for gone in REMOVED:  # accepted, to be refused by `load` saying what replaces them
+        parser.add_argument(gone.flag, dest=gone.name, action="append", help=argparse.SUPPRESS)
 
 
 def load(
@@ -533,27 +495,28 @@ def load(
             file_values = _modes_as_written(text, tomllib.loads(text))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+    given = functools.partial(_given, flags, environ, file_values, config_file)
+    for gone in REMOVED:
+        if (found := given(gone.name, gone.flag, gone.env)) is not None:
+            raise ConfigError(f"{gone.name} from {found[0]} is no longer a setting: {gone.instead}")
+    if config_file is not None:
         unknown = set(file_values) - {s.name for s in SETTINGS}
         if unknown:
             raise ConfigError(f"unknown settings in {config_file}: {', '.join(sorted(unknown))}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for setting in SETTINGS:
-        for source, raw in (
-            (f"flag {setting.flag}", flags.get(setting.name)),
-            (f"env {setting.env}", environ.get(setting.env)),
-            (f"file {config_file}", file_values.get(setting.name)),
-        ):
-            if raw is not None:
-                try:
-                    values[setting.name] = setting.parse(raw)
-                except (ValueError, TypeError) as exc:
-                    raise ConfigError(f"{setting.name} from {source}: {exc}") from exc
-                sources[setting.name] = source
-                break
-        else:
+        found = given(setting.name, setting.flag, setting.env)
+        if found is None:
             values[setting.name] = setting.default
             sources[setting.name] = "default"
+            continue
+        source, raw = found
+        try:
+            values[setting.name] = setting.parse(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{setting.name} from {source}: {exc}") from exc
+        sources[setting.name] = source
     if values["socket"] is None:
         values["socket"] = daemon_socket_path()
     budget, pool_limit = values["max_bytes"], values["max_pool_bytes"]
@@ -569,6 +532,27 @@ def load(
             "metadata server's URL (e.g. http://HOST:PORT/metadata)"
         )
     return Config(**values), sources
+
+
+def _given(
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str],
+    file_values: Mapping[str, Any],
+    config_file: Path | None,
+    name: str,
+    flag: str,
+    env: str,
+) -> tuple[str, Any] | None:
+    """Where a setting was given first (its flag, its ECD_* variable, the TOML file) and as
+    what; None if nowhere."""
+    for source, raw in (
+        (f"flag {flag}", flags.get(name)),
+        (f"env {env}", environ.get(env)),
+        (f"file {config_file}", file_values.get(name)),
+    ):
+        if raw is not None:
+            return source, raw
+    return None
 
 
 # ECD_* names read by others than `ecd serve`: the client library, and the Makefile's test knobs

@@ -30,7 +30,6 @@ class Subscription:
 
     engine_id: str
     limit: int
-    include_remote: bool = False  # also the keys peer daemons hold (events with `remote`)
     include_pending: bool = False  # also PENDING events (entries allocated, being written)
     queue: asyncio.Queue[WatchEvent | StreamEnd] = field(default_factory=asyncio.Queue)
     ended: bool = False
@@ -40,8 +39,6 @@ class Subscription:
 
     def offer(self, event: WatchEvent) -> None:
         if self.ended or (self.engine_id and event.engine_id != self.engine_id):
-            return
-        if event.remote and not self.include_remote:
             return
         if event.type is EventType.PENDING and not self.include_pending:
             return
@@ -67,11 +64,10 @@ class EventHub:
 
     def publish(self, event: WatchEvent) -> None:
         # Any other event about a key settles its waiters: it became READY or went away. A
-        # dropped pool settles every waiter of that pool. What peers hold settles nothing here
-        # (a pull's own entry does, when it commits or aborts), nor does an allocation: the
+        # dropped pool settles every waiter of that pool. An allocation settles nothing: the
         # waiters wait for the commit.
         settled: list[tuple[str, bytes]]
-        if event.remote or event.type is EventType.PENDING:
+        if event.type is EventType.PENDING:
             settled = []
         elif event.type is EventType.POOL_DROPPED:
             settled = [k for k in self._waiters if k[0] == event.engine_id]
@@ -109,15 +105,12 @@ class EventHub:
     def subscribe(
         self,
         engine_id: str,
-        include_remote: bool = False,
         include_pending: bool = False,
         call: asyncio.Future[Any] | None = None,
     ) -> Subscription:
         """A Watch stream's queue; `call` is the Watch call's task (see Subscription.call). Once
         the hub is shut down, one that ends at once."""
-        subscription = Subscription(
-            engine_id, self._watch_queue_limit, include_remote, include_pending, call=call
-        )
+        subscription = Subscription(engine_id, self._watch_queue_limit, include_pending, call=call)
         self._subscriptions.add(subscription)
         if self.streams_shut:
             self._shut(subscription)

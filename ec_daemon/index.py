@@ -19,10 +19,10 @@ Lifecycle of an entry:
   refuses while a reader holds it. So eviction passes over locked entries (as over pinned
   ones), and a locked entry that is removed anyway (Delete) leaves the index at once but keeps
   its record and its blocks (`_locked`) until `reclaim` finds the lock gone and erases it.
-- An entry whose blocks a transfer engine is writing (a pull from a peer daemon: `writing`)
-  that is removed however it is (the pull given up on, an operator's Delete, ...) leaves the
-  index at once (its waiters see it go) but its blocks are *held* until the engine is done with
-  them (`writes_over`).
+- An entry whose blocks a transfer engine is writing (a remote hit read from the cluster's
+  store: `writing`) that is removed however it is (the read given up on, an operator's Delete,
+  ...) leaves the index at once (its waiters see it go) but its blocks are *held* until the
+  engine is done with them (`writes_over`).
 
 Invariant (`check`): free blocks + blocks held by entries (indexed, removed-but-pinned,
 removed-but-locked, or held while being written) == num_blocks, and no block is in two places.
@@ -113,8 +113,8 @@ class PoolCounters:
     no_space: int = 0
     commits: int = 0
     aborts: int = 0
-    remote_hits: int = 0  # entries pulled from a peer daemon
-    remote_misses: int = 0  # pulls that fetched nothing
+    remote_hits: int = 0  # entries read from the cluster's store
+    remote_misses: int = 0  # reads from the store that fetched nothing
     remote_bytes: int = 0
     remote_reads: int = 0  # transfer-engine reads started for pulls
 
@@ -128,7 +128,7 @@ class PoolCounters:
 MAX_SLOT_TRIES = 8
 
 # Upper bounds (seconds) of the buckets of remote hits' latency: from an 8 MiB read over RDMA to
-# a pull that used up a long timeout.
+# a fetch that used up a long timeout.
 REMOTE_SECONDS_BOUNDS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )  # fmt: skip
@@ -368,9 +368,10 @@ class PoolIndex:
         allocation: int = 0,
     ) -> Outcome:
         """PENDING -> READY. `spec`: what the entry turned out to hold, when its allocation did
-        not know the shape and dtype (a pull knows only the size until the peer answers); the
-        same number of bytes. `allocation`: the allocation the bytes were written into (0: the
-        session's PENDING one, whichever it is); another one is NOT_FOUND, and stays PENDING."""
+        not know the shape and dtype (a pull knows only the size until it read the value's
+        header); the same number of bytes. `allocation`: the allocation the bytes were written
+        into (0: the session's PENDING one, whichever it is); another one is NOT_FOUND, and
+        stays PENDING."""
         entry = self._entries.get(key)
         problem = self._not_pending_of(entry, session_id, "commit")
         if problem is not None or entry is None:

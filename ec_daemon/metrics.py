@@ -99,10 +99,10 @@ POOL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("no_space", "Allocate items answered NO_SPACE (what was left was PENDING or pinned)"),
     ("commits", "Entries committed"),
     ("aborts", "PENDING entries aborted"),
-    ("remote_hits", "Entries pulled from peer daemons"),
-    ("remote_misses", "Pulls from peer daemons that fetched nothing"),
-    ("remote_bytes", "Tensor bytes pulled from peer daemons"),
-    ("remote_reads", "Transfer-engine reads started by pulls (one per remote hit)"),
+    ("remote_hits", "Entries read from the cluster's store (remote hits)"),
+    ("remote_misses", "Reads from the cluster's store that fetched nothing"),
+    ("remote_bytes", "Tensor bytes read from the cluster's store"),
+    ("remote_reads", "Transfer-engine reads started for remote hits (one per remote hit)"),
 )
 
 
@@ -190,14 +190,6 @@ class StoreCollector(Collector):
         for pool in snap.pools:
             seconds.add_metric([pool.engine_id], _buckets(pool), pool.remote_seconds_sum)
         yield seconds
-        peers = GaugeMetricFamily(
-            "ecd_peer_keys",
-            "READY keys a peer daemon holds, as last heard, by its state",
-            labels=["address", "state"],
-        )
-        for peer in snap.peers:
-            peers.add_metric([peer.address, peer.state], peer.keys)
-        yield peers
         if snap.cluster is not None:
             yield from cluster_metrics(snap.cluster)
 

@@ -17,10 +17,6 @@ A pool dropped (DropPool) while other sessions held it is remembered (`Dropped`)
 by a mark beside its path: the client libraries of those sessions open their pools again by
 themselves (after a restart, a lost lease, a replaced file), and must not make this one anew;
 only an explicit OpenPool does (docs/design.md §3).
-
-A `PoolListener` (the transport, when the daemon has peers: docs/design.md §13) is told when a
-pool is served (created or adopted) and when it is withdrawn (dropped or refused); what it
-answers, where peers read the pool, travels in the pool's PoolInfo.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from ec_client.layout import (
     ENGINE_ID_PATTERN,
@@ -88,30 +83,11 @@ class Dropped:
 
 
 @dataclass(frozen=True)
-class TransferPoint:
-    """Where peer daemons read a pool: a transfer engine endpoint and the address of block 0."""
-
-    endpoint: str
-    base: int
-
-
-class PoolListener(Protocol):
-    def serving(self, engine_id: str, path: Path, geometry: Geometry) -> TransferPoint | None:
-        """The daemon serves this pool from now on; None if peers cannot read it."""
-        ...
-
-    def withdrawn(self, engine_id: str) -> None:
-        """The daemon no longer serves the pool (its file may be gone or changed)."""
-        ...
-
-
-@dataclass(frozen=True)
 class Pool:
-    """A pool the daemon serves: its file, the index of its entries, where peers read it."""
+    """A pool the daemon serves: its file and the index of its entries."""
 
     file: PoolFile
     index: PoolIndex
-    transfer: TransferPoint | None = None
 
     @property
     def engine_id(self) -> str:
@@ -134,8 +110,6 @@ class Pool:
             compat_key=header.compat_key,
             max_entries=geometry.num_slots,
             created=created,
-            transfer_endpoint=self.transfer.endpoint if self.transfer else "",
-            transfer_base=self.transfer.base if self.transfer else 0,
         )
 
 
@@ -146,13 +120,11 @@ class PoolRegistry:
         clock: Callable[[], float],
         publish: Callable[[WatchEvent], None],
         boot_epoch: str,
-        listener: PoolListener | None = None,
     ) -> None:
         self.settings = settings
         self._clock = clock
         self._publish = publish
         self._boot_epoch = boot_epoch
-        self._listener = listener
         self._pools: dict[str, Pool] = {}
         self._refused: dict[str, str] = {}  # engine_id -> why its file was not adopted
         self._dropped: dict[str, Dropped] = {}
@@ -201,7 +173,7 @@ class PoolRegistry:
                 file.close()
                 self.refuse(engine_id, path, f"slot table does not verify: {exc}")
                 continue
-            self._pools[engine_id] = self._serve(file, index)
+            self._pools[engine_id] = Pool(file, index)
             log.info(
                 "pool adopted",
                 extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
@@ -331,18 +303,9 @@ class PoolRegistry:
                 f"{exc.filename} exists but the daemon did not create it; remove it and retry",
                 Reason.POOL_UNVERIFIED,
             ) from exc
-        pool = self._serve(file, self._new_index(engine_id, geometry, file))
+        pool = Pool(file, self._new_index(engine_id, geometry, file))
         self._pools[engine_id] = pool
         return pool
-
-    def _serve(self, file: PoolFile, index: PoolIndex) -> Pool:
-        header = file.header
-        transfer = (
-            self._listener.serving(header.engine_id, file.path, header.geometry)
-            if self._listener is not None
-            else None
-        )
-        return Pool(file, index, transfer)
 
     @staticmethod
     def _check_same(
@@ -503,8 +466,6 @@ class PoolRegistry:
         """Stop serving the pool (the store has undone what sessions held in it); its file stays
         until the caller unlinks or closes it."""
         del self._pools[pool.engine_id]
-        if self._listener is not None and pool.transfer is not None:
-            self._listener.withdrawn(pool.engine_id)
         self._publish(WatchEvent(EventType.POOL_DROPPED, pool.engine_id, b"", 0, self._boot_epoch))
 
     def close(self, drop_pools: bool) -> None:

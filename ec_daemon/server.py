@@ -1,16 +1,14 @@
 """Running the daemon: startup checks, the store, listeners, the lease reaper, readiness and stop.
 
 Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
--> with peers, start the transfer engine -> adopt pool files left by a previous daemon (each
-registered with the transfer engine) -> warn about what will run badly (not tmpfs, memlock; the
-latter only a note on a machine with no GPU) ->
-metrics endpoint -> bind and start the gRPC server -> follow the peers -> health SERVING and
-READY=1.
+-> adopt pool files left by a previous daemon -> warn about what will run badly (not tmpfs,
+memlock; the latter only a note on a machine with no GPU) -> metrics endpoint -> bind and start
+the gRPC server -> with a store, start joining it -> health SERVING and READY=1.
 Order of shutdown (SIGTERM/SIGINT): end Watch streams, their ends written -> stop accepting and
 health NOT_SERVING (in one step of the loop), STOPPING=1 -> end waiting Acquires, let in-flight
-RPCs finish within shutdown_grace -> stop the metrics endpoint -> stop following peers, abort the
-pulls in flight -> close pool files (they stay: they are the cache) -> stop the transfer engine
--> remove the socket and the lock files.
+RPCs finish within shutdown_grace -> stop the metrics endpoint -> abort the fetches from the
+store in flight, leave the store -> close pool files (they stay: they are the cache) -> remove
+the socket and the lock files.
 """
 
 from __future__ import annotations
@@ -31,24 +29,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.tls import TLSFiles
-from ec_client.token_file import client_token
 from ec_client.types import WatchEvent
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.tier import Cluster
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
-from ec_daemon.peer_follower import PeerAccess, PeerSet
-from ec_daemon.peers import PeerDirectory, PeerEntry, peer_address
 from ec_daemon.pools import PoolSettings
-from ec_daemon.remote import Remote, ServedPools, peer_stats
 from ec_daemon.service import EncoderCacheService
 from ec_daemon.sessions import tag
 from ec_daemon.store import SessionEnd, Store, StoreConfig
-from ec_daemon.transport import MooncakeTransport, Transport, TransportError
 from ec_daemon.validate import Limits
 from ec_daemon.wire import add_to_server
 
@@ -79,105 +72,14 @@ class Daemon:
     metrics_server: WSGIServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    peers: Peers | None = None
-    cluster: ClusterNode | None = None
-    fetches: ClusterFetch | None = None
-
-
-@dataclass
-class Peers:
-    """What a daemon with peers runs besides the rest (docs/design.md §13): the transfer engine its
-    pools are registered with, the directory of what peers hold, the followers feeding it, and
-    the pulls."""
-
-    transport: Transport
-    host: str  # where peers reach this node
-    directory: PeerDirectory = field(default_factory=PeerDirectory)
-    remote: Remote | None = None
-    followers: PeerSet | None = None
-    task: asyncio.Task[None] | None = None
-
-    def connect(self, config: Config, store: Store, hub: EventHub) -> Remote:
-        """The followers (not started yet) and the pulls that use their sessions."""
-        tcp = PeerEntry.parse(config.tcp)
-        own = {peer_address(tcp.host, tcp.port), peer_address(self.host, tcp.port)}
-        self.followers = PeerSet(
-            [PeerEntry.parse(p) for p in config.peers],
-            own,
-            self.directory,
-            peer_access(config, store.boot_epoch),
-            interval_s=config.peer_refresh,
-        )
-        self.remote = Remote(
-            store,
-            hub.publish,
-            self.directory,
-            self.transport,
-            self.followers.client,
-            config.pull_timeout,
-        )
-        return self.remote
-
-    def follow(self) -> None:
-        """Follow the peers' Watch streams, on this loop (see peer_follower)."""
-        if self.followers is not None:
-            self.task = asyncio.create_task(self.followers.run())
-
-    async def stop(self) -> None:
-        """Stop following (the sessions on peers close: their pins go) and abort the pulls."""
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-        if self.remote is not None:
-            await self.remote.close()
-
-    async def close(self, grace_s: float) -> None:
-        """Stop the transfer engine. It waits for its reads in flight (one from a peer gone
-        silent mid-read lasts up to 30 s): no longer than grace_s, the process is exiting."""
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.transport.close), grace_s)
-        except TimeoutError:
-            log.warning("transfer engine still busy at exit", extra={"grace_s": grace_s})
-
-
-def start_peers(config: Config) -> Peers:
-    """The transfer engine peers read this daemon's pools through, on the address they reach
-    it at (--transfer-host, else --tcp's host)."""
-    if not config.tcp:
-        raise checks.StartupError(
-            "--peer needs --tcp HOST:PORT: peers follow and ask this daemon over TCP"
-        )
-    host = config.transfer_host or PeerEntry.parse(config.tcp).host
-    if host in ("0.0.0.0", "::"):
-        raise checks.StartupError(
-            f"--tcp {config.tcp} listens on every address: set --transfer-host to the one "
-            "peers reach this node at"
-        )
-    try:
-        transport = MooncakeTransport(host, config.transfer_protocol, config.transfer_devices)
-    except TransportError as exc:
-        raise checks.StartupError(str(exc)) from exc
-    return Peers(transport, host)
-
-
-def peer_access(config: Config, own_epoch: str) -> PeerAccess:
-    """How this daemon calls its peers: its token and TLS files for them."""
-    try:
-        # the file clients read too: its only token (`NAME TOKEN` lines, or the bare token)
-        token = client_token(config.peer_token_file, None) if config.peer_token_file else None
-    except OSError as exc:
-        raise checks.StartupError(f"cannot read {exc.filename}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise checks.StartupError(f"--peer-token-file: {exc}") from exc
-    files = (config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key)
-    tls = TLSFiles(*files) if any(files) else None
-    return PeerAccess(own_epoch=own_epoch, token=token, tls=tls)
+    cluster: Cluster | None = None
 
 
 def cluster_node(config: Config) -> ClusterNode:
     """The node's part in the Mooncake Store (--store-master), not joined yet: it joins on its
     own thread once started, and keeps trying while the master cannot be reached."""
-    host = config.transfer_host or (PeerEntry.parse(config.tcp).host if config.tcp else "")
+    # --tcp is HOST:PORT, HOST an IPv6 address in brackets
+    host = config.transfer_host or config.tcp.rpartition(":")[0].strip("[]")
     if not host or host in ("0.0.0.0", "::"):
         raise checks.StartupError(
             "--store-master needs the address the store's other clients reach this node at: "
@@ -198,7 +100,6 @@ def build_store(
     config: Config,
     budget: int,
     hub: EventHub,
-    peers: Peers | None = None,
     cluster: ClusterNode | None = None,
 ) -> Store:
     pools = PoolSettings(
@@ -221,8 +122,6 @@ def build_store(
         StoreConfig(pools, config.lease_ttl, config.pending_timeout),
         clock=time.monotonic,
         publish=publish,
-        pool_listener=ServedPools(peers.transport) if peers is not None else None,
-        peers=(lambda: peer_stats(peers.directory)) if peers is not None else tuple,
         cluster=cluster.stats if cluster is not None else lambda: None,
     )
     if cluster is not None:
@@ -253,12 +152,12 @@ async def start(config: Config) -> Daemon:
     for lock in locks:
         lock.acquire()
     hub = EventHub()
-    peers = start_peers(config) if config.peers else None
-    cluster = cluster_node(config) if config.store_master else None
-    store = build_store(config, budget, hub, peers, cluster)
+    node = cluster_node(config) if config.store_master else None
+    store = build_store(config, budget, hub, node)
     adopt_pools(store)
-    remote = peers.connect(config, store, hub) if peers is not None else None
-    fetches = ClusterFetch(store, cluster, config.pull_timeout) if cluster is not None else None
+    cluster = (
+        Cluster(node, ClusterFetch(store, node, config.pull_timeout)) if node is not None else None
+    )
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
@@ -285,8 +184,7 @@ async def start(config: Config) -> Daemon:
         Limits(max_batch=config.max_batch),
         observe=metrics.observe,
         guard=guard,
-        remote=remote,
-        cluster=fetches,
+        cluster=cluster,
     )
     add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -314,12 +212,8 @@ async def start(config: Config) -> Daemon:
         health_servicer,
         locks,
         metrics_server,
-        peers=peers,
         cluster=cluster,
-        fetches=fetches,
     )
-    if peers is not None:
-        peers.follow()
     if cluster is not None:
         cluster.start()
         daemon.tasks.append(asyncio.create_task(follow_cluster(health_servicer, cluster)))
@@ -340,8 +234,6 @@ async def start(config: Config) -> Daemon:
             "tls": "mutual" if config.tls_client_ca else "on" if tls else "off",
             "auth": "tokens+acl" if config.acl_file else "tokens" if guard.enabled else "off",
             "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
-            "peers": ",".join(config.peers) or "off",
-            "transfer": peers.transport.endpoint if peers else "off",
             "store": config.store_master or "off",
             "shm_dir": str(config.shm_dir),
             "max_bytes": budget,
@@ -459,7 +351,7 @@ async def check_pools(store: Store, interval_s: float) -> None:
             )
 
 
-async def follow_cluster(health: health_aio.HealthServicer, cluster: ClusterNode) -> None:
+async def follow_cluster(health: health_aio.HealthServicer, cluster: Cluster) -> None:
     """Keep the store's health status (CLUSTER_HEALTH) the node's: checked every second."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -506,15 +398,9 @@ async def stop(daemon: Daemon) -> None:
         daemon.metrics_server.server_close()
     for task in daemon.tasks:
         task.cancel()
-    if daemon.peers is not None:
-        await daemon.peers.stop()
-    if daemon.fetches is not None:
-        await daemon.fetches.close()
     if daemon.cluster is not None:  # before the pool files go: it reads them
-        await asyncio.to_thread(daemon.cluster.stop, daemon.config.shutdown_grace)
+        await daemon.cluster.stop(daemon.config.shutdown_grace)
     daemon.store.close(drop_pools=daemon.config.drop_pools_on_exit)
-    if daemon.peers is not None:
-        await daemon.peers.close(daemon.config.shutdown_grace)
     daemon.config.socket.unlink(missing_ok=True)
     for lock in daemon.locks:
         lock.release(remove=True)

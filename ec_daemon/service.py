@@ -25,10 +25,9 @@ from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon import validate, wire
 from ec_daemon.auth import Action, Guard, identity
-from ec_daemon.cluster.fetch import ClusterFetch
+from ec_daemon.cluster.tier import Cluster
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.events import EventHub, StreamEnd
-from ec_daemon.remote import Remote
 from ec_daemon.sessions import tag
 from ec_daemon.store import Store
 
@@ -125,17 +124,14 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         limits: validate.Limits,
         observe: Callable[[str, str, float], None] = lambda method, code, seconds: None,
         guard: Guard | None = None,
-        remote: Remote | None = None,
-        cluster: ClusterFetch | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
-        """remote: pulls from peer daemons, with --peer. cluster: fetches from the Mooncake
-        Store, with --store-master."""
+        """cluster: the daemon's part in a Mooncake Store, with --store-master."""
         self.store = store
         self.hub = hub
         self.limits = limits
         self.observe = observe
         self.guard = guard or Guard(None, None)
-        self.remote = remote
         self.cluster = cluster
 
     def authorize(
@@ -232,26 +228,17 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         engine_id = validate.engine_id(request.engine_id)
         r = request
         validate.pool_request(r.block_size_bytes, r.capacity_bytes, r.compat_key, r.max_entries)
-        try:
-            info = self.store.open_pool(
-                request.session_id,
-                engine_id,
-                request.block_size_bytes,
-                request.capacity_bytes,
-                request.compat_key,
-                request.ephemeral,
-                request.max_entries,
-                request.reopen,
-                validate.cluster_namespace(request.cluster_namespace),
-            )
-        except CoreError as exc:
-            peer_has_it = (
-                self.remote.not_here(engine_id)
-                if exc.reason is Reason.UNKNOWN_POOL and self.remote is not None
-                else None
-            )
-            raise peer_has_it or exc from None
-
+        info = self.store.open_pool(
+            request.session_id,
+            engine_id,
+            request.block_size_bytes,
+            request.capacity_bytes,
+            request.compat_key,
+            request.ephemeral,
+            request.max_entries,
+            request.reopen,
+            validate.cluster_namespace(request.cluster_namespace),
+        )
         return pb.OpenPoolReply(
             boot_epoch=self.epoch, created=info.created, pool=wire.pool_info_pb(info)
         )
@@ -368,12 +355,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         wait_ms = validate.wait_ms(request.wait_ms)
         keys = list(request.keys)
         checked = wire.checked_keys(keys)
-        # One deadline for both waits: a pull's wait counts against wait_ms.
+        # One deadline for both waits: a fetch's wait counts against wait_ms.
         deadline = asyncio.get_running_loop().time() + wait_ms / 1000
         if self.cluster is not None:  # keys of a shared pool the store has: fetched, waited for
             await self.cluster.fetch(request.session_id, engine_id, valid(checked), wait_ms)
-        if self.remote is not None:  # keys only peers hold: pulled, and waited for
-            await self.remote.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if wait_ms:
             await self._wait_ready(request.session_id, engine_id, valid(checked), deadline)
         results = per_item(
@@ -448,18 +433,13 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(aborts),
             valid(acquires),
             valid(allocates),
-            # else counted once the store and the peers had their say
-            count_misses=self.remote is None and self.cluster is None,
+            count_misses=self.cluster is None,  # else once the store had its say
         )
         if self.cluster is not None:  # acquires the store can answer: fetched, and waited for
             result = await self.cluster.step(request.session_id, engine_id, valid(acquires), result)
-        if self.remote is not None:  # acquires only peers can answer: pulled, and waited for
-            result = await self.remote.step(request.session_id, engine_id, valid(acquires), result)
-        elif self.cluster is not None:
             missed = sum(r.status is api.Status.MISS for r in result.acquires)
             self.store.count_misses(engine_id, missed)
-        fetched = self.remote is not None or self.cluster is not None
-        if fetched and (
+        if self.cluster is not None and (
             not self.store.has_pool(engine_id)
             or self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
         ):  # recreated during the fetches: the answers may name either file
@@ -525,14 +505,9 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             if engine_id:
                 self.store.pool_info(engine_id)  # NOT_FOUND for a pool that does not exist
             # Snapshot and subscription in one synchronous step, so no event falls between.
-            remote = self.remote if request.include_remote else None
             pending = request.include_pending
             snapshot = self.store.ready_snapshot(engine_id, pending) if request.snapshot else []
-            if remote is not None and request.snapshot:
-                snapshot += remote.snapshot(engine_id)
-            subscription = self.hub.subscribe(
-                engine_id, remote is not None, pending, call=asyncio.current_task()
-            )
+            subscription = self.hub.subscribe(engine_id, pending, call=asyncio.current_task())
         except CoreError as exc:
             await wire.abort(self.store, context, exc)
             return

@@ -1,12 +1,10 @@
 """A daemon as a child process on a private socket and shm directory, for `ecd bench --spawn`
-(a benchmark that brings its own daemon): one that can be killed and started again on the same
-directories (the restart suite), or several peered on loopback TCP, and a transfer engine in the
-bench's own process for the bare reads the remote suite compares pulls with. The test suite's
-harness (tests/ecd_testing.py) builds on the same command line and readiness wait."""
+(a benchmark that brings its own daemon), or one that can be killed and started again on the
+same directories (the restart suite). The test suite's harness (tests/ecd_testing.py) builds on
+the same command line and readiness wait."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -14,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,45 +145,3 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def peer_flags(me: str, addresses: Sequence[str]) -> list[str]:
-    """`ecd serve` flags of the daemon on TCP `me` whose peers are the other `addresses`."""
-    return ["--tcp", me, *(arg for other in addresses if other != me for arg in ("--peer", other))]
-
-
-@contextmanager
-def spawned_peers(count: int, *args: str, prefix: str = "ecd-") -> Iterator[list[str]]:
-    """`count` daemons on loopback, each on its own TCP port and the peer of every other;
-    yields their (Unix socket) addresses."""
-    tcp = [f"127.0.0.1:{free_port()}" for _ in range(count)]
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(spawned_daemon(*peer_flags(me, tcp), *args, prefix=prefix))
-            for me in tcp
-        ]
-
-
-@contextmanager
-def bare_reads(nbytes: int) -> Iterator[Callable[[str, int, int], float]]:
-    """A transfer engine in this process and a scratch region of `nbytes`: yields
-    read(peer endpoint, address, nbytes) -> the seconds one read from a peer's pool took."""
-    from ec_daemon.transport import Copy, MooncakeTransport
-
-    shm_dir = new_shm_dir("ecd-bench-")
-    scratch = shm_dir / "scratch"
-    with scratch.open("wb") as f:
-        os.posix_fallocate(f.fileno(), 0, nbytes)
-    transport = MooncakeTransport("127.0.0.1")
-    transport.register("scratch", scratch, 0, nbytes)
-
-    def read(endpoint: str, address: int, length: int) -> float:
-        started = time.perf_counter()
-        transport.read(endpoint, "scratch", [Copy(address, 0, length)]).result(60)
-        return time.perf_counter() - started
-
-    try:
-        yield read
-    finally:
-        transport.close()
-        shutil.rmtree(shm_dir, ignore_errors=True)

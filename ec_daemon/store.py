@@ -25,7 +25,7 @@ from ec_client import __version__
 from ec_client import types as api
 from ec_daemon.errors import Code, CoreError, Reason
 from ec_daemon.index import Entry, Outcome, saturated
-from ec_daemon.pools import Pool, PoolListener, PoolRegistry, PoolSettings
+from ec_daemon.pools import Pool, PoolRegistry, PoolSettings
 from ec_daemon.sessions import CONSUME, PRODUCE, Session, SessionTable
 
 log = logging.getLogger("ecd.store")
@@ -76,10 +76,10 @@ class EvictionsTold:
 
 @dataclass(frozen=True)
 class PullSlot:
-    """A local entry being filled from a peer daemon (docs/design.md §13): PENDING under a session
-    of its own that no client holds and no lease ends, so only its pull commits or aborts it, and
-    a pull never touches another pull's entry (a pool dropped and made anew, the same key
-    pulled again)."""
+    """A local entry being filled from the cluster's store (a *pull*, docs/design.md §13):
+    PENDING under a session of its own that no client holds and no lease ends, so only its pull
+    commits or aborts it, and a pull never touches another pull's entry (a pool dropped and made
+    anew, the same key pulled again)."""
 
     engine_id: str
     block_size: int
@@ -112,20 +112,15 @@ class Store:
         config: StoreConfig,
         clock: Callable[[], float],
         publish: Callable[[api.WatchEvent], None] = lambda event: None,
-        pool_listener: PoolListener | None = None,
-        peers: Callable[[], tuple[api.PeerStats, ...]] = tuple,
         cluster: Callable[[], api.ClusterStats | None] = lambda: None,
     ) -> None:
         """publish: receives every event of every pool (the EventHub, in the daemon).
-        pool_listener: told of every pool served and withdrawn (the transport, with peers).
-        peers: the peer daemons followed, for Stats. cluster: the daemon's part in a Mooncake
-        Store, for Stats."""
+        cluster: the daemon's part in a Mooncake Store, for Stats."""
         self.config = config
         self.boot_epoch = secrets.token_hex(8)
         self.lease_expiries = 0
         self._sessions = SessionTable(config.lease_ttl_s, clock)
-        self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch, pool_listener)
-        self._peers = peers
+        self._pools = PoolRegistry(config.pools, clock, publish, self.boot_epoch)
         self._cluster = cluster
         # engine_id -> the namespace its entries are shared under in the cluster's store
         # (OpenPool's cluster_namespace): set once, gone with the pool.
@@ -471,7 +466,7 @@ class Store:
         """Release, Commit, Abort, Acquire and Allocate in this order, in one call. The session,
         the roles its parts need and the pool are checked before any part is applied. Without
         count_misses, the acquires' misses are the caller's to count (`count_misses`), once it
-        knows them: those that peers then answer are hits, not misses (ec_daemon.remote)."""
+        knows them: those that the cluster's store then answers are hits, not misses."""
         produces, consumes = bool(commits or aborts or allocates), bool(releases or acquires)
         may = PRODUCE & CONSUME if produces and consumes else PRODUCE if produces else CONSUME
         session = self._sessions.touch(session_id, may if produces or consumes else None)
@@ -487,7 +482,7 @@ class Store:
 
     def count_misses(self, engine_id: str, misses: int) -> None:
         """Misses answered elsewhere than by a pin: by a client from its view of the pool
-        (StepRequest.misses), or a Step's acquires once peers had their say (ec_daemon.remote).
+        (StepRequest.misses), or a Step's acquires once the cluster's store had its say.
         None counted for a pool gone."""
         pool = self._pools.find(engine_id)
         if misses and pool is not None:
@@ -627,16 +622,18 @@ class Store:
             results.append(api.LeaseResult(lease_id, api.Status.OK, ""))
         return results
 
-    # ---- pulls from peer daemons (the orchestration is ec_daemon.remote's) --------------------
+    # ---- pulls from the cluster's store (the orchestration is ec_daemon.cluster.fetch's) --------
 
-    def pull_allocate(self, engine_id: str, key: bytes, nbytes: int, peer: str) -> PullSlot | None:
-        """Reserve `nbytes` for `key`, PENDING, before it is pulled from a peer: local askers
-        wait for it and local producers are told PENDING (single flight across nodes). Its shape
-        and dtype come with the commit. None if the key is here already or there is no room."""
+    def pull_allocate(
+        self, engine_id: str, key: bytes, nbytes: int, source: str
+    ) -> PullSlot | None:
+        """Reserve `nbytes` for `key`, PENDING, before it is pulled from `source`: local
+        askers wait for it and local producers are told PENDING (single flight on the node). Its
+        shape and dtype come with the commit. None if the key is here already or no room."""
         pool = self._pools.get(engine_id)
         session_id = f"ecd-pull-{next(self._pulls)}"
         spec = api.TensorSpec((nbytes,), "uint8", nbytes)
-        outcome = pool.index.allocate(key, spec, session_id, f"ecd-pull from {peer}")
+        outcome = pool.index.allocate(key, spec, session_id, f"ecd-pull from {source}")
         if outcome.status is not api.Status.ALLOCATED or outcome.entry is None:
             return None
         return PullSlot(engine_id, pool.index.geometry.block_size_bytes, outcome.entry)
@@ -659,8 +656,8 @@ class Store:
     def pull_commit(
         self, slot: PullSlot, spec: api.TensorSpec, checksum: int, seconds: float
     ) -> bool:
-        """The bytes landed: READY with the peer's shape, dtype and checksum. False when the
-        entry is gone (its pool dropped meanwhile) or the peer's entry is another size."""
+        """The bytes landed: READY with the value's shape, dtype and checksum. False when the
+        entry is gone (its pool dropped meanwhile) or the value is another size."""
         pool = self._pools.find(slot.engine_id)
         if pool is None:
             return False
@@ -768,7 +765,6 @@ class Store:
                 dataclasses.replace(p.stats(), ephemeral=p.engine_id in self._ephemeral)
                 for p in pools
             ),
-            peers=self._peers(),
             cluster=self._cluster(),
         )
 

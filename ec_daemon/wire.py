@@ -148,9 +148,8 @@ def pool_info_pb(p: api.PoolInfo) -> pb.PoolInfo:
 
 def stats_pb(s: api.Stats) -> pb.StatsReply:
     return pb.StatsReply(
-        **mirrored(s, "pools", "peers", "cluster"),
+        **mirrored(s, "pools", "cluster"),
         pools=[pb.PoolStats(**mirrored(p)) for p in s.pools],
-        peers=[pb.PeerStats(**mirrored(p)) for p in s.peers],
         cluster=pb.ClusterStats(**mirrored(s.cluster)) if s.cluster is not None else None,
     )
 

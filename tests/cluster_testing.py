@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from ecd_testing import Daemon, running_daemon, wait_until
 
@@ -28,6 +29,18 @@ POOL: dict[str, Any] = dict(block_size_bytes=BLOCK, capacity_bytes=64 << 20, com
 
 # The mooncake extra installs it beside the interpreter (the venv's bin), on PATH or not.
 MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
+
+
+def mooncake_missing() -> str:
+    """Why the Mooncake Store client cannot load here; empty when it can."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return f"the Mooncake Store client cannot be loaded ({exc}): pip install 'ecd[mooncake]'"
+    return ""
+
+
+needs_mooncake = pytest.mark.skipif(bool(mooncake_missing()), reason=mooncake_missing())
 
 
 @dataclass

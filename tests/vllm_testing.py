@@ -315,7 +315,7 @@ class Engine:
         """Wait until the view knows where `key`'s record is, if the commit went through."""
         view = self.scheduler.view
         self.connector.has_pending_push_work()  # takes the answers come (the commit's) as vLLM
-        if view.has_local(key.encode()):
+        if view.has(key.encode()):
             wait_until(lambda: view.slot(key.encode()) is not None, timeout_s)
 
     def locked(self) -> tuple[int, int]:

@@ -12,11 +12,10 @@ for entries it already holds a pin on. A pin is of one of two kinds:
   in the pool file, taken by the scheduler side itself, with no round trip, for an entry READY
   in this daemon's pool whose slot the ready view knows. It is given back here (`take_unlocks`)
   and it outlives a daemon restart: the lock belongs to the file.
-- a *lease pin*: a lease ID from an Acquire, for what a lock pin cannot take: an entry only a
-  peer daemon holds (the Acquire pulls it), or one committed a moment ago whose slot the view
-  has not heard yet. Released by a Step: the caller takes what is owed (`take_releases`) and
-  hands it to its client's Outbox, and gives back what did not reach the daemon
-  (`requeue_releases`); a new session voids it.
+- a *lease pin*: a lease ID from an Acquire, for what a lock pin cannot take: an entry
+  committed a moment ago whose slot the view has not heard yet. Released by a Step: the caller
+  takes what is owed (`take_releases`) and hands it to its client's Outbox, and gives back what
+  did not reach the daemon (`requeue_releases`); a new session voids it.
 
 The steps:
 

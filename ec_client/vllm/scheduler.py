@@ -18,9 +18,8 @@ saves.py) are touched on the scheduler thread alone. Per step:
         slot in the pool file (a lock pin: docs/design.md §5, ec_client/slot_locks.py), and its
         request admitted in the same call; the hit goes to the daemon with the next Step (its
         counters and LRU order). The items a lock pin cannot take are pinned in the background
-        and their request waits one step (see loads.py): those only a peer daemon holds (the
-        ready view counts them: docs/design.md §13; their Acquire pulls them from the peer),
-        and those committed a moment ago whose slot the view has not heard yet.
+        and their request waits one step (see loads.py): those committed a moment ago whose
+        slot the view has not heard yet.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step (step_soon): releases owed, aborts of failed
         copies, pins for the wanted items, entries for this step's new outputs. The metadata
@@ -239,7 +238,7 @@ class NothingReady:
     def has(self, key: bytes) -> bool:
         return False
 
-    has_local = pending = has
+    pending = has
 
     def slot(self, key: bytes) -> int | None:
         return None

@@ -16,21 +16,22 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
    whole, another model's value under the key) aborts the entry: a miss, nothing partial.
 
 An asker waits for the keys being fetched up to the longer of its wait_ms and the fetch timeout;
-a fetch given up on goes on and ends as above. Counted as the pulls from peers are
-(remote_hits, remote_misses, remote_bytes, remote_reads, remote_seconds).
+a fetch given up on goes on and ends as above. Counted per pool (remote_hits, remote_misses,
+remote_bytes, remote_reads, remote_seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
-from ec_client.types import EntryState, StepResult
+from ec_client.types import EntryState, Status, StepResult
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.node import ClusterNode, Read
-from ec_daemon.remote import acquire_fetched
+from ec_daemon.errors import CoreError
 from ec_daemon.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
@@ -155,3 +156,37 @@ class ClusterFetch:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def acquire_fetched(
+    store: Store,
+    fetch: Callable[[str, str, list[bytes], int], Awaitable[list[bytes]]],
+    session_id: str,
+    engine_id: str,
+    acquires: Sequence[bytes],
+    result: StepResult,
+) -> StepResult:
+    """A Step's answer once the acquires it missed were read from the store: `fetch` answers the
+    keys it waited for, which are acquired again (after the Step's other parts, which the
+    fetches could not disturb)."""
+    missed = {
+        key
+        for key, r in zip(acquires, result.acquires, strict=True)
+        if r.status in (Status.MISS, Status.PENDING)
+    }
+    if not missed:
+        return result
+    fetched = set(await fetch(session_id, engine_id, list(missed), 0))
+    again = [i for i, key in enumerate(acquires) if key in fetched]
+    if not again:
+        return result
+    try:
+        fresh = store.acquire(
+            session_id, engine_id, [acquires[i] for i in again], count_misses=False
+        )
+    except CoreError:  # the session or the pool went while the fetches ran
+        return result
+    answers = list(result.acquires)
+    for i, answer in zip(again, fresh, strict=True):
+        answers[i] = answer
+    return dataclasses.replace(result, acquires=answers)

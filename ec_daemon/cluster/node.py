@@ -48,7 +48,7 @@ from ec_daemon.cluster.mooncake import (
     answered,
     connect,
 )
-from ec_daemon.transport import MappedRegions, Region, byte_runs
+from ec_daemon.cluster.regions import MappedRegions, Region, byte_runs
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")
@@ -172,7 +172,7 @@ class ClusterNode:
     def on_event(self, event: WatchEvent) -> None:
         """Every event the core emits (on the event loop): a commit in a shared pool is queued
         for publishing, a dropped shared pool for unmapping. Costs a dict lookup otherwise."""
-        if event.remote or self._pools is None:
+        if self._pools is None:
             return
         if event.type is EventType.COMMITTED and event.slot is not None:
             pool = self._shared.get(event.engine_id) or self._share(event.engine_id)

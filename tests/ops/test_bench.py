@@ -1,6 +1,5 @@
-"""`ecd bench` as an operator runs it: `--suite remote` spawns two peered daemons and reports a
-remote get against a local get and a bare transfer-engine read, one read per remote hit;
-`--suite restart` kills its own daemon and times it serving again."""
+"""`ecd bench` as an operator runs it: `--suite restart` kills its own daemon and times it
+serving again."""
 
 from __future__ import annotations
 
@@ -10,44 +9,11 @@ from pathlib import Path
 
 import pytest
 from ecd_testing import Daemon, run_ecd
-from peer_testing import needs_mooncake
 
 
 def bench(daemon: Daemon, *flags: str) -> subprocess.CompletedProcess[str]:
     """`ecd bench` against a daemon that is already running, as an operator points it at one."""
     return run_ecd("bench", "--address", daemon.address, *flags)
-
-
-@needs_mooncake
-def test_the_remote_suite_compares_a_pull_with_a_local_get_and_a_bare_read(
-    tmp_path: Path,
-) -> None:
-    output = tmp_path / "figures.json"
-    done = run_ecd(
-        "bench",
-        "--spawn",
-        "--suite",
-        "remote",
-        "--runs",
-        "1",
-        "--remote-sizes",
-        "256KiB",
-        "--remote-samples",
-        "2",
-        "--output",
-        str(output),
-    )
-    assert done.returncode == 0, done.stderr
-    assert "Remote get" in done.stdout and "bare_read_ms" in done.stdout
-    [row] = json.loads(output.read_text())["remote"]
-    assert row["size"] == "256.0 KiB" and row["reads_per_hit"] == 1
-    assert row["remote_ms"] > 0 and row["local_ms"] > 0 and row["bare_read_ms"] > 0
-
-
-def test_the_remote_suite_needs_two_daemons_and_says_so() -> None:
-    done = run_ecd("bench", "--suite", "remote")
-    assert done.returncode == 2
-    assert "--spawn" in done.stderr
 
 
 def test_the_restart_suite_kills_its_own_daemon_and_times_it_serving_again(

@@ -12,22 +12,29 @@ from pathlib import Path
 import pytest
 from ecd_testing import DEFAULT_ARGS, run_ecd, running_daemon
 
-from ec_daemon import config, server
+from ec_daemon import config
 
 GiB = 1 << 30
 
 
-def print_config(
+def serve(
     tmp_path: Path, *flags: str, env: dict[str, str] | None = None, toml: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m ec_daemon serve --print-config` as an operator would."""
-    argv = ["serve", "--print-config", *flags]
+    """Run `python -m ec_daemon serve` as an operator would, with only these settings."""
+    argv = ["serve", *flags]
     if toml is not None:
         path = tmp_path / "ecd.toml"
         path.write_text(toml)
         argv += ["--config", str(path)]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
     return run_ecd(*argv, env={**clean, **(env or {})})
+
+
+def print_config(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None, toml: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`ecd serve --print-config`."""
+    return serve(tmp_path, "--print-config", *flags, env=env, toml=toml)
 
 
 def table(result: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]]:
@@ -166,40 +173,36 @@ def test_reference_table_lists_every_setting_as_help_does() -> None:
 
 
 @pytest.mark.parametrize(
-    ("way", "source"),
+    ("flags", "env", "toml", "source"),
     [
-        ("flag", "flag --peer"),
-        ("env", "env ECD_PEERS"),
-        ("file", "file {toml}"),
+        (["--tcp", "10.0.0.7:7878", "--peer", "10.0.0.8:7878"], None, None, "flag --peer"),
+        ([], {"ECD_PEERS": "10.0.0.8:7878"}, None, "env ECD_PEERS"),
+        ([], None, 'peers = ["10.0.0.8:7878"]\n', "file"),
+        (["--peer-token-file", "/etc/ecd/peer.token"], None, None, "flag --peer-token-file"),
     ],
+    ids=["flag", "env", "file", "token"],
 )
-def test_peers_are_a_repeated_flag_a_comma_separated_variable_or_a_toml_list(
-    tmp_path: Path, way: str, source: str
+def test_a_peer_setting_stops_the_daemon_naming_the_store_that_replaced_peers(
+    tmp_path: Path, flags: list[str], env: dict[str, str] | None, toml: str | None, source: str
 ) -> None:
-    given = ["10.0.0.8:7878", "ecd-peers.ecd.svc.cluster.local:7878", "[fd00::9]:7878"]
-    flags = [arg for peer in given for arg in ("--peer", peer)] if way == "flag" else []
-    env = {"ECD_PEERS": " , ".join(given)} if way == "env" else None
-    toml = f"peers = {given!r}".replace("'", '"') if way == "file" else None
-    rows = table(print_config(tmp_path, *flags, env=env, toml=toml))
-    assert rows["peers"] == (",".join(given), source.format(toml=tmp_path / "ecd.toml"))
+    own = ("--socket", str(tmp_path / "ecd.sock"), "--shm-dir", str(tmp_path))
+    result = serve(tmp_path, *own, *flags, env=env, toml=toml)
+    assert result.returncode == 2
+    assert f"from {source}" in result.stderr
+    assert "no longer a setting" in result.stderr
+    assert "--store-master HOST:PORT --store-metadata URL" in result.stderr
 
 
-def test_a_peer_that_is_not_host_port_is_refused_naming_where_it_came_from(
+def test_a_transfer_setting_of_the_peers_stops_the_daemon_naming_the_stores_own(
     tmp_path: Path,
 ) -> None:
-    result = print_config(tmp_path, env={"ECD_PEERS": "10.0.0.8:7878,node9"})
+    own = ("--socket", str(tmp_path / "ecd.sock"), "--shm-dir", str(tmp_path))
+    result = serve(tmp_path, *own, env={"ECD_TRANSFER_PROTOCOL": "rdma"})
     assert result.returncode == 2
-    assert "peers from env ECD_PEERS: peer 'node9' is not HOST:PORT" in result.stderr
-
-
-@pytest.mark.parametrize(
-    "text", ["s3cret\n", "peers s3cret  # the token this daemon presents\n"], ids=["bare", "named"]
-)
-def test_the_peer_token_file_is_read_as_a_token_file(tmp_path: Path, text: str) -> None:
-    token_file = tmp_path / "peer.token"
-    token_file.write_text(text)
-    loaded, _ = config.load({"peer_token_file": str(token_file)}, {}, None)
-    assert server.peer_access(loaded, "epoch").token == "s3cret"
+    assert "transfer_protocol from env ECD_TRANSFER_PROTOCOL is no longer a setting" in (
+        result.stderr
+    )
+    assert "--store-protocol" in result.stderr
 
 
 def test_an_unknown_ecd_variable_is_warned_about_naming_the_nearest_setting() -> None:

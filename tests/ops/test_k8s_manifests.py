@@ -14,14 +14,12 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
-from cluster_testing import MASTER_BINARY
+from cluster_testing import MASTER_BINARY, needs_mooncake
 from ecd_testing import REPO
-from peer_testing import needs_mooncake
 
 from ec_client.units import parse_size
 from ec_daemon.cluster.mooncake import LOCAL_BUFFER_BYTES
 from ec_daemon.config import Config
-from ec_daemon.peers import PeerEntry
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
@@ -196,29 +194,6 @@ def test_daemonset_and_its_client(serve_config: Callable[..., Config]) -> None:
     assert transfer["ecd_pool"], "engines on a node share one cache through a named pool"
 
 
-def test_daemonset_with_peers_follows_every_daemon_through_a_headless_service(
-    serve_config: Callable[..., Config],
-) -> None:
-    service, policy, daemonset = load("daemonset-peers.yaml")
-    _, config = daemon_at_pod_ip(daemonset, serve_config)
-    # Peers: the headless Service in front of these very pods, at the port they listen on.
-    [peer] = [PeerEntry.parse(p) for p in config.peers]
-    tcp = PeerEntry.parse(config.tcp)
-    selector = service["spec"]["selector"]
-    assert service["spec"]["clusterIP"] == "None"
-    assert selector == daemonset["spec"]["template"]["metadata"]["labels"]
-    assert peer.host.startswith(service["metadata"]["name"] + ".") and peer.port == tcp.port
-    assert [p["port"] for p in service["spec"]["ports"]] == [tcp.port]
-    # Each daemon is reached, and read, at its own pod IP (Kubernetes expands $(POD_IP)).
-    assert tcp.host == config.transfer_host == "$(POD_IP)"
-    # Only other daemons reach the gRPC port and the transfer engine's ports.
-    peers_rule = policy["spec"]["ingress"][0]
-    assert policy["spec"]["podSelector"] == peers_rule["from"][0]["podSelector"]
-    assert peers_rule["from"] == [{"podSelector": {"matchLabels": selector}}]
-    ports = {p["port"]: p.get("endPort") for p in peers_rule["ports"]}
-    assert ports == {tcp.port: None, 15000: 17000}
-
-
 def flag_values(args: list[str]) -> dict[str, str]:
     """--name=value arguments (mooncake_master's gflags form) by name."""
     return dict(a.removeprefix("--").split("=", 1) for a in args)
@@ -264,11 +239,11 @@ def test_daemonset_with_a_store_joins_the_master_service_and_its_memory_covers_t
     ecd, config = daemon_at_pod_ip(daemonset, serve_config)
     # The master and its metadata server, at the Service's name and ports.
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
-    master = PeerEntry.parse(config.store_master)
-    assert master.host.startswith(service["metadata"]["name"] + ".")
+    master = urlsplit(f"//{config.store_master}")
+    assert str(master.hostname).startswith(service["metadata"]["name"] + ".")
     assert master.port == ports["rpc"]
     metadata = urlsplit(config.store_metadata)
-    assert metadata.hostname == master.host and metadata.port == ports["metadata"]
+    assert metadata.hostname == master.hostname and metadata.port == ports["metadata"]
     # Other nodes read this node's segment at its pod IP.
     assert config.transfer_host == "$(POD_IP)"
     # The pools, the segment and the store client's buffer are all charged to the daemon.

@@ -8,12 +8,11 @@ import json
 import time
 from typing import Any
 
-from ecd_testing import Daemon, running_daemon
-from peer_testing import needs_mooncake, peer_args
+from cluster_testing import needs_mooncake, running_master, store_daemon
+from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import AllocateItem, Client
 from ec_client.types import Status
-from ec_daemon.spawn import free_port
 
 POOL = "logs-pool"
 BLOCK = 4096
@@ -103,11 +102,11 @@ def test_a_full_pool_evicting_at_every_allocate_logs_one_summary_not_a_line_each
 
 
 @needs_mooncake
-def test_json_logs_carry_the_transfer_engines_lines_as_json_too() -> None:
-    me, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    args = peer_args(me, [me, other], "--log-format", "json")
-    with running_daemon(*args) as daemon:  # its transfer engine logs with glog, in C++
+def test_json_logs_carry_the_store_clients_lines_as_json_too() -> None:
+    with running_master() as master, store_daemon(master, "--log-format", "json") as daemon:
+        # Its store client logs with glog, in C++, while it joins.
+        wait_until(lambda: "joined the store" in daemon.log(), 20)
         lines = daemon.log().splitlines()
     records = [json.loads(line) for line in lines]  # every line parses
     native = [r for r in records if r["logger"] == "native"]
-    assert any("transfer_metadata.cpp" in r["msg"] for r in native), native
+    assert any("transfer_metadata" in r["msg"] for r in native), native

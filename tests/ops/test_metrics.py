@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from cluster_testing import NAMESPACE, needs_mooncake, published, running_master, store_daemon
 from ecd_testing import Daemon, run_ecd, running_daemon, wait_until
-from peer_testing import needs_mooncake, peer_args
 from prometheus_client.parser import text_string_to_metric_families
 
-from ec_client import AllocateItem, Client, Consumer, EcdError
+from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
 from ec_client.types import PoolStats, Stats, Status
 
 POOL = "metrics-pool"
@@ -233,30 +234,22 @@ def test_metrics_port_in_use_stops_the_daemon_at_startup(tmp_path: Path, shm_dir
 
 
 @needs_mooncake
-def test_pulls_from_a_peer_and_the_peers_state_are_scraped_as_stats_reports_them() -> None:
+def test_remote_hits_from_the_store_are_scraped_as_stats_reports_them() -> None:
     port = free_port()
-    near, far = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     with (
-        running_daemon(*peer_args(far, [near, far])) as peer,
-        running_daemon(*peer_args(near, [near, far], "--metrics-port", str(port))) as daemon,
-        peer.client() as producer,
+        running_master() as master,
+        store_daemon(master) as near,
+        store_daemon(master, "--metrics-port", str(port)) as daemon,
+        near.client() as producer,
         daemon.client() as consumer,
     ):
         for client in (producer, consumer):
-            client.open_pool(POOL, BLOCK, CAPACITY)
-        [allocated] = producer.allocate(POOL, [FULL])
-        producer.commit(POOL, [FULL.key])
-        wait_until(lambda: consumer.stats().peers[0].keys == 1)
-        # The peer follows this daemon too, through a session here: once it is synced, no
-        # session comes or goes between the scrape and Stats below.
-        wait_until(lambda: producer.stats().peers[0].state == "synced")
-        [hit] = consumer.acquire(POOL, [FULL.key])
-        assert (allocated.status, hit.status) == (Status.ALLOCATED, Status.HIT)
-        consumer.release([hit.lease_id])
+            client.open_pool(POOL, BLOCK, CAPACITY, cluster_namespace=NAMESPACE)
+        Producer(producer, POOL).put("mm-1", torch.ones(4, BLOCK // 4))  # rows of one block
+        wait_until(lambda: published(producer) == 1, 20)
+        assert Consumer(consumer, POOL).get("mm-1", wait_ms=5000) is not None
+        consumer.flush()  # the get's pin goes back now, not between the scrape and Stats
 
         samples, stats = scrape(port), consumer.stats()
-        assert_equals_stats(samples, stats)
-        assert stats.pools[0].remote_hits == 1
-        [peer_stats] = stats.peers
-        labels = frozenset({"address": far, "state": "synced"}.items())
-        assert samples[("ecd_peer_keys", labels)] == peer_stats.keys == 1
+    assert_equals_stats(samples, stats)
+    assert (stats.pools[0].remote_hits, stats.pools[0].remote_reads) == (1, 1)

@@ -177,7 +177,7 @@ def test_daemon_notifies_ready_watchdog_and_stopping(tmp_path: Path) -> None:
 def test_the_commented_cluster_settings_are_ones_the_daemon_takes(
     tmp_path: Path, serve_config: Callable[..., Config]
 ) -> None:
-    """Uncommented, the example lines of ecd.toml (peers and store) load: no misspelled key, no
+    """Uncommented, the example lines of ecd.toml (the store's) load: no misspelled key, no
     value the daemon refuses, none missing that another needs."""
     text = re.sub(r"(?m)^# (\w+ = )", r"\1", (SYSTEMD / "ecd.toml").read_text())
     config_file = tmp_path / "ecd.toml"
@@ -186,4 +186,4 @@ def test_the_commented_cluster_settings_are_ones_the_daemon_takes(
     assert config.store_master == "10.0.0.5:50051"
     assert config.store_metadata == "http://10.0.0.5:8080/metadata"
     assert config.store_segment_bytes == 4 << 30
-    assert config.peers and config.transfer_host
+    assert config.transfer_host and config.pull_timeout == 1.0

@@ -46,19 +46,15 @@ class FakeClient:
     def __init__(self) -> None:
         self.streams: queue.Queue[FakeStream] = queue.Queue()
 
-    def open_watch(
-        self, engine_id: str, snapshot: bool, include_remote: bool, include_pending: bool
-    ) -> FakeStream:
-        assert snapshot and include_remote and include_pending
+    def open_watch(self, engine_id: str, snapshot: bool, include_pending: bool) -> FakeStream:
+        assert snapshot and include_pending
         stream = FakeStream()
         self.streams.put(stream)
         return stream
 
 
-def event(
-    type: EventType, key: str = "", remote: bool = False, slot: int | None = None
-) -> WatchEvent:
-    return WatchEvent(type, "p", key.encode(), 1, "epoch", remote, slot)
+def event(type: EventType, key: str = "", slot: int | None = None) -> WatchEvent:
+    return WatchEvent(type, "p", key.encode(), 1, "epoch", slot)
 
 
 def eventually(check: Callable[[], bool]) -> None:
@@ -189,31 +185,6 @@ def test_what_the_scheduler_learned_first_is_known_before_the_event(setup: Any) 
     assert not view.has(b"mine")
 
 
-def test_keys_peers_hold_count_as_available_but_not_as_local(setup: Any) -> None:
-    view, client, _ = setup
-    stream = client.streams.get(timeout=5)
-    stream.items.put(event(EventType.SNAPSHOT, "here"))
-    stream.items.put(event(EventType.SNAPSHOT, "there", remote=True))
-    stream.items.put(event(EventType.SYNCED))
-    eventually(lambda: view.has(b"there"))
-    assert view.has_local(b"here") and not view.has_local(b"there")
-    stream.items.put(event(EventType.COMMITTED, "later", remote=True))
-    eventually(lambda: view.has(b"later"))
-    assert not view.has_local(b"later")
-
-
-def test_a_key_a_peer_stops_holding_stays_if_it_is_here(setup: Any) -> None:
-    view, client, _ = setup
-    stream = synced(client, "k")
-    stream.items.put(event(EventType.COMMITTED, "k", remote=True))
-    stream.items.put(event(EventType.COMMITTED, "only-there", remote=True))
-    eventually(lambda: view.has(b"only-there"))
-    stream.items.put(event(EventType.EVICTED, "k", remote=True))
-    stream.items.put(event(EventType.EVICTED, "only-there", remote=True))
-    eventually(lambda: not view.has(b"only-there"))
-    assert view.has_local(b"k")
-
-
 def test_listeners_are_told_the_slot_of_each_entry_committed_here(setup: Any) -> None:
     view, client, _ = setup
     told: list[tuple[bytes, int]] = []
@@ -221,7 +192,6 @@ def test_listeners_are_told_the_slot_of_each_entry_committed_here(setup: Any) ->
     stream = client.streams.get(timeout=5)
     stream.items.put(event(EventType.SNAPSHOT, "old", slot=1))  # read when pinned, not now
     stream.items.put(event(EventType.SYNCED))
-    stream.items.put(event(EventType.COMMITTED, "there", remote=True))  # no slot here
     stream.items.put(event(EventType.COMMITTED, "new", slot=5))
     eventually(lambda: view.slot(b"new") == 5)
     assert told == [(b"new", 5)]
@@ -231,7 +201,6 @@ def test_slots_are_known_only_once_every_key_is_ready_here_with_its_slot(setup: 
     view, client, _ = setup
     stream = synced(client)
     view.add(b"mine")  # committed by this process: READY, its slot still to come
-    stream.items.put(event(EventType.COMMITTED, "there", remote=True))
     stream.items.put(event(EventType.COMMITTED, "a", slot=0))
     eventually(lambda: view.slot(b"a") == 0)
     assert view.slots_known(["a"])

@@ -11,7 +11,6 @@ from ec_client.types import (
     EntryInfo,
     EntryState,
     EventType,
-    PeerStats,
     PoolInfo,
     PoolStats,
     Role,
@@ -30,17 +29,13 @@ def test_pool_stats_has_exactly_the_fields_of_its_message() -> None:
     assert fields(PoolStats) == set(pb.PoolStats.DESCRIPTOR.fields_by_name)
 
 
-def test_peer_stats_has_exactly_the_fields_of_its_message() -> None:
-    assert fields(PeerStats) == set(pb.PeerStats.DESCRIPTOR.fields_by_name)
-
-
 def test_watch_event_has_exactly_the_fields_of_its_message() -> None:
     assert fields(WatchEvent) == set(pb.WatchEvent.DESCRIPTOR.fields_by_name)
 
 
 def test_a_watch_event_crosses_the_wire_unchanged_with_or_without_its_slot() -> None:
     for slot in (None, 0, 7):
-        event = WatchEvent(EventType.COMMITTED, "pool", b"key", 64, "epoch", remote=True, slot=slot)
+        event = WatchEvent(EventType.COMMITTED, "pool", b"key", 64, "epoch", slot=slot)
         assert _wire.watch_event(wire.watch_event_pb(event)) == event
 
 

@@ -13,9 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from cluster_testing import Master, published, running_master, store_daemon, vllm_store_client
+from cluster_testing import (
+    Master,
+    needs_mooncake,
+    published,
+    running_master,
+    store_daemon,
+    vllm_store_client,
+)
 from ecd_testing import Daemon, auth_args, wait_until
-from peer_testing import needs_mooncake
 from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
     TensorSpec,
     build_embedding_namespace,

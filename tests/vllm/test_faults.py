@@ -20,7 +20,7 @@ ITEM_BYTES = ROWS * WIDTH * 2
 
 def without_slots(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """As if the view had not heard any entry's slot yet: cached items take the background
-    Acquire (lease pins), as items only a peer holds do."""
+    Acquire (lease pins)."""
     monkeypatch.setattr(e.scheduler.view, "slot", lambda key: None)
 
 

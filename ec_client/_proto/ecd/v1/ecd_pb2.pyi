@@ -174,7 +174,7 @@ class OpenPoolRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., compat_key: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., max_entries: _Optional[int] = ..., reopen: _Optional[bool] = ..., cluster_namespace: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "transfer_endpoint", "transfer_base", "cluster_namespace")
+    __slots__ = ("engine_id", "path", "block_size_bytes", "num_blocks", "data_offset", "file_size", "pool_uuid", "compat_key", "max_entries", "cluster_namespace")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -184,8 +184,6 @@ class PoolInfo(_message.Message):
     POOL_UUID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_BASE_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     path: str
@@ -196,10 +194,8 @@ class PoolInfo(_message.Message):
     pool_uuid: str
     compat_key: str
     max_entries: int
-    transfer_endpoint: str
-    transfer_base: int
     cluster_namespace: str
-    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ..., transfer_base: _Optional[int] = ..., cluster_namespace: _Optional[str] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ..., cluster_namespace: _Optional[str] = ...) -> None: ...
 
 class OpenPoolReply(_message.Message):
     __slots__ = ("boot_epoch", "pool", "created")
@@ -603,20 +599,6 @@ class PoolStats(_message.Message):
     evictions_for_entries: int
     def __init__(self, engine_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_extents: _Optional[int] = ..., largest_free_extent: _Optional[int] = ..., entries_pending: _Optional[int] = ..., entries_ready: _Optional[int] = ..., entries_pinned: _Optional[int] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., no_space: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., compat_key: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_seconds_bounds: _Optional[_Iterable[float]] = ..., remote_seconds_counts: _Optional[_Iterable[int]] = ..., remote_seconds_sum: _Optional[float] = ..., held_blocks: _Optional[int] = ..., remote_reads: _Optional[int] = ..., entries_locked: _Optional[int] = ..., ephemeral: _Optional[bool] = ..., evictions_for_space: _Optional[int] = ..., evictions_for_entries: _Optional[int] = ...) -> None: ...
 
-class PeerStats(_message.Message):
-    __slots__ = ("address", "state", "boot_epoch", "keys", "error")
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    STATE_FIELD_NUMBER: _ClassVar[int]
-    BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    address: str
-    state: str
-    boot_epoch: str
-    keys: int
-    error: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., boot_epoch: _Optional[str] = ..., keys: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
-
 class StatsRequest(_message.Message):
     __slots__ = ("engine_id",)
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -624,7 +606,7 @@ class StatsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "peers", "cluster")
+    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "cluster")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -634,7 +616,6 @@ class StatsReply(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PEERS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     uptime_s: float
@@ -645,9 +626,8 @@ class StatsReply(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     version: str
     capacity_bytes: int
-    peers: _containers.RepeatedCompositeFieldContainer[PeerStats]
     cluster: ClusterStats
-    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped")
@@ -672,31 +652,27 @@ class ClusterStats(_message.Message):
     def __init__(self, master: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ..., published: _Optional[int] = ..., already_stored: _Optional[int] = ..., unpublishable: _Optional[int] = ..., gone: _Optional[int] = ..., publish_failures: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("engine_id", "snapshot", "include_remote", "include_pending")
+    __slots__ = ("engine_id", "snapshot", "include_pending")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
-    INCLUDE_REMOTE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PENDING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     snapshot: bool
-    include_remote: bool
     include_pending: bool
-    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., include_remote: _Optional[bool] = ..., include_pending: _Optional[bool] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., include_pending: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes", "remote", "slot")
+    __slots__ = ("boot_epoch", "type", "engine_id", "key", "nbytes", "slot")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
-    REMOTE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     type: EventType
     engine_id: str
     key: bytes
     nbytes: int
-    remote: bool
     slot: int
-    def __init__(self, boot_epoch: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., engine_id: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., remote: _Optional[bool] = ..., slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, boot_epoch: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., engine_id: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...

@@ -227,9 +227,9 @@ class EncoderCacheServicer:
         Per item: ITEM_HIT, ITEM_MISS, ITEM_PENDING (still PENDING after wait_ms),
         ITEM_INVALID_ARGUMENT. With wait_ms, a key PENDING or not there yet is waited for until it
         is READY (the waiter wakes at its commit) or wait_ms runs out; an entry aborted meanwhile is
-        waited for again. A key that is not here but that a peer daemon holds is pulled from it, and
-        waited for up to the longer of wait_ms and the daemon's pull timeout (--pull-timeout), even
-        with wait_ms 0. INVALID_ARGUMENT as a whole: wait_ms over the limit. UNAVAILABLE (reason
+        waited for again. A key of a shared pool that is not here but that the cluster's store has
+        is read from it, and waited for up to the longer of wait_ms and the daemon's pull timeout
+        (--pull-timeout), even with wait_ms 0. INVALID_ARGUMENT as a whole: wait_ms over the limit. UNAVAILABLE (reason
         shutting_down): the daemon stopped while the call waited; nothing was pinned, so it is
         safe to retry (the client library does).
         """
@@ -254,8 +254,8 @@ class EncoderCacheServicer:
     def Step(self, request, context):
         """The way for new code (see the header of ecd.proto): Release, Commit, Abort, Acquire (without
         waiting) and Allocate in one call, in that order; per item of each part, what that RPC
-        answers. Acquires of keys only peers hold are pulled, and the reply waits for those pulls
-        (as Acquire's), after every other part was applied.
+        answers. Acquires of keys of a shared pool that only the cluster's store has are read from
+        it, and the reply waits for those reads (as Acquire's), after every other part was applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,51 @@
+"""The cluster tier as the rest of the daemon sees it (docs/design.md §13): one object, made when
+the daemon has `--store-master`, that the server starts and stops and the service asks for
+remote hits. The core reaches the node only through the two callables it is built with (every
+event it emits, for publishing; the node's Stats)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from ec_client.types import StepResult
+from ec_daemon.cluster.fetch import ClusterFetch
+from ec_daemon.cluster.node import ClusterNode
+
+
+class Cluster:
+    """This daemon's part in the store: the node's thread, which owns the store client and
+    publishes, and the fetches that answer remote hits through it."""
+
+    def __init__(self, node: ClusterNode, fetches: ClusterFetch) -> None:
+        self._node = node
+        self._fetches = fetches
+
+    @property
+    def connected(self) -> bool:
+        """Whether the store's master answered the node's last call."""
+        return self._node.connected
+
+    def start(self) -> None:
+        """Join the store on the node's thread (again and again while its master is away)."""
+        self._node.start()
+
+    async def fetch(
+        self, session_id: str, engine_id: str, keys: Sequence[bytes], wait_ms: int
+    ) -> None:
+        """Read the keys of a shared pool that are not here but that the store has, and wait
+        for them up to the longer of wait_ms and the fetch timeout."""
+        await self._fetches.fetch(session_id, engine_id, keys, wait_ms)
+
+    async def step(
+        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
+    ) -> StepResult:
+        """A Step's answer once the acquires it missed that the store has were read (its
+        misses are the caller's to count)."""
+        return await self._fetches.step(session_id, engine_id, acquires, result)
+
+    async def stop(self, grace_s: float) -> None:
+        """Abort the fetches in flight, then leave the store: before the pool files close, since
+        the node reads them."""
+        await self._fetches.close()
+        await asyncio.to_thread(self._node.stop, grace_s)
