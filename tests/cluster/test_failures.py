@@ -1,0 +1,84 @@
+"""Failures of the cluster tier on real processes (docs/design.md §13, docs/operations.md): a
+real `mooncake_master` per test (each kills a process the store counts on, whose segment the
+master would go on placing replicas in until its client TTL runs out) and daemons as nodes, each
+with its own shm directory and transfer port."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from cluster_testing import NAMESPACE, POOL, pool_stats, published, running_master, store_daemon
+from ecd_testing import Daemon, assert_blocks_accounted, running_daemon, wait_until
+
+from ec_client import Client, Consumer, Producer, Status, check_health
+from ec_client.types import ClusterStats
+
+PULL_TIMEOUT_S = 1.0  # the daemons' default --pull-timeout
+SLACK_S = 2.0  # a loaded machine's scheduling delays, well below the ~4 s a store call waits
+
+
+def cluster(client: Client) -> ClusterStats:
+    stats = client.stats().cluster
+    assert stats is not None, "the daemon has no store"
+    return stats
+
+
+def settled(stats: ClusterStats) -> int:
+    """Publishes that ended, either way."""
+    return stats.published + stats.publish_failures
+
+
+def health(daemon: Daemon) -> str:
+    return check_health(daemon.address, service="ecd.cluster")
+
+
+def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_runs() -> None:
+    rows = torch.randn(256, 2048, dtype=torch.bfloat16)
+    with running_master() as master, running_daemon(*master.flags()) as near:
+        with near.client() as producer:
+            producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            Producer(producer, "shared").put("died", rows)
+            wait_until(lambda: published(producer) == 1, 20)
+        # joined after the publish: the value's only replica is in the segment of `near`
+        with store_daemon(master) as far, far.client() as consumer:
+            consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            near.kill()
+            started = time.monotonic()
+            [answer] = consumer.step("shared", acquires=[b"died"]).acquires
+            took = time.monotonic() - started
+            stats = pool_stats(consumer, "shared")
+            assert_blocks_accounted(consumer, "shared")
+            Producer(consumer, "shared").put("died", rows)  # the engine encodes it: not PENDING
+            again = Consumer(consumer, "shared").get("died")
+    assert answer.status is Status.MISS and took < PULL_TIMEOUT_S + SLACK_S, took
+    assert (stats.remote_reads, stats.remote_misses, stats.remote_hits) == (1, 1, 0)
+    assert (stats.entries_ready, stats.entries_pending, stats.held_blocks) == (0, 0, 0)
+    assert again is not None and torch.equal(again, rows)
+
+
+def test_a_full_store_evicts_and_a_node_whose_segment_is_full_serves_locally() -> None:
+    tensors = [torch.full((2048, 2048), i, dtype=torch.bfloat16) for i in range(6)]  # 8 MiB each
+    too_big = torch.ones(8192, 2048, dtype=torch.bfloat16)  # 32 MiB, more than the whole store
+    pool = dict(POOL, capacity_bytes=128 << 20)
+    # leases short enough that a published value may be evicted at once (default 10 s)
+    with (
+        running_master("--default_kv_lease_ttl=50") as master,
+        store_daemon(master, "--store-segment-bytes", "24MiB") as daemon,
+    ):
+        with daemon.client() as client:
+            client.open_pool("shared", **pool, cluster_namespace=NAMESPACE)
+            producer = Producer(client, "shared")
+            for i, tensor in enumerate(tensors):  # one at a time: a store filling up
+                producer.put(f"full-{i}", tensor)
+                wait_until(lambda n=i + 1: settled(cluster(client)) == n, 20)
+            producer.put("too-big", too_big)
+            wait_until(lambda: settled(cluster(client)) == 7, 20)
+            stats = cluster(client)
+            served = [Consumer(client, "shared").get(f"full-{i}") for i in range(6)]
+            big = Consumer(client, "shared").get("too-big")
+        assert check_health(daemon.address) == "SERVING"
+    assert stats.connected and stats.publish_failures > 0
+    assert stats.published * (8 << 20) > 24 << 20  # more than the segment holds: the master evicted
+    assert all(t is not None and torch.equal(t, e) for t, e in zip(served, tensors, strict=True))
+    assert big is not None and torch.equal(big, too_big)
