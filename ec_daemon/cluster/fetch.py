@@ -1,7 +1,8 @@
 """Remote hits from the store (docs/design.md §13): an Acquire of keys a shared pool lacks asks
 the store once for the batch, and reads what it has straight into local PENDING entries.
 
-For the keys of one Acquire that are ABSENT here, in a shared pool, while the node is joined:
+For the keys of one Acquire that are ABSENT here, in a shared pool, while the node is connected
+(else the Acquire is a miss at once, counted as a lookup failure):
 
 1. one batched lookup at the master (`batch_get_replica_desc`): each value's size;
 2. each key the store has is allocated here, PENDING, under a session of its own (the pulls'
@@ -53,7 +54,7 @@ class ClusterFetch:
         fetches in flight, and wait for them up to the longer of wait_ms and the timeout.
         Returns the keys whose fetches were waited for."""
         namespace = self._store.cluster_namespace(engine_id)
-        if not namespace or not self._node.connected:
+        if not namespace:
             return []
         self._store.may_consume(session_id)
         waits: set[asyncio.Future[None]] = set()
@@ -66,6 +67,9 @@ class ClusterFetch:
                 joined.append(found.key)
             elif found.state is EntryState.ABSENT and found.key not in absent:
                 absent.append(found.key)
+        if absent and not self._node.connected:  # no call to the store: it would wait seconds
+            self._node.lookup_failures += 1
+            absent = []
         if absent:
             done = asyncio.get_running_loop().create_future()
             for key in absent:

@@ -5,11 +5,12 @@ with its own shm directory and transfer port."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 from cluster_testing import NAMESPACE, POOL, pool_stats, published, running_master, store_daemon
-from ecd_testing import Daemon, assert_blocks_accounted, running_daemon, wait_until
+from ecd_testing import Daemon, assert_blocks_accounted, run_ecd, running_daemon, wait_until
 
 from ec_client import Client, Consumer, Producer, Status, check_health
 from ec_client.types import ClusterStats
@@ -55,6 +56,61 @@ def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_
     assert (stats.remote_reads, stats.remote_misses, stats.remote_hits) == (1, 1, 0)
     assert (stats.entries_ready, stats.entries_pending, stats.held_blocks) == (0, 0, 0)
     assert again is not None and torch.equal(again, rows)
+
+
+def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store_resumes() -> None:
+    old, new = (
+        torch.randn(64, 2048, dtype=torch.bfloat16),
+        torch.randn(64, 2048, dtype=torch.bfloat16),
+    )
+    with (
+        running_master() as master,
+        store_daemon(master) as a,
+        store_daemon(master) as b,
+        a.client() as ca,
+        b.client() as cb,
+    ):
+        for client in (ca, cb):
+            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        producer = Producer(ca, "shared")
+        producer.put_many({"read-before": old, "unread": old})
+        wait_until(lambda: published(ca) == 2, 20)
+        assert torch.equal(Consumer(cb, "shared").get("read-before", wait_ms=5000), old)
+        reads = pool_stats(cb, "shared").remote_reads
+
+        master.stop()
+        for i in range(3):  # each publish fails fast, not after the client's RPC timeout
+            failed = cluster(ca).publish_failures
+            producer.put(f"down-{i}", old)
+            wait_until(lambda n=failed + 1: cluster(ca).publish_failures == n, SLACK_S)
+        started = time.monotonic()
+        [miss] = cb.step("shared", acquires=[b"never-published"]).acquires
+        assert miss.status is Status.MISS and time.monotonic() - started < SLACK_S
+        assert cluster(cb).lookup_failures == 1
+        local = Consumer(cb, "shared").get("read-before")  # a local hit: no store call
+        assert local is not None and torch.equal(local, old)
+        assert pool_stats(cb, "shared").remote_reads == reads
+        wait_until(lambda: health(b) == "NOT_SERVING", 5)
+        assert "NOT CONNECTED" in run_ecd("stats", "--address", b.address).stdout
+
+        master.start()  # on the same ports, its directory empty
+        for daemon in (a, b):
+            wait_until(lambda d=daemon: health(d) == "SERVING", 20)
+        assert "connected; published" in run_ecd("stats", "--address", b.address).stdout
+        # the clients mount their segments again by themselves, within seconds: until then
+        # the master has no room for a value (a publish fails, counted)
+        deadline = time.monotonic() + 20
+        for i in itertools.count():
+            key, before = f"after-{i}", cluster(ca)
+            producer.put(key, new)
+            wait_until(lambda b=before: settled(cluster(ca)) > settled(b), 5)
+            if published(ca) > before.published:
+                break
+            assert time.monotonic() < deadline, "no publish lands after the restart"
+        got = Consumer(cb, "shared").get(key, wait_ms=5000)
+        lost = Consumer(cb, "shared").get("unread", wait_ms=1)  # the old directory's
+    assert got is not None and torch.equal(got, new)
+    assert lost is None  # never another value's bytes: nothing republishes what the master lost
 
 
 def test_a_full_store_evicts_and_a_node_whose_segment_is_full_serves_locally() -> None:
