@@ -14,7 +14,8 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
    registered data region;
 4. a value whose header is the format's, holds the entry's size and whose rows are as wide as
    the pool's blocks is committed with the header's shape and dtype; anything else (not read
-   whole, another model's value under the key) aborts the entry: a miss, nothing partial.
+   whole, another model's value under the key, a read not over within the longer of the first
+   asker's wait_ms and the fetch timeout) aborts the entry: a miss, nothing partial.
 
 An asker waits for the keys being fetched up to the longer of its wait_ms and the fetch timeout;
 a fetch given up on goes on and ends as above. Counted as the pulls from peers are
@@ -35,6 +36,10 @@ from ec_daemon.remote import acquire_fetched
 from ec_daemon.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
+
+# How long past its fetches' own bound an asker still waits for them: on a loaded loop its timer
+# could fire before theirs, answering an entry about to go as still PENDING.
+LATE_LOOP_S = 0.5
 
 
 class ClusterFetch:
@@ -70,16 +75,17 @@ class ClusterFetch:
         if absent and not self._node.connected:  # no call to the store: it would wait seconds
             self._node.lookup_failures += 1
             absent = []
+        timeout_s = max(wait_ms / 1000, self.timeout_s)
         if absent:
             done = asyncio.get_running_loop().create_future()
             for key in absent:
                 self._fetching[(engine_id, key)] = done
-            task = asyncio.create_task(self._fetch(engine_id, namespace, absent, done))
+            task = asyncio.create_task(self._fetch(engine_id, namespace, absent, timeout_s, done))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             waits.add(done)
         if waits:
-            await asyncio.wait(waits, timeout=max(wait_ms / 1000, self.timeout_s))
+            await asyncio.wait(waits, timeout=timeout_s + LATE_LOOP_S)
         return joined + absent
 
     async def step(
@@ -92,7 +98,12 @@ class ClusterFetch:
         )
 
     async def _fetch(
-        self, engine_id: str, namespace: str, keys: list[bytes], done: asyncio.Future[None]
+        self,
+        engine_id: str,
+        namespace: str,
+        keys: list[bytes],
+        timeout_s: float,
+        done: asyncio.Future[None],
     ) -> None:
         started = time.monotonic()
         slots: list[PullSlot] = []
@@ -118,10 +129,14 @@ class ClusterFetch:
                 return
             reading = self._node.ask(self._node.read(info, reads))
             try:
-                specs = await asyncio.wrap_future(reading)
+                # bounded: a writer that stops answering would hold the entries PENDING, and
+                # every asker and producer of their keys on this node with them
+                left_s = started + timeout_s - time.monotonic()
+                specs = await asyncio.wait_for(asyncio.wrap_future(reading), max(left_s, 0))
             except BaseException:
-                # The read may still be writing into the entries' blocks: they go now (askers
-                # see a miss), their blocks held until it is over.
+                # The read may still be writing into the entries' blocks (one not started yet
+                # never will: cancelled): they go now (askers see a miss), their blocks held
+                # until it is over.
                 loop = asyncio.get_running_loop()
                 held, slots = slots, []
                 for slot in held:

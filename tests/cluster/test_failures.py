@@ -6,6 +6,7 @@ with its own shm directory and transfer port."""
 from __future__ import annotations
 
 import itertools
+import signal
 import time
 
 import torch
@@ -56,6 +57,31 @@ def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_
     assert (stats.remote_reads, stats.remote_misses, stats.remote_hits) == (1, 1, 0)
     assert (stats.entries_ready, stats.entries_pending, stats.held_blocks) == (0, 0, 0)
     assert again is not None and torch.equal(again, rows)
+
+
+def test_a_read_cut_half_way_commits_nothing_and_gives_its_blocks_back() -> None:
+    big = torch.randn(8192, 2048, dtype=torch.bfloat16)  # 32 MiB: 8192 blocks
+    with running_master() as master, running_daemon(*master.flags()) as near:
+        with near.client() as producer:
+            producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            Producer(producer, "shared").put("cut", big)
+            wait_until(lambda: published(producer) == 1, 20)
+        with store_daemon(master) as far, far.client() as consumer:
+            consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            assert near.proc is not None
+            near.proc.send_signal(signal.SIGSTOP)  # its transfer engine stops answering the read
+            [answer] = consumer.step("shared", acquires=[b"cut"]).acquires  # gave up on it
+            during = pool_stats(consumer, "shared")
+            near.kill()  # the read in flight fails
+            wait_until(lambda: pool_stats(consumer, "shared").held_blocks == 0, 20)
+            after = pool_stats(consumer, "shared")
+            assert_blocks_accounted(consumer, "shared")
+            missed = Consumer(consumer, "shared").get("cut", wait_ms=1)
+    assert answer.status is Status.MISS and missed is None
+    # given up on, the entry went at once; the read still in flight kept its blocks held
+    assert (during.entries_ready, during.entries_pending, during.held_blocks) == (0, 0, 8192)
+    assert (after.entries_ready, after.entries_pending, after.remote_hits) == (0, 0, 0)
+    assert after.free_blocks == after.num_blocks
 
 
 def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store_resumes() -> None:
