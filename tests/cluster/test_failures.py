@@ -140,25 +140,25 @@ def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store
 
 
 def test_a_full_store_evicts_and_a_node_whose_segment_is_full_serves_locally() -> None:
-    tensors = [torch.full((2048, 2048), i, dtype=torch.bfloat16) for i in range(6)]  # 8 MiB each
+    tensors = [torch.full((2048, 2048), i, dtype=torch.bfloat16) for i in range(8)]  # 8 MiB each
     too_big = torch.ones(8192, 2048, dtype=torch.bfloat16)  # 32 MiB, more than the whole store
     pool = dict(POOL, capacity_bytes=128 << 20)
     # leases short enough that a published value may be evicted at once (default 10 s)
     with (
         running_master("--default_kv_lease_ttl=50") as master,
         store_daemon(master, "--store-segment-bytes", "24MiB") as daemon,
+        daemon.client() as client,
     ):
-        with daemon.client() as client:
-            client.open_pool("shared", **pool, cluster_namespace=NAMESPACE)
-            producer = Producer(client, "shared")
-            for i, tensor in enumerate(tensors):  # one at a time: a store filling up
-                producer.put(f"full-{i}", tensor)
-                wait_until(lambda n=i + 1: settled(cluster(client)) == n, 20)
-            producer.put("too-big", too_big)
-            wait_until(lambda: settled(cluster(client)) == 7, 20)
-            stats = cluster(client)
-            served = [Consumer(client, "shared").get(f"full-{i}") for i in range(6)]
-            big = Consumer(client, "shared").get("too-big")
+        client.open_pool("shared", **pool, cluster_namespace=NAMESPACE)
+        producer = Producer(client, "shared")
+        for i, tensor in enumerate(tensors):  # one at a time: a store filling up
+            producer.put(f"full-{i}", tensor)
+            wait_until(lambda n=i + 1: settled(cluster(client)) == n, 20)
+        producer.put("too-big", too_big)
+        wait_until(lambda: settled(cluster(client)) == len(tensors) + 1, 20)
+        stats = cluster(client)
+        served = [Consumer(client, "shared").get(f"full-{i}") for i in range(len(tensors))]
+        big = Consumer(client, "shared").get("too-big")
         assert check_health(daemon.address) == "SERVING"
     assert stats.connected and stats.publish_failures > 0
     assert stats.published * (8 << 20) > 24 << 20  # more than the segment holds: the master evicted
