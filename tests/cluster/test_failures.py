@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from cluster_testing import NAMESPACE, POOL, pool_stats, published, running_master, store_daemon
@@ -35,24 +37,34 @@ def health(daemon: Daemon) -> str:
     return check_health(daemon.address, service="ecd.cluster")
 
 
-def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_runs() -> None:
-    rows = torch.randn(256, 2048, dtype=torch.bfloat16)
+@contextmanager
+def only_in_the_segment_of_a_publisher(
+    key: str, tensor: torch.Tensor
+) -> Iterator[tuple[Daemon, Client]]:
+    """A master; a daemon `near` that published `key` from its pool "shared"; then a daemon that
+    joined after it, so that the value's only replica is in the segment of `near`, and a client
+    of it with the pool open. `near` is the test's to stop or kill."""
     with running_master() as master, running_daemon(*master.flags()) as near:
         with near.client() as producer:
             producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            Producer(producer, "shared").put("died", rows)
+            Producer(producer, "shared").put(key, tensor)
             wait_until(lambda: published(producer) == 1, 20)
-        # joined after the publish: the value's only replica is in the segment of `near`
         with store_daemon(master) as far, far.client() as consumer:
             consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            near.kill()
-            started = time.monotonic()
-            [answer] = consumer.step("shared", acquires=[b"died"]).acquires
-            took = time.monotonic() - started
-            stats = pool_stats(consumer, "shared")
-            assert_blocks_accounted(consumer, "shared")
-            Producer(consumer, "shared").put("died", rows)  # the engine encodes it: not PENDING
-            again = Consumer(consumer, "shared").get("died")
+            yield near, consumer
+
+
+def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_runs() -> None:
+    rows = torch.randn(256, 2048, dtype=torch.bfloat16)
+    with only_in_the_segment_of_a_publisher("died", rows) as (near, consumer):
+        near.kill()
+        started = time.monotonic()
+        [answer] = consumer.step("shared", acquires=[b"died"]).acquires
+        took = time.monotonic() - started
+        stats = pool_stats(consumer, "shared")
+        assert_blocks_accounted(consumer, "shared")
+        Producer(consumer, "shared").put("died", rows)  # the engine encodes it: not PENDING
+        again = Consumer(consumer, "shared").get("died")
     assert answer.status is Status.MISS and took < PULL_TIMEOUT_S + SLACK_S, took
     assert (stats.remote_reads, stats.remote_misses, stats.remote_hits) == (1, 1, 0)
     assert (stats.entries_ready, stats.entries_pending, stats.held_blocks) == (0, 0, 0)
@@ -61,22 +73,16 @@ def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_
 
 def test_a_read_cut_half_way_commits_nothing_and_gives_its_blocks_back() -> None:
     big = torch.randn(8192, 2048, dtype=torch.bfloat16)  # 32 MiB: 8192 blocks
-    with running_master() as master, running_daemon(*master.flags()) as near:
-        with near.client() as producer:
-            producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            Producer(producer, "shared").put("cut", big)
-            wait_until(lambda: published(producer) == 1, 20)
-        with store_daemon(master) as far, far.client() as consumer:
-            consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            assert near.proc is not None
-            near.proc.send_signal(signal.SIGSTOP)  # its transfer engine stops answering the read
-            [answer] = consumer.step("shared", acquires=[b"cut"]).acquires  # gave up on it
-            during = pool_stats(consumer, "shared")
-            near.kill()  # the read in flight fails
-            wait_until(lambda: pool_stats(consumer, "shared").held_blocks == 0, 20)
-            after = pool_stats(consumer, "shared")
-            assert_blocks_accounted(consumer, "shared")
-            missed = Consumer(consumer, "shared").get("cut", wait_ms=1)
+    with only_in_the_segment_of_a_publisher("cut", big) as (near, consumer):
+        assert near.proc is not None
+        near.proc.send_signal(signal.SIGSTOP)  # its transfer engine stops answering the read
+        [answer] = consumer.step("shared", acquires=[b"cut"]).acquires  # gave up on it
+        during = pool_stats(consumer, "shared")
+        near.kill()  # the read in flight fails
+        wait_until(lambda: pool_stats(consumer, "shared").held_blocks == 0, 20)
+        after = pool_stats(consumer, "shared")
+        assert_blocks_accounted(consumer, "shared")
+        missed = Consumer(consumer, "shared").get("cut", wait_ms=1)
     assert answer.status is Status.MISS and missed is None
     # given up on, the entry went at once; the read still in flight kept its blocks held
     assert (during.entries_ready, during.entries_pending, during.held_blocks) == (0, 0, 8192)
