@@ -17,9 +17,11 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
    whole, another model's value under the key, a read not over within the longer of the first
    asker's wait_ms and the fetch timeout) aborts the entry: a miss, nothing partial.
 
-An asker waits for the keys being fetched up to the longer of its wait_ms and the fetch timeout;
-a fetch given up on goes on and ends as above. Counted as the pulls from peers are
-(remote_hits, remote_misses, remote_bytes, remote_reads, remote_seconds).
+A fetch is bounded by the longer of its first asker's wait_ms and the fetch timeout: a lookup
+still queued for the node's thread then never runs, a read still running is given up on (its
+entries go, their blocks held until it is over). An asker waits for the keys being fetched up
+to the longer of its wait_ms and the fetch timeout, and LATE_LOOP_S more. Counted as the pulls
+from peers are (remote_hits, remote_misses, remote_bytes, remote_reads, remote_seconds).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import Future
+from typing import TypeVar
 
 from ec_client.types import EntryState, StepResult
 from ec_daemon.cluster import codec
@@ -36,6 +40,7 @@ from ec_daemon.remote import acquire_fetched
 from ec_daemon.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
+T = TypeVar("T")
 
 # How long past its fetches' own bound an asker still waits for them: on a loaded loop its timer
 # could fire before theirs, answering an entry about to go as still PENDING.
@@ -106,10 +111,11 @@ class ClusterFetch:
         done: asyncio.Future[None],
     ) -> None:
         started = time.monotonic()
+        deadline = started + timeout_s
         slots: list[PullSlot] = []
         try:
             store_keys = [codec.store_key(namespace, key) for key in keys]
-            sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(store_keys)))
+            sizes = await _until(self._node.ask(self._node.sizes(store_keys)), deadline)
             if not self._store.has_pool(engine_id):
                 return
             info = self._store.pool_info(engine_id)  # the file the allocations below are in
@@ -131,8 +137,7 @@ class ClusterFetch:
             try:
                 # bounded: a writer that stops answering would hold the entries PENDING, and
                 # every asker and producer of their keys on this node with them
-                left_s = started + timeout_s - time.monotonic()
-                specs = await asyncio.wait_for(asyncio.wrap_future(reading), max(left_s, 0))
+                specs = await _until(reading, deadline)
             except BaseException:
                 # The read may still be writing into the entries' blocks (one not started yet
                 # never will: cancelled): they go now (askers see a miss), their blocks held
@@ -152,9 +157,8 @@ class ClusterFetch:
                     self._store.pull_abort(slot)
             slots = []
         except Exception as exc:  # a store call that failed: the entries go, as misses
-            log.info(
-                "a fetch from the store failed", extra={"engine_id": engine_id, "why": str(exc)}
-            )
+            why = str(exc) or type(exc).__name__  # a timeout's text is empty
+            log.info("a fetch from the store failed", extra={"engine_id": engine_id, "why": why})
         finally:
             for slot in slots:  # not read: nothing writes into them
                 self._store.pull_abort(slot)
@@ -174,3 +178,11 @@ class ClusterFetch:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _until(future: Future[T], deadline: float) -> Awaitable[T]:
+    """`future` waited for until `deadline` (time.monotonic()), then given up on (TimeoutError):
+    work still queued for the node's thread then never runs, so that a thread held up (a read
+    from a node that stopped answering, up to the transfer engine's 30 s) does not find a
+    backlog of lookups whose askers are long gone."""
+    return asyncio.wait_for(asyncio.wrap_future(future), max(deadline - time.monotonic(), 0))

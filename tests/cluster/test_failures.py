@@ -39,16 +39,16 @@ def health(daemon: Daemon) -> str:
 
 @contextmanager
 def only_in_the_segment_of_a_publisher(
-    key: str, tensor: torch.Tensor
+    tensors: dict[str, torch.Tensor],
 ) -> Iterator[tuple[Daemon, Client]]:
-    """A master; a daemon `near` that published `key` from its pool "shared"; then a daemon that
-    joined after it, so that the value's only replica is in the segment of `near`, and a client
-    of it with the pool open. `near` is the test's to stop or kill."""
+    """A master; a daemon `near` that published `tensors` from its pool "shared"; then a daemon
+    that joined after it, so that the values' only replicas are in the segment of `near`, and a
+    client of it with the pool open. `near` is the test's to stop or kill."""
     with running_master() as master, running_daemon(*master.flags()) as near:
         with near.client() as producer:
             producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            Producer(producer, "shared").put(key, tensor)
-            wait_until(lambda: published(producer) == 1, 20)
+            Producer(producer, "shared").put_many(tensors)
+            wait_until(lambda: published(producer) == len(tensors), 20)
         with store_daemon(master) as far, far.client() as consumer:
             consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
             yield near, consumer
@@ -56,7 +56,7 @@ def only_in_the_segment_of_a_publisher(
 
 def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_runs() -> None:
     rows = torch.randn(256, 2048, dtype=torch.bfloat16)
-    with only_in_the_segment_of_a_publisher("died", rows) as (near, consumer):
+    with only_in_the_segment_of_a_publisher({"died": rows}) as (near, consumer):
         near.kill()
         started = time.monotonic()
         [answer] = consumer.step("shared", acquires=[b"died"]).acquires
@@ -73,20 +73,25 @@ def test_a_node_that_published_and_died_is_a_clean_counted_miss_and_the_encoder_
 
 def test_a_read_cut_half_way_commits_nothing_and_gives_its_blocks_back() -> None:
     big = torch.randn(8192, 2048, dtype=torch.bfloat16)  # 32 MiB: 8192 blocks
-    with only_in_the_segment_of_a_publisher("cut", big) as (near, consumer):
+    rows = torch.randn(16, 2048, dtype=torch.bfloat16)
+    with only_in_the_segment_of_a_publisher({"cut": big, "late": rows}) as (near, consumer):
         assert near.proc is not None
         near.proc.send_signal(signal.SIGSTOP)  # its transfer engine stops answering the read
         [answer] = consumer.step("shared", acquires=[b"cut"]).acquires  # gave up on it
         during = pool_stats(consumer, "shared")
+        # its lookup queued behind the read, and given up on with its asker: it is never made
+        [late] = consumer.step("shared", acquires=[b"late"]).acquires
         near.kill()  # the read in flight fails
         wait_until(lambda: pool_stats(consumer, "shared").held_blocks == 0, 20)
+        consumer.step("shared", acquires=[b"behind-them"])  # the node's thread got past both
         after = pool_stats(consumer, "shared")
         assert_blocks_accounted(consumer, "shared")
         missed = Consumer(consumer, "shared").get("cut", wait_ms=1)
-    assert answer.status is Status.MISS and missed is None
+    assert answer.status is Status.MISS and late.status is Status.MISS and missed is None
     # given up on, the entry went at once; the read still in flight kept its blocks held
     assert (during.entries_ready, during.entries_pending, during.held_blocks) == (0, 0, 8192)
     assert (after.entries_ready, after.entries_pending, after.remote_hits) == (0, 0, 0)
+    assert (after.remote_reads, after.remote_misses) == (1, 1)
     assert after.free_blocks == after.num_blocks
 
 
