@@ -19,7 +19,7 @@ from ec_client import Client, Consumer, Producer, Status, check_health
 from ec_client.types import ClusterStats
 
 PULL_TIMEOUT_S = 1.0  # the daemons' default --pull-timeout
-SLACK_S = 2.0  # a loaded machine's scheduling delays, well below the ~4 s a store call waits
+SLACK_S = 3.0  # a loaded machine's scheduling delays, below the ~4 s a store call waits
 
 
 def cluster(client: Client) -> ClusterStats:
@@ -116,14 +116,19 @@ def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store
         reads = pool_stats(cb, "shared").remote_reads
 
         master.stop()
-        for i in range(3):  # each publish fails fast, not after the client's RPC timeout
+        # the calls that find it gone may each wait the store client's RPC timeout (~4 s)
+        producer.put("finds-it-gone", old)
+        cb.step("shared", acquires=[b"finds-it-gone-too"])
+        wait_until(lambda: not cluster(ca).connected and not cluster(cb).connected, 20)
+        for i in range(3):  # from then on each publish fails fast, counted
             failed = cluster(ca).publish_failures
             producer.put(f"down-{i}", old)
             wait_until(lambda n=failed + 1: cluster(ca).publish_failures == n, SLACK_S)
+        lookups_failed = cluster(cb).lookup_failures
         started = time.monotonic()
-        [miss] = cb.step("shared", acquires=[b"never-published"]).acquires
+        [miss] = cb.step("shared", acquires=[b"never-published"]).acquires  # no lookup made
         assert miss.status is Status.MISS and time.monotonic() - started < SLACK_S
-        assert cluster(cb).lookup_failures == 1
+        assert cluster(cb).lookup_failures > lookups_failed
         local = Consumer(cb, "shared").get("read-before")  # a local hit: no store call
         assert local is not None and torch.equal(local, old)
         assert pool_stats(cb, "shared").remote_reads == reads
