@@ -288,6 +288,7 @@ class ClusterStats:
     gone: int  # evicted or removed before its turn
     publish_failures: int
     dropped: int  # the queue was full
+    lookup_failures: int  # remote lookups or reads not made: the master did not answer
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,7 @@ def cluster_line(c: ClusterStats) -> str:
     return (
         f"store {c.master} {state}; published {c.published}, already stored {c.already_stored}, "
         f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
-        f"dropped {c.dropped}"
+        f"dropped {c.dropped}; lookups failed {c.lookup_failures}"
     )
 
 

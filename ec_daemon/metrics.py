@@ -202,6 +202,7 @@ CLUSTER_COUNTERS = (
     ("gone", "Entries evicted or removed before their turn to be published"),
     ("publish_failures", "Publishes the store refused or that failed"),
     ("dropped", "Commits not published because the publish queue was full"),
+    ("lookup_failures", "Remote lookups or reads not made or failed: the master did not answer"),
 )
 
 

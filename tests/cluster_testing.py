@@ -20,6 +20,7 @@ import torch
 from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import Client, Producer
+from ec_client.types import PoolStats
 from ec_daemon.spawn import free_port
 
 # A shared pool as vLLM would name it: its namespace, rows of 2048 bf16 as blocks.
@@ -51,6 +52,7 @@ class Master:
     rpc_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    args: tuple[str, ...] = ()  # more of mooncake_master's flags
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(".log", "mc-master-")[1]))
 
@@ -80,6 +82,7 @@ class Master:
                     "--http_metadata_server_host=127.0.0.1",
                     f"--http_metadata_server_port={self.http_port}",
                     f"--metrics_port={self.admin_port}",
+                    *self.args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -105,8 +108,8 @@ class Master:
 
 
 @contextmanager
-def running_master() -> Iterator[Master]:
-    master = Master().start()
+def running_master(*args: str) -> Iterator[Master]:
+    master = Master(args=args).start()
     try:
         yield master
     finally:
@@ -128,6 +131,11 @@ def published(client: Client) -> int:
     stats = client.stats().cluster
     assert stats is not None, "the daemon has no store"
     return stats.published
+
+
+def pool_stats(client: Client, engine_id: str) -> PoolStats:
+    [stats] = client.stats(engine_id).pools
+    return stats
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Remote hits from the store (docs/design.md §13): an Acquire of keys a shared pool lacks asks
 the store once for the batch, and reads what it has straight into local PENDING entries.
 
-For the keys of one Acquire that are ABSENT here, in a shared pool, while the node is joined:
+For the keys of one Acquire that are ABSENT here, in a shared pool, while the node is connected
+(else the Acquire is a miss at once, counted as a lookup failure):
 
 1. one batched lookup at the master (`batch_get_replica_desc`): each value's size;
 2. each key the store has is allocated here, PENDING, under a session of its own (the pulls'
@@ -13,11 +14,14 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
    registered data region;
 4. a value whose header is the format's, holds the entry's size and whose rows are as wide as
    the pool's blocks is committed with the header's shape and dtype; anything else (not read
-   whole, another model's value under the key) aborts the entry: a miss, nothing partial.
+   whole, another model's value under the key, a read not over within the longer of the first
+   asker's wait_ms and the fetch timeout) aborts the entry: a miss, nothing partial.
 
-An asker waits for the keys being fetched up to the longer of its wait_ms and the fetch timeout;
-a fetch given up on goes on and ends as above. Counted per pool (remote_hits, remote_misses,
-remote_bytes, remote_reads, remote_seconds).
+A fetch is bounded by the longer of its first asker's wait_ms and the fetch timeout: a lookup
+still queued for the node's thread then never runs, a read still running is given up on (its
+entries go, their blocks held until it is over). An asker waits for the keys being fetched up
+to the longer of its wait_ms and the fetch timeout, and LATE_LOOP_S more. Counted per pool
+(remote_hits, remote_misses, remote_bytes, remote_reads, remote_seconds).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from typing import TypeVar
 
 from ec_client.types import EntryState, Status, StepResult
 from ec_daemon.cluster import codec
@@ -35,6 +41,11 @@ from ec_daemon.errors import CoreError
 from ec_daemon.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
+T = TypeVar("T")
+
+# How long past its fetches' own bound an asker still waits for them: on a loaded loop its timer
+# could fire before theirs, answering an entry about to go as still PENDING.
+LATE_LOOP_S = 0.5
 
 
 class ClusterFetch:
@@ -54,7 +65,7 @@ class ClusterFetch:
         fetches in flight, and wait for them up to the longer of wait_ms and the timeout.
         Returns the keys whose fetches were waited for."""
         namespace = self._store.cluster_namespace(engine_id)
-        if not namespace or not self._node.connected:
+        if not namespace:
             return []
         self._store.may_consume(session_id)
         waits: set[asyncio.Future[None]] = set()
@@ -67,16 +78,20 @@ class ClusterFetch:
                 joined.append(found.key)
             elif found.state is EntryState.ABSENT and found.key not in absent:
                 absent.append(found.key)
+        if absent and not self._node.connected:  # no call to the store: it would wait seconds
+            self._node.lookup_failures += 1
+            absent = []
+        timeout_s = max(wait_ms / 1000, self.timeout_s)
         if absent:
             done = asyncio.get_running_loop().create_future()
             for key in absent:
                 self._fetching[(engine_id, key)] = done
-            task = asyncio.create_task(self._fetch(engine_id, namespace, absent, done))
+            task = asyncio.create_task(self._fetch(engine_id, namespace, absent, timeout_s, done))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             waits.add(done)
         if waits:
-            await asyncio.wait(waits, timeout=max(wait_ms / 1000, self.timeout_s))
+            await asyncio.wait(waits, timeout=timeout_s + LATE_LOOP_S)
         return joined + absent
 
     async def step(
@@ -89,13 +104,19 @@ class ClusterFetch:
         )
 
     async def _fetch(
-        self, engine_id: str, namespace: str, keys: list[bytes], done: asyncio.Future[None]
+        self,
+        engine_id: str,
+        namespace: str,
+        keys: list[bytes],
+        timeout_s: float,
+        done: asyncio.Future[None],
     ) -> None:
         started = time.monotonic()
+        deadline = started + timeout_s
         slots: list[PullSlot] = []
         try:
             store_keys = [codec.store_key(namespace, key) for key in keys]
-            sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(store_keys)))
+            sizes = await _until(self._node.ask(self._node.sizes(store_keys)), deadline)
             if not self._store.has_pool(engine_id):
                 return
             info = self._store.pool_info(engine_id)  # the file the allocations below are in
@@ -115,10 +136,13 @@ class ClusterFetch:
                 return
             reading = self._node.ask(self._node.read(info, reads))
             try:
-                specs = await asyncio.wrap_future(reading)
+                # bounded: a writer that stops answering would hold the entries PENDING, and
+                # every asker and producer of their keys on this node with them
+                specs = await _until(reading, deadline)
             except BaseException:
-                # The read may still be writing into the entries' blocks: they go now (askers
-                # see a miss), their blocks held until it is over.
+                # The read may still be writing into the entries' blocks (one not started yet
+                # never will: cancelled): they go now (askers see a miss), their blocks held
+                # until it is over.
                 loop = asyncio.get_running_loop()
                 held, slots = slots, []
                 for slot in held:
@@ -134,9 +158,8 @@ class ClusterFetch:
                     self._store.pull_abort(slot)
             slots = []
         except Exception as exc:  # a store call that failed: the entries go, as misses
-            log.info(
-                "a fetch from the store failed", extra={"engine_id": engine_id, "why": str(exc)}
-            )
+            why = str(exc) or type(exc).__name__  # a timeout's text is empty
+            log.info("a fetch from the store failed", extra={"engine_id": engine_id, "why": why})
         finally:
             for slot in slots:  # not read: nothing writes into them
                 self._store.pull_abort(slot)
@@ -190,3 +213,11 @@ async def acquire_fetched(
     for i, answer in zip(again, fresh, strict=True):
         answers[i] = answer
     return dataclasses.replace(result, acquires=answers)
+
+
+def _until(future: Future[T], deadline: float) -> Awaitable[T]:
+    """`future` waited for until `deadline` (time.monotonic()), then given up on (TimeoutError):
+    work still queued for the node's thread then never runs, so that a thread held up (a read
+    from a node that stopped answering, up to the transfer engine's 30 s) does not find a
+    backlog of lookups whose askers are long gone."""
+    return asyncio.wait_for(asyncio.wrap_future(future), max(deadline - time.monotonic(), 0))

@@ -19,9 +19,13 @@ batch at a time and for each
 4. unpins.
 
 Failures (the master gone, the store full) are counted and logged at most every LOG_EVERY_S;
-nothing reaches an engine. A dropped pool's region is unregistered and unmapped in turn. The
-remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same thread, in turn with
-the publishes (`ask`): one thread owns the store client, the mappings and the header buffer.
+nothing reaches an engine. Once a call finds the master gone, the node is disconnected and calls
+the store no more (each call would wait seconds for it, ~4 s measured): publishes and lookups
+fail at once, counted, while the thread probes the master's port every PROBE_S; it calls the
+store again once the port accepts a connection. A dropped pool's region is unregistered and
+unmapped in turn. The remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same
+thread, in turn with the publishes (`ask`): one thread owns the store client, the mappings and
+the header buffer.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ec_daemon.cluster.mooncake import (
     Unreachable,
     answered,
     connect,
+    reachable,
 )
 from ec_daemon.cluster.regions import MappedRegions, Region, byte_runs
 
@@ -56,6 +61,7 @@ T = TypeVar("T")
 BATCH = 64  # commits published with one lookup and one put
 QUEUE_LIMIT = 4096  # commits waiting to be published; past it they are dropped (counted)
 HEARTBEAT_S = 5.0  # an idle node asks the store this often whether it answers
+PROBE_S = 0.5  # a disconnected node probes the master's port this often
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # joining the store again backs off between these
 LOG_EVERY_S = 10.0
 OBJECT_ALREADY_EXISTS = -705
@@ -158,6 +164,8 @@ class ClusterNode:
         self.error = "not joined yet"
         self.published = self.already_stored = self.unpublishable = self.gone = 0
         self.failures = self.dropped = 0
+        self.lookup_failures = 0  # the event loop's (ClusterFetch) and this thread's
+        self._probed_at = -PROBE_S
         self._logged_at = -LOG_EVERY_S
         self._unlogged = 0
 
@@ -207,6 +215,10 @@ class ClusterNode:
 
         def work(store: StoreClient) -> list[int]:
             found = store.batch_get_replica_desc(store_keys)
+            # Empty is also its answer when the master is gone: asked again in a way that tells
+            # (a round trip more for an Acquire the store has none of).
+            if not found and not self._answered(store.batch_is_exist(store_keys), "lookup"):
+                self.lookup_failures += 1
             return [_memory_size(found.get(key, [])) for key in store_keys]
 
         return work
@@ -263,6 +275,7 @@ class ClusterNode:
             gone=self.gone,
             publish_failures=self.failures,
             dropped=self.dropped,
+            lookup_failures=self.lookup_failures,
         )
 
     def stop(self, timeout_s: float) -> None:
@@ -285,9 +298,10 @@ class ClusterNode:
                     retry_s = min(retry_s * 2, MAX_RETRY_S)
                 continue
             try:
-                job = self._jobs.get(timeout=HEARTBEAT_S)
+                job = self._jobs.get(timeout=HEARTBEAT_S if self.connected else PROBE_S)
             except queue.Empty:
-                self._answered(self._store.batch_is_exist([HEARTBEAT_KEY]), "heartbeat")
+                if self._up():
+                    self._answered(self._store.batch_is_exist([HEARTBEAT_KEY]), "heartbeat")
                 continue
             if job is None:
                 break
@@ -317,6 +331,10 @@ class ClusterNode:
         assert self._store is not None
         if not call.future.set_running_or_notify_cancel():
             return  # cancelled before it ran
+        if not self._up():
+            self.lookup_failures += 1
+            call.future.set_exception(Unreachable(self.error))
+            return
         try:
             call.future.set_result(call.work(self._store))
         except Exception as exc:  # the asker's to handle; the thread goes on
@@ -340,12 +358,16 @@ class ClusterNode:
 
     def _handle(self, batch: list[Publish | Withdraw | Call]) -> None:
         items: list[Item] = []
+        publishes = [job for job in batch if isinstance(job, Publish)]
         try:
-            for job in batch:
-                if isinstance(job, Publish):
-                    item = self._pin(job)
-                    if item is not None:
-                        items.append(item)
+            if publishes and not self._up():
+                self.failures += len(publishes)
+                self._failed("publishes failed: the store's master does not answer", self.error)
+                publishes = []
+            for job in publishes:
+                item = self._pin(job)
+                if item is not None:
+                    items.append(item)
             self._publish(items)
         finally:
             for item in items:
@@ -420,6 +442,21 @@ class ClusterNode:
         self.connected, self.error = False, f"the master did not answer a {what}"
         self._failed("the store's master does not answer", what)
         return False
+
+    def _up(self) -> bool:
+        """Whether to call the store now: connected, or, while disconnected, once a probe (at
+        most every PROBE_S) finds the master's port accepting connections again."""
+        if self.connected:
+            return True
+        now = self._clock()
+        if now - self._probed_at < PROBE_S:
+            return False
+        self._probed_at = now
+        try:
+            reachable(self.settings.master)
+        except Unreachable:
+            return False
+        return True
 
     def _mount(self, info: PoolInfo) -> Mounted | None:
         """The pool's file as published from: its lock pins and its data region, mapped and

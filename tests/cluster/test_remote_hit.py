@@ -6,25 +6,22 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
+import pytest
 import torch
 from cluster_testing import (
+    BLOCK,
     NAMESPACE,
     POOL,
     Master,
+    pool_stats,
     published_elsewhere,
     store_daemon,
     vllm_store_client,
 )
 
-from ec_client import Client, Consumer, Status
+from ec_client import Consumer, Status
 from ec_daemon.cluster import codec
-
-
-def pool_stats(client: Client, engine_id: str) -> Any:
-    [stats] = client.stats(engine_id).pools
-    return stats
 
 
 def test_a_key_another_node_published_is_read_from_the_store_bit_identical(master: Master) -> None:
@@ -61,18 +58,27 @@ def test_a_key_vllms_store_client_published_is_read_bit_identical(master: Master
     assert got is not None and torch.equal(got, tensor)
 
 
-def test_a_value_whose_rows_are_not_the_pools_width_is_a_miss(master: Master) -> None:
+@pytest.mark.parametrize("value", ["rows of another width", "a header not the format's"])
+def test_another_models_value_under_the_key_is_a_miss_never_committed(
+    master: Master, value: str
+) -> None:
+    key = f"other-model-{value.split()[-2]}"
     vllm = vllm_store_client(master)
-    try:  # another model's value under the key: rows of 2048 bytes, in a pool of 4096
-        vllm.put_tensor(codec.store_key(NAMESPACE, b"other-model"), torch.ones(8, 512))
+    try:
+        if value == "rows of another width":  # rows of 2048 bytes, in a pool of 4096
+            vllm.put_tensor(codec.store_key(NAMESPACE, key.encode()), torch.ones(8, 512))
+        else:  # the size of 2 rows of the pool's, but not the format's magic
+            raw = codec.HEADER.pack(0x46524E47, 12, 2, 2048) + bytes(2 * BLOCK)
+            assert vllm.store.put(codec.store_key(NAMESPACE, key.encode()), raw) == 0
         with store_daemon(master) as daemon, daemon.client() as client:
             client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
-            got = Consumer(client, "shared").get("other-model", wait_ms=200)
+            got = Consumer(client, "shared").get(key, wait_ms=200)
             stats = pool_stats(client, "shared")
     finally:
         vllm.close()
     assert got is None
-    assert (stats.remote_misses, stats.entries_ready, stats.entries_pending) == (1, 0, 0)
+    assert (stats.remote_reads, stats.remote_misses) == (1, 1)
+    assert (stats.remote_hits, stats.entries_ready, stats.entries_pending) == (0, 0, 0)
     assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from ecd_testing import wait_until
 
 from ec_client.types import PoolInfo, Status, TensorSpec
 from ec_daemon.cluster import codec
-from ec_daemon.cluster.mooncake import StoreSettings
+from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.pools import PoolSettings
 from ec_daemon.store import Store, StoreConfig
@@ -28,7 +29,8 @@ ROWS = 4
 class FakeStore:
     """A store client keeping values in memory. `gate` holds lookups (the node's thread waits
     there, its queue filling behind it); `entered` says one is waiting; `put_result` is what
-    every put answers (0: stored)."""
+    every put answers (0: stored); while `master_gone`, lookups answer as for a master gone;
+    `lookups` counts them."""
 
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
@@ -36,10 +38,15 @@ class FakeStore:
         self.gate.set()
         self.entered = threading.Event()
         self.put_result = 0
+        self.master_gone = False
+        self.lookups = 0
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         self.entered.set()
         assert self.gate.wait(10)
+        self.lookups += 1
+        if self.master_gone:
+            return [RPC_FAIL] * len(keys)
         return [int(k in self.values) for k in keys]
 
     def batch_put_from_multi_buffers(
@@ -66,10 +73,22 @@ def fake() -> FakeStore:
 
 
 @pytest.fixture
-def node_and_store(shm_dir: Path, fake: FakeStore) -> Iterator[tuple[ClusterNode, Store, str]]:
+def master_port() -> Iterator[socket.socket]:
+    """The master's port: bound, so that nothing else takes it, and refusing connections until
+    the test listens on it."""
+    with socket.socket() as port:
+        port.bind(("127.0.0.1", 0))
+        yield port
+
+
+@pytest.fixture
+def node_and_store(
+    shm_dir: Path, fake: FakeStore, master_port: socket.socket
+) -> Iterator[tuple[ClusterNode, Store, str]]:
     """A node publishing the commits of a Store whose pool "p" is shared under "ns"; a session
     of that store."""
-    settings = StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
+    host, port = master_port.getsockname()
+    settings = StoreSettings(f"{host}:{port}", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
     node = ClusterNode(settings, connect=lambda _: (fake, None))
     store = Store(
         StoreConfig(PoolSettings(shm_dir=shm_dir, max_bytes=1 << 30)), FakeClock(), node.on_event
@@ -129,4 +148,25 @@ def test_a_publish_the_store_refuses_is_counted_and_the_commit_stands(
     wait_until(lambda: node.failures == 1, 10)
     assert node.published == 0 and not fake.values
     assert node.connected  # the master answered: the store refused this one
+    store.check()
+
+
+def test_a_node_whose_master_is_gone_calls_the_store_no_more_until_its_port_answers(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore, master_port: socket.socket
+) -> None:
+    node, store, sid = node_and_store
+    fake.master_gone = True
+    put(store, sid, b"found-it-gone", 1)
+    wait_until(lambda: node.failures == 1 and not node.connected, 10)
+    lookups = fake.lookups
+    for i in range(3):  # each fails at once, counted, with no call to the store
+        put(store, sid, b"down-%d" % i, 2)
+        wait_until(lambda n=i + 2: node.failures == n, 10)
+    assert fake.lookups == lookups and not node.connected
+    fake.master_gone = False
+    master_port.listen()  # the master is back: the node probes its port, then calls the store
+    wait_until(lambda: node.connected, 10)
+    put(store, sid, b"back", 3)
+    wait_until(lambda: node.published == 1, 10)
+    assert node.failures == 4
     store.check()

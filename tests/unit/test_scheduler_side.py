@@ -309,7 +309,7 @@ def test_a_named_pool_is_not_opened_ephemeral_it_outlives_the_engine(client: Fak
     assert client.ephemeral is False
 
 
-STORE = ClusterStats("127.0.0.1:50051", True, "", 0, 0, 0, 0, 0, 0)
+STORE = ClusterStats("127.0.0.1:50051", True, "", 0, 0, 0, 0, 0, 0, 0)
 
 
 def test_a_pool_is_shared_under_vllms_namespace_when_the_daemon_has_a_store(
