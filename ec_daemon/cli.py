@@ -313,7 +313,9 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 
-SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "remote", "restart")
+SUITES = (
+    "costs", "latency", "control", "data", "load", "handoff", "all", "remote", "restart", "cluster"
+)  # fmt: skip
 
 
 def suite_set(text: str) -> set[str]:
@@ -351,9 +353,16 @@ def count_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ec_client import bench
+    from ec_client import bench, bench_cluster
     from ec_daemon import costs
-    from ec_daemon.spawn import bare_reads, restartable_daemon, spawned_daemon, spawned_peers
+    from ec_daemon.spawn import (
+        bare_reads,
+        restartable_daemon,
+        spawned_daemon,
+        spawned_master,
+        spawned_peers,
+        spawned_store_daemons,
+    )
 
     report = bench.Report({})
     suites = args.suite
@@ -362,6 +371,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "ecd: --suite restart SIGKILLs its daemon and starts it again: it needs --spawn",
             file=sys.stderr,
         )
+        return 2
+    if "cluster" in suites and not args.spawn:
+        print("ecd: --suite cluster starts a master and daemons: it needs --spawn", file=sys.stderr)
         return 2
     if {"costs", "all"} & suites:  # in process: no daemon needed
         daemon = costs.measure(args.batch * 4, args.iterations * 2)
@@ -386,7 +398,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.runs,
             report,
         )
-    if suites - {"costs", "remote", "restart"}:
+    if "cluster" in suites:  # a master and two daemons of its own; not part of "all"
+        with (
+            spawned_master(prefix="ecd-bench-") as master,
+            spawned_store_daemons(2, master, "256MiB", *spawned, prefix="ecd-bench-") as daemons,
+        ):
+            near, far = ((d.address, d.pid) for d in daemons)
+            cluster = bench_cluster.Cluster(master.address, master.metadata, master.pid, near, far)
+            bench_cluster.run_cluster(cluster, args, report)
+    if suites - {"costs", "remote", "restart", "cluster"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
                 bench.run(address, args, report)
@@ -493,8 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=suite_set,
         default="all",
         help="costs,latency,control,data,load,handoff or all; remote (two peered daemons: "
-        "with --spawn, or --address and its peer's --remote-address) and restart (a warm "
-        "restart after a SIGKILL; with --spawn) only when named",
+        "with --spawn, or --address and its peer's --remote-address), restart (a warm "
+        "restart after a SIGKILL; with --spawn) and cluster (a Mooncake master and two daemons "
+        "in it; with --spawn) only when named",
     )
     bench.add_argument("--runs", type=count, default=5, help="repetitions; medians are reported")
     bench.add_argument(
@@ -526,6 +547,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=count_list,
         default="10000,100000",
         help="entries in the pool when the daemon is killed, one daemon each (restart)",
+    )
+    bench.add_argument(
+        "--cluster-samples", type=count, default=10, help="reads of each kind per run (cluster)"
+    )
+    bench.add_argument(
+        "--cluster-nodes",
+        type=count_list,
+        default="1,10,100",
+        help="simulated nodes publishing entries of their own (cluster: directory memory)",
+    )
+    bench.add_argument(
+        "--cluster-entries", type=count, default=1000, help="entries each simulated node publishes"
+    )
+    bench.add_argument(
+        "--cluster-clients",
+        type=count_list,
+        default="1,8,64",
+        help="store clients asking the master at once (cluster: lookups per second)",
+    )
+    bench.add_argument(
+        "--cluster-seconds", type=float, default=2.0, help="duration per client count (cluster)"
     )
     bench.add_argument("--output", help="also write the figures as JSON to this file")
     return parser

@@ -1,6 +1,7 @@
 """`ecd bench` as an operator runs it: `--suite remote` spawns two peered daemons and reports a
 remote get against a local get and a bare transfer-engine read, one read per remote hit;
-`--suite restart` kills its own daemon and times it serving again."""
+`--suite restart` kills its own daemon and times it serving again; `--suite cluster` spawns a
+Mooncake master and two daemons in its store."""
 
 from __future__ import annotations
 
@@ -42,6 +43,37 @@ def test_the_remote_suite_compares_a_pull_with_a_local_get_and_a_bare_read(
     [row] = json.loads(output.read_text())["remote"]
     assert row["size"] == "256.0 KiB" and row["reads_per_hit"] == 1
     assert row["remote_ms"] > 0 and row["local_ms"] > 0 and row["bare_read_ms"] > 0
+
+
+@needs_mooncake
+def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "figures.json"
+    done = run_ecd(
+        "bench", "--spawn", "--suite", "cluster", "--runs", "1", "--cluster-samples", "2",
+        "--cluster-nodes", "1,2", "--cluster-entries", "10", "--cluster-clients", "1,2",
+        "--cluster-seconds", "0.2", "--output", str(output),
+        timeout_s=180,  # a master, two daemons, four store clients, torch's import
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "remote_vs_vllm" in done.stdout and "master_b_per_entry" in done.stdout
+    assert "lookups_per_s" in done.stdout
+    figures = json.loads(output.read_text())
+    [hit] = figures["cluster_hit"]
+    assert hit["size"] == "8.0 MiB" and hit["reads_per_hit"] == 1
+    assert hit["remote_ms"] > 0 and hit["local_ms"] > 0 and hit["vllm_ms"] > 0
+    one, two = figures["cluster_directory"]
+    assert (one["nodes"], one["entries_in_store"], two["entries_in_store"]) == (1, 10, 20)
+    assert one["daemon_rss_mib"] > 0 and one["master_rss_mib"] > 0
+    assert [row["clients"] for row in figures["cluster_lookups"]] == [1, 2]
+    assert all(row["lookups_per_s"] > 0 for row in figures["cluster_lookups"])
+
+
+def test_the_cluster_suite_needs_daemons_of_its_own_and_says_so() -> None:
+    done = run_ecd("bench", "--suite", "cluster")
+    assert done.returncode == 2
+    assert "--spawn" in done.stderr
 
 
 def test_the_remote_suite_needs_two_daemons_and_says_so() -> None:
