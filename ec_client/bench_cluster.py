@@ -17,6 +17,7 @@ process:
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import struct
 import threading
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from ec_client import Client, Consumer, Producer, Role
@@ -201,8 +203,10 @@ def _published(client: Client) -> int:
 
 
 class Nodes:
-    """Store clients of this process, each a simulated node: it lends the store a segment and
-    publishes `entries` one-row entries of its own into it."""
+    """Store clients, each a simulated node: it lends the store a segment and publishes
+    `entries` one-row entries of its own into it. They live in a child process of their own
+    (`nodes_process`), killed at the end: closing a store client can hang (Mooncake 0.3.13 joins
+    its handshake thread), and a hundred of them hold ~3 GB and ~2,000 threads."""
 
     def __init__(self, cluster: Cluster, entries: int) -> None:
         import numpy as np
@@ -215,9 +219,6 @@ class Nodes:
         self.source[: HEADER.size] = np.frombuffer(HEADER.pack(MAGIC, 12, 1, HIDDEN), np.uint8)
         self.segment = max(MIN_SEGMENT, 2 * entries * self.source.nbytes)
 
-    def keys(self, node: int) -> list[str]:
-        return [store_key(f"node{node}-{i}") for i in range(self.entries)]
-
     def grow(self, count: int) -> None:
         """Start nodes until there are `count`, each publishing its entries."""
         address, nbytes = self.source.ctypes.data, self.source.nbytes
@@ -226,7 +227,7 @@ class Nodes:
             self.stores.append(store)
             if store.register_buffer(address, nbytes) != 0:
                 raise RuntimeError("a simulated node's store client refused its buffer")
-            keys = self.keys(len(self.stores) - 1)
+            keys = node_keys(len(self.stores) - 1, self.entries)
             results = store.batch_put_from(
                 keys,
                 [address] * len(keys),
@@ -236,26 +237,103 @@ class Nodes:
             if set(results) != {0}:
                 raise RuntimeError(f"a simulated node's publish answered {set(results)}")
 
-    def close(self) -> None:
-        for store in self.stores:
-            store.close()
+    def lookups(self, count: int, seconds: float) -> tuple[int, list[float]]:
+        """The first `count` nodes ask for 64 keys of the first node's in a loop, each on a
+        thread of its own, all starting together: calls answered in `seconds`, and each call's
+        time."""
+        stores, keys = self.stores[:count], node_keys(0, self.entries)[:LOOKUP_BATCH]
+        start = threading.Barrier(count + 1)
+        deadline = [0.0]
+        counts = [0] * count
+        calls: list[list[float]] = [[] for _ in stores]
+
+        def ask(i: int) -> None:
+            start.wait()
+            while (now := time.perf_counter()) < deadline[0]:
+                found = stores[i].batch_get_replica_desc(keys)
+                calls[i].append(time.perf_counter() - now)
+                if len(found) != len(keys):
+                    raise RuntimeError(f"a lookup found {len(found)} of {len(keys)} keys")
+                counts[i] += 1
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        deadline[0] = time.perf_counter() + seconds
+        start.wait()
+        for thread in threads:
+            thread.join()
+        return sum(counts), [t for c in calls for t in c]
+
+
+def node_keys(node: int, entries: int) -> list[str]:
+    return [store_key(f"node{node}-{i}") for i in range(entries)]
+
+
+def _serve_nodes(cluster: Cluster, entries: int, pipe: Connection) -> None:
+    """The child process's loop: ("grow", count) or ("lookups", count, seconds), answered in
+    turn (an exception is answered as its text)."""
+    nodes = Nodes(cluster, entries)
+    while True:
+        ask = pipe.recv()
+        try:
+            if ask[0] == "grow":
+                nodes.grow(ask[1])
+                answer: Any = None
+            else:
+                answer = nodes.lookups(*ask[1:])
+        except Exception as exc:
+            answer = RuntimeError(str(exc))
+        pipe.send(answer)
+
+
+class NodesProcess:
+    """The parent's handle on the simulated nodes' process."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self.pipe = pipe
+
+    def ask(self, *what: Any) -> Any:
+        self.pipe.send(what)
+        answer = self.pipe.recv()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+@contextmanager
+def nodes_process(cluster: Cluster, entries: int) -> Iterator[NodesProcess]:
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    process = context.Process(target=_serve_nodes, args=(cluster, entries, there), daemon=True)
+    process.start()
+    try:
+        yield NodesProcess(here)
+    finally:
+        process.kill()
+        process.join()
 
 
 def bench_directory(
-    cluster: Cluster, far: Client, nodes: Nodes, counts: list[int], report: Report
+    cluster: Cluster,
+    far: Client,
+    nodes: NodesProcess,
+    entries: int,
+    counts: list[int],
+    report: Report,
 ) -> None:
     """For each count of simulated nodes: the reading daemon's resident memory and entries, and
     the master's, once the nodes published and the daemon read one entry of the last of them."""
     consumer = Consumer(far, POOL)
     master_before = rss(cluster.master_pid)
     for count in progress(counts, "cluster: directory"):
-        nodes.grow(count)
+        nodes.ask("grow", count)
         key = f"node{count - 1}-0"
         if consumer.get(key, "cpu", 5000) is None:  # a remote hit: the directory is in use
             raise RuntimeError(f"a simulated node's entry {key!r} was not read")
         far.flush()
         [pool] = far.stats(POOL).pools
-        stored = count * nodes.entries
+        stored = count * entries
         master = rss(cluster.master_pid)
         report.add(
             "cluster_directory",
@@ -274,16 +352,15 @@ def bench_directory(
 
 
 def bench_lookups(
-    nodes: Nodes, counts: list[int], seconds: float, runs: int, report: Report
+    nodes: NodesProcess, counts: list[int], seconds: float, runs: int, report: Report
 ) -> None:
     """For each count of clients: lookups per second the master answers, each client on a
     thread of its own asking for 64 keys a call (all present), for `seconds`; medians of runs."""
-    nodes.grow(max(counts))
-    keys = nodes.keys(0)[:LOOKUP_BATCH]
+    nodes.ask("grow", max(counts))
     for count in progress(counts, "cluster: lookups"):
         rates, latencies = [], []
         for _ in range(runs):
-            done, calls = _hammer(nodes.stores[:count], keys, seconds)
+            done, calls = nodes.ask("lookups", count, seconds)
             rates.append(done * LOOKUP_BATCH / seconds)
             latencies.append(statistics.median(calls))
         report.add(
@@ -297,43 +374,7 @@ def bench_lookups(
         )
 
 
-def _hammer(stores: list[Any], keys: list[str], seconds: float) -> tuple[int, list[float]]:
-    """Every store asks for `keys` in a loop on a thread of its own, all starting together:
-    calls answered in `seconds`, and each call's time."""
-    start = threading.Barrier(len(stores) + 1)
-    deadline = [0.0]
-    counts = [0] * len(stores)
-    calls: list[list[float]] = [[] for _ in stores]
-
-    def ask(i: int) -> None:
-        start.wait()
-        while (now := time.perf_counter()) < deadline[0]:
-            found = stores[i].batch_get_replica_desc(keys)
-            calls[i].append(time.perf_counter() - now)
-            if len(found) != len(keys):
-                raise RuntimeError(f"a lookup found {len(found)} of {len(keys)} keys")
-            counts[i] += 1
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(stores))]
-    for thread in threads:
-        thread.start()
-    deadline[0] = time.perf_counter() + seconds
-    start.wait()
-    for thread in threads:
-        thread.join()
-    return sum(counts), [t for c in calls for t in c]
-
-
 # ---- the suite -------------------------------------------------------------------------------
-
-
-@contextmanager
-def _nodes(cluster: Cluster, entries: int) -> Iterator[Nodes]:
-    nodes = Nodes(cluster, entries)
-    try:
-        yield nodes
-    finally:
-        nodes.close()
 
 
 def run_cluster(cluster: Cluster, args: Any, report: Report) -> None:
@@ -344,6 +385,6 @@ def run_cluster(cluster: Cluster, args: Any, report: Report) -> None:
         pool_dropped(near, far),
     ):
         bench_remote_hit(cluster, near, far, args.runs, args.cluster_samples, report)
-        with _nodes(cluster, args.cluster_entries) as nodes:
-            bench_directory(cluster, far, nodes, args.cluster_nodes, report)
+        with nodes_process(cluster, args.cluster_entries) as nodes:
+            bench_directory(cluster, far, nodes, args.cluster_entries, args.cluster_nodes, report)
             bench_lookups(nodes, args.cluster_clients, args.cluster_seconds, args.runs, report)
