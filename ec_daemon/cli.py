@@ -355,14 +355,8 @@ def count_list(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ec_client import bench, bench_cluster
     from ec_daemon import costs
-    from ec_daemon.spawn import (
-        bare_reads,
-        restartable_daemon,
-        spawned_daemon,
-        spawned_master,
-        spawned_peers,
-        spawned_store_daemons,
-    )
+    from ec_daemon.spawn import bare_reads, restartable_daemon, spawned_daemon, spawned_peers
+    from ec_daemon.spawn_store import spawned_master, spawned_store_daemons
 
     report = bench.Report({})
     suites = args.suite

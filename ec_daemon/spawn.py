@@ -1,10 +1,8 @@
 """A daemon as a child process on a private socket and shm directory, for `ecd bench --spawn`
 (a benchmark that brings its own daemon): one that can be killed and started again on the same
 directories (the restart suite), or several peered on loopback TCP, and a transfer engine in the
-bench's own process for the bare reads the remote suite compares pulls with; a Mooncake master
-on loopback and daemons joined to it (the cluster suite). The test suite's harness
-(tests/ecd_testing.py, tests/cluster_testing.py) builds on the same command lines and readiness
-waits."""
+bench's own process for the bare reads the remote suite compares pulls with. The test suite's
+harness (tests/ecd_testing.py) builds on the same command line and readiness wait."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from ec_client import EcdError, check_health
@@ -198,105 +195,3 @@ def bare_reads(nbytes: int) -> Iterator[Callable[[str, int, int], float]]:
     finally:
         transport.close()
         shutil.rmtree(shm_dir, ignore_errors=True)
-
-
-# The mooncake extra installs it beside the interpreter (the venv's bin), on PATH or not.
-MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
-
-
-def master_command(rpc_port: int, http_port: int, metrics_port: int) -> list[str]:
-    """`mooncake_master` on loopback with its own HTTP metadata server."""
-    return [
-        MASTER_BINARY,
-        f"--rpc_port={rpc_port}",
-        "--rpc_address=127.0.0.1",
-        "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=127.0.0.1",
-        f"--http_metadata_server_port={http_port}",
-        f"--metrics_port={metrics_port}",
-    ]
-
-
-def wait_listening(
-    proc: subprocess.Popen[bytes], ports: Sequence[int], timeout_s: float, log: Path
-) -> None:
-    """Return once every loopback port accepts a connection; RuntimeError (with the process's
-    log) if it exits first or a port is not listening within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    for port in ports:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"exited with {proc.returncode}: {_read(log)}")
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not listening on {port}: {_read(log)}") from None
-                time.sleep(0.05)
-
-
-@dataclass
-class MasterAddress:
-    """Where a `mooncake_master` on loopback answers."""
-
-    rpc_port: int
-    http_port: int
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
-
-    def store_flags(self, segment: str) -> list[str]:
-        """`ecd serve` flags that join this master, lending it `segment` (a size)."""
-        return [
-            "--store-master", self.address, "--store-metadata", self.metadata,
-            "--store-segment-bytes", segment, "--transfer-host", "127.0.0.1",
-        ]  # fmt: skip
-
-
-@dataclass
-class SpawnedMaster(MasterAddress):
-    """A `mooncake_master` child process on loopback."""
-
-    pid: int
-
-
-@contextmanager
-def spawned_master(prefix: str = "ecd-") -> Iterator[SpawnedMaster]:
-    """A Mooncake master on free loopback ports; killed and cleaned up on exit."""
-    workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    log = workdir / "master.log"
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            master_command(rpc, http, metrics), stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_listening(proc, (rpc, http), 20.0, log)
-        yield SpawnedMaster(rpc, http, proc.pid)
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-@contextmanager
-def spawned_store_daemons(
-    count: int, master: SpawnedMaster, segment: str, *args: str, prefix: str = "ecd-"
-) -> Iterator[list[SpawnedDaemon]]:
-    """`count` daemons joined to `master`, each lending it `segment`; serving when yielded."""
-    with contextlib.ExitStack() as stack:
-        daemons = []
-        for _ in range(count):
-            daemon = stack.enter_context(
-                restartable_daemon(*master.store_flags(segment), *args, prefix=prefix)
-            )
-            daemon.start()
-            daemon.wait_serving(30.0)
-            daemons.append(daemon)
-        yield daemons

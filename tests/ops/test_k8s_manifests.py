@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from cluster_testing import MASTER_BINARY
 from ecd_testing import REPO
 from peer_testing import needs_mooncake
 
@@ -21,7 +22,6 @@ from ec_client.units import parse_size
 from ec_daemon.cluster.mooncake import LOCAL_BUFFER_BYTES
 from ec_daemon.config import Config
 from ec_daemon.peers import PeerEntry
-from ec_daemon.spawn import MASTER_BINARY
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
