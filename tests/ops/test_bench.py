@@ -73,7 +73,7 @@ def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
 def test_the_cluster_suite_needs_daemons_of_its_own_and_says_so() -> None:
     done = run_ecd("bench", "--suite", "cluster")
     assert done.returncode == 2
-    assert "--spawn" in done.stderr
+    assert done.stderr == "ecd: --suite cluster starts a master and daemons: it needs --spawn\n"
 
 
 def test_the_remote_suite_needs_two_daemons_and_says_so() -> None:
