@@ -395,9 +395,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "cluster" in suites:  # a master and two daemons of its own; not part of "all"
         with (
             spawned_master(prefix="ecd-bench-") as master,
-            spawned_store_daemons(2, master, "256MiB", *spawned, prefix="ecd-bench-") as daemons,
+            # The reading daemon lends the store nothing: every value it reads is another
+            # node's, never one the master placed in its own segment.
+            spawned_store_daemons(master, ("256MiB", "0"), *spawned, prefix="ecd-bench-") as two,
         ):
-            near, far = ((d.address, d.pid) for d in daemons)
+            near, far = ((d.address, d.pid) for d in two)
             cluster = bench_cluster.Cluster(master.address, master.metadata, master.pid, near, far)
             bench_cluster.run_cluster(cluster, args, report)
     if suites - {"costs", "remote", "restart", "cluster"}:

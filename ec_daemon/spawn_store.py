@@ -113,12 +113,13 @@ def spawned_master(prefix: str = "ecd-") -> Iterator[SpawnedMaster]:
 
 @contextmanager
 def spawned_store_daemons(
-    count: int, master: SpawnedMaster, segment: str, *args: str, prefix: str = "ecd-"
+    master: SpawnedMaster, segments: Sequence[str], *args: str, prefix: str = "ecd-"
 ) -> Iterator[list[SpawnedDaemon]]:
-    """`count` daemons joined to `master`, each lending it `segment`; serving when yielded."""
+    """A daemon joined to `master` for each of `segments`, lending it that much ("0": none);
+    serving when yielded."""
     with contextlib.ExitStack() as stack:
         daemons = []
-        for _ in range(count):
+        for segment in segments:
             daemon = stack.enter_context(
                 restartable_daemon(*master.store_flags(segment), *args, prefix=prefix)
             )
