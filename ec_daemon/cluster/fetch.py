@@ -8,8 +8,7 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
    `Store.pull_allocate`: local askers wait on it, a local producer is told PENDING: single
    flight per node), and marked as being written (its blocks held, however it is removed,
    until the read is over);
-3. one read for the batch (a get session: `batch_get_into_multi_buffer_ranges` between
-   `batch_get_session_start` and `_end`): each value's header into a buffer
+3. one read for the batch (`batch_get_into_multi_buffers`): each value's header into a buffer
    of the node's thread, its bytes straight into the entry's extents in the pool's mapped,
    registered data region;
 4. a value whose header is the format's, holds the entry's size and whose rows are as wide as

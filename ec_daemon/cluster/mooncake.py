@@ -49,17 +49,9 @@ class StoreClient(Protocol):
 
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
 
-    def batch_get_session_start(self, keys: list[str]) -> list[int]: ...
-
-    def batch_get_into_multi_buffer_ranges(
-        self,
-        keys: list[str],
-        buffers: list[list[int]],
-        sizes: list[list[int]],
-        offsets: list[list[int]],
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], buffers: list[list[int]], sizes: list[list[int]]
     ) -> list[int]: ...
-
-    def batch_get_session_end(self, keys: list[str]) -> int: ...
 
     def register_buffer(self, address: int, length: int) -> int: ...
 

@@ -27,7 +27,6 @@ the publishes (`ask`): one thread owns the store client, the mappings and the he
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import queue
 import threading
@@ -236,26 +235,15 @@ class ClusterNode:
     ) -> list[TensorSpec | None]:
         base, size = ctypes.addressof(self._headers), codec.HEADER.size
         block_size = mounted.info.block_size_bytes
-        keys = [r.store_key for r in reads]
         runs = [list(byte_runs(r.extents, block_size, r.nbytes)) for r in reads]
-        lengths = [[size] + [n for _, n in rs] for rs in runs]
-        # A get session: the master asked once for each value's replica (leased to this client
-        # until the session ends, which is local), then one scattered read by ranges, each
-        # value's header and runs at their offsets in it: a quarter to a third faster than
-        # batch_get_into_multi_buffers on loopback TCP (docs/performance.md, The cluster tier).
-        self._answered(store.batch_get_session_start(keys), "lookup")
-        try:
-            results = store.batch_get_into_multi_buffer_ranges(
-                keys,
-                [
-                    [base + i * size] + [mounted.region.address + o for o, _ in rs]
-                    for i, rs in enumerate(runs)
-                ],
-                lengths,
-                [list(itertools.accumulate(ls[:-1], initial=0)) for ls in lengths],
-            )
-        finally:
-            store.batch_get_session_end(keys)
+        results = store.batch_get_into_multi_buffers(
+            [r.store_key for r in reads],
+            [
+                [base + i * size] + [mounted.region.address + o for o, _ in rs]
+                for i, rs in enumerate(runs)
+            ],
+            [[size] + [n for _, n in rs] for rs in runs],
+        )
         self._answered(results, "read")
         return [
             _fitting(ctypes.string_at(base + i * size, size), r.nbytes, block_size)
