@@ -703,6 +703,37 @@ SECTIONS = {
             "hit_s",
         ],
     ),
+    "cluster_hit": (
+        "Cluster: a remote hit (an entry only another daemon put: one lookup at the master, one "
+        "read into a local entry, the copy out) vs a local get of it and vLLM's store client "
+        "reading it (medians of runs; fetch_ms: the daemon's mean lookup + read)",
+        [
+            "size",
+            "local_ms",
+            "remote_ms",
+            "vllm_ms",
+            "fetch_ms",
+            "remote_vs_local",
+            "remote_vs_vllm",
+            "reads_per_hit",
+        ],
+    ),
+    "cluster_directory": (
+        "Cluster: simulated nodes publishing entries of their own; the reading daemon's "
+        "resident memory and entries, and the master's",
+        [
+            "nodes",
+            "entries_in_store",
+            "daemon_rss_mib",
+            "daemon_entries",
+            "master_rss_mib",
+            "master_b_per_entry",
+        ],
+    ),
+    "cluster_lookups": (
+        "Cluster: batched lookups one master answers (store clients on threads; medians)",
+        ["clients", "batch", "lookups_per_s", "call_p50_us"],
+    ),
 }
 
 

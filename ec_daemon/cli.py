@@ -306,7 +306,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 
-SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "restart")
+SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "restart", "cluster")
 
 
 def suite_set(text: str) -> set[str]:
@@ -344,9 +344,10 @@ def count_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ec_client import bench
+    from ec_client import bench, bench_cluster
     from ec_daemon import costs
     from ec_daemon.spawn import restartable_daemon, spawned_daemon
+    from ec_daemon.spawn_store import spawned_master, spawned_store_daemons
 
     report = bench.Report({})
     suites = args.suite
@@ -355,6 +356,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "ecd: --suite restart SIGKILLs its daemon and starts it again: it needs --spawn",
             file=sys.stderr,
         )
+        return 2
+    if "cluster" in suites and not args.spawn:
+        print("ecd: --suite cluster starts a master and daemons: it needs --spawn", file=sys.stderr)
         return 2
     if {"costs", "all"} & suites:  # in process: no daemon needed
         daemon = costs.measure(args.batch * 4, args.iterations * 2)
@@ -367,7 +371,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.runs,
             report,
         )
-    if suites - {"costs", "restart"}:
+    if "cluster" in suites:  # a master and two daemons of its own; not part of "all"
+        with (
+            spawned_master(prefix="ecd-bench-") as master,
+            # The reading daemon lends the store nothing: every value it reads is another
+            # node's, never one the master placed in its own segment.
+            spawned_store_daemons(master, ("256MiB", "0"), *spawned, prefix="ecd-bench-") as two,
+        ):
+            near, far = ((d.address, d.pid) for d in two)
+            cluster = bench_cluster.Cluster(master.address, master.metadata, master.pid, near, far)
+            bench_cluster.run_cluster(cluster, args, report)
+    if suites - {"costs", "restart", "cluster"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
                 bench.run(address, args, report)
@@ -474,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=suite_set,
         default="all",
         help="costs,latency,control,data,load,handoff or all; restart (a warm restart after a "
-        "SIGKILL; with --spawn) only when named",
+        "SIGKILL; with --spawn) and cluster (a Mooncake master and two daemons in its store; "
+        "with --spawn) only when named",
     )
     bench.add_argument("--runs", type=count, default=5, help="repetitions; medians are reported")
     bench.add_argument(
@@ -498,6 +513,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=count_list,
         default="10000,100000",
         help="entries in the pool when the daemon is killed, one daemon each (restart)",
+    )
+    bench.add_argument(
+        "--cluster-samples", type=count, default=10, help="reads of each kind per run (cluster)"
+    )
+    bench.add_argument(
+        "--cluster-nodes",
+        type=count_list,
+        default="1,10,100",
+        help="simulated nodes publishing entries of their own (cluster: directory memory)",
+    )
+    bench.add_argument(
+        "--cluster-entries", type=count, default=1000, help="entries each simulated node publishes"
+    )
+    bench.add_argument(
+        "--cluster-clients",
+        type=count_list,
+        default="1,8,64",
+        help="store clients asking the master at once (cluster: lookups per second)",
+    )
+    bench.add_argument(
+        "--cluster-seconds", type=float, default=2.0, help="duration per client count (cluster)"
     )
     bench.add_argument("--output", help="also write the figures as JSON to this file")
     return parser

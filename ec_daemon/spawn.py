@@ -77,6 +77,12 @@ class SpawnedDaemon:
     def address(self) -> str:
         return f"unix://{self.socket}"
 
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("daemon was never started")
+        return self.proc.pid
+
     def start(self) -> None:
         """Start the process; return at once (`wait_serving` waits for it)."""
         with self.log.open("wb") as out:

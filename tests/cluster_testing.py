@@ -4,11 +4,8 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,14 +19,13 @@ from ecd_testing import Daemon, running_daemon, wait_until
 from ec_client import Client, Producer
 from ec_client.types import PoolStats
 from ec_daemon.spawn import free_port
+from ec_daemon.spawn_store import MASTER_BINARY as MASTER_BINARY  # where the tests look for it
+from ec_daemon.spawn_store import MasterAddress, master_command, wait_listening
 
 # A shared pool as vLLM would name it: its namespace, rows of 2048 bf16 as blocks.
 NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"
 BLOCK = 4096
 POOL: dict[str, Any] = dict(block_size_bytes=BLOCK, capacity_bytes=64 << 20, compat_key="llava")
-
-# The mooncake extra installs it beside the interpreter (the venv's bin), on PATH or not.
-MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
 
 
 def mooncake_missing() -> str:
@@ -45,7 +41,7 @@ needs_mooncake = pytest.mark.skipif(bool(mooncake_missing()), reason=mooncake_mi
 
 
 @dataclass
-class Master:
+class Master(MasterAddress):
     """A `mooncake_master` on loopback; start/stop keep its ports, so a test can stop it and
     start it again where its clients look for it."""
 
@@ -56,49 +52,18 @@ class Master:
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(".log", "mc-master-")[1]))
 
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
-
     def flags(self) -> tuple[str, ...]:
         """`ecd serve` flags that join this master (a small segment: tests move a few MiB)."""
-        return (
-            "--store-master", self.address, "--store-metadata", self.metadata,
-            "--store-segment-bytes", "64MiB", "--transfer-host", "127.0.0.1",
-        )  # fmt: skip
+        return tuple(self.store_flags("64MiB"))
 
     def start(self, timeout_s: float = 20.0) -> Master:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    MASTER_BINARY,
-                    f"--rpc_port={self.rpc_port}",
-                    "--rpc_address=127.0.0.1",
-                    "--enable_http_metadata_server=true",
-                    "--http_metadata_server_host=127.0.0.1",
-                    f"--http_metadata_server_port={self.http_port}",
-                    f"--metrics_port={self.admin_port}",
-                    *self.args,
-                ],
+                [*master_command(self.rpc_port, self.http_port, self.admin_port), *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + timeout_s
-        for port in (self.rpc_port, self.http_port):
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"mooncake_master exited: {self.log_path.read_text()}")
-                try:
-                    socket.create_connection(("127.0.0.1", port), 0.5).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"mooncake_master not listening on {port}") from None
-                    time.sleep(0.05)
+        wait_listening(self.proc, (self.rpc_port, self.http_port), timeout_s, self.log_path)
         return self
 
     def stop(self) -> None:

@@ -1,5 +1,5 @@
 """`ecd bench` as an operator runs it: `--suite restart` kills its own daemon and times it
-serving again."""
+serving again; `--suite cluster` spawns a Mooncake master and two daemons in its store."""
 
 from __future__ import annotations
 
@@ -8,12 +8,44 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cluster_testing import needs_mooncake
 from ecd_testing import Daemon, run_ecd
 
 
 def bench(daemon: Daemon, *flags: str) -> subprocess.CompletedProcess[str]:
     """`ecd bench` against a daemon that is already running, as an operator points it at one."""
     return run_ecd("bench", "--address", daemon.address, *flags)
+
+
+@needs_mooncake
+def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "figures.json"
+    done = run_ecd(
+        "bench", "--spawn", "--suite", "cluster", "--runs", "1", "--cluster-samples", "2",
+        "--cluster-nodes", "1,2", "--cluster-entries", "10", "--cluster-clients", "1,2",
+        "--cluster-seconds", "0.2", "--output", str(output),
+        timeout_s=180,  # a master, two daemons, four store clients, torch's import
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "remote_vs_vllm" in done.stdout and "master_b_per_entry" in done.stdout
+    assert "lookups_per_s" in done.stdout
+    figures = json.loads(output.read_text())
+    [hit] = figures["cluster_hit"]
+    assert hit["size"] == "8.0 MiB" and hit["reads_per_hit"] == 1
+    assert hit["remote_ms"] > 0 and hit["local_ms"] > 0 and hit["vllm_ms"] > 0
+    one, two = figures["cluster_directory"]
+    assert (one["nodes"], one["entries_in_store"], two["entries_in_store"]) == (1, 10, 20)
+    assert one["daemon_rss_mib"] > 0 and one["master_rss_mib"] > 0
+    assert [row["clients"] for row in figures["cluster_lookups"]] == [1, 2]
+    assert all(row["lookups_per_s"] > 0 for row in figures["cluster_lookups"])
+
+
+def test_the_cluster_suite_needs_daemons_of_its_own_and_says_so() -> None:
+    done = run_ecd("bench", "--suite", "cluster")
+    assert done.returncode == 2
+    assert done.stderr == "ecd: --suite cluster starts a master and daemons: it needs --spawn\n"
 
 
 def test_the_restart_suite_kills_its_own_daemon_and_times_it_serving_again(
