@@ -201,7 +201,8 @@ def cluster_line(c: ClusterStats) -> str:
     return (
         f"store {c.master} {state}; published {c.published}, already stored {c.already_stored}, "
         f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
-        f"dropped {c.dropped}"
+        f"dropped {c.dropped}; claims {c.claims} (lost {c.claims_lost}), waits for other "
+        f"nodes hit {c.waits_hit}, missed {c.waits_missed}"
     )
 
 

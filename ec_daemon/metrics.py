@@ -210,6 +210,10 @@ CLUSTER_COUNTERS = (
     ("gone", "Entries evicted or removed before their turn to be published"),
     ("publish_failures", "Publishes the store refused or that failed"),
     ("dropped", "Commits not published because the publish queue was full"),
+    ("claims", "Pending markers written for this node's producers of shared pools"),
+    ("claims_lost", "Pending markers found another node's: that key was encoded on both"),
+    ("waits_hit", "Waits for a key another node was writing, ended by a remote hit"),
+    ("waits_missed", "Waits for a key another node was writing, ended without its value"),
 )
 
 

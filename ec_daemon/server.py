@@ -33,11 +33,12 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.tls import TLSFiles
 from ec_client.token_file import client_token
-from ec_client.types import WatchEvent
+from ec_client.types import ClusterStats, WatchEvent
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.pending import Claims
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
 from ec_daemon.metrics import Metrics, snapshot_on_loop
@@ -200,6 +201,7 @@ def build_store(
     hub: EventHub,
     peers: Peers | None = None,
     cluster: ClusterNode | None = None,
+    claims: Claims | None = None,
 ) -> Store:
     pools = PoolSettings(
         shm_dir=config.shm_dir,
@@ -216,6 +218,14 @@ def build_store(
         def publish(event: WatchEvent) -> None:
             hub.publish(event)
             cluster.on_event(event)
+            if claims is not None:  # after the node: a commit's publish before its marker goes
+                claims.on_event(event)
+
+    def cluster_stats() -> ClusterStats | None:
+        if cluster is None:
+            return None
+        stats = cluster.stats()
+        return claims.stats(stats) if claims is not None else stats
 
     store = Store(
         StoreConfig(pools, config.lease_ttl, config.pending_timeout),
@@ -223,7 +233,7 @@ def build_store(
         publish=publish,
         pool_listener=ServedPools(peers.transport) if peers is not None else None,
         peers=(lambda: peer_stats(peers.directory)) if peers is not None else tuple,
-        cluster=cluster.stats if cluster is not None else lambda: None,
+        cluster=cluster_stats,
     )
     if cluster is not None:
         cluster.bind(store)
@@ -255,10 +265,13 @@ async def start(config: Config) -> Daemon:
     hub = EventHub()
     peers = start_peers(config) if config.peers else None
     cluster = cluster_node(config) if config.store_master else None
-    store = build_store(config, budget, hub, peers, cluster)
+    claims = Claims(cluster, config.pending_timeout) if cluster is not None else None
+    store = build_store(config, budget, hub, peers, cluster, claims)
     adopt_pools(store)
     remote = peers.connect(config, store, hub) if peers is not None else None
     fetches = ClusterFetch(store, cluster, config.pull_timeout) if cluster is not None else None
+    if claims is not None and fetches is not None:
+        claims.bind(store, fetches.fetching, fetches.waits)
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})

@@ -128,19 +128,27 @@ def published_elsewhere(master: Master, tensors: dict[str, torch.Tensor]) -> Ite
         yield far
 
 
+def store_client(master: Master) -> Any:
+    """A plain Mooncake Store client joined to `master` (close it when done)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    ret = store.setup("127.0.0.1", master.metadata, 64 << 20, 64 << 20, "tcp", "", master.address)
+    assert ret == 0, f"setup answered {ret}"
+    return store
+
+
 def vllm_store_client(master: Master) -> Any:
     """vLLM 0.33's own encoder-cache store client (`MooncakeEmbeddingStoreClient`), around a
     store client joined to `master` as vLLM's `create_mooncake_embedding_store_client` joins it
     (that function reads its settings from a file named by the environment: the same calls
     here, with this master's addresses)."""
-    from mooncake.store import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
+    from mooncake.store import ObjectDataType, ReplicateConfig
     from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.store_client import (
         MooncakeEmbeddingStoreClient,
     )
 
-    store = MooncakeDistributedStore()
-    ret = store.setup("127.0.0.1", master.metadata, 64 << 20, 64 << 20, "tcp", "", master.address)
-    assert ret == 0, f"setup answered {ret}"
+    store = store_client(master)
     config = ReplicateConfig()
     config.data_type = ObjectDataType.TENSOR
     return MooncakeEmbeddingStoreClient(store, replicate_config=config, read_buffer_bytes=32 << 20)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 
 from ec_client.types import EntryState, StepResult
-from ec_daemon.cluster import codec
+from ec_daemon.cluster import codec, pending
 from ec_daemon.cluster.node import ClusterNode, Read
 from ec_daemon.remote import acquire_fetched
 from ec_daemon.store import PullSlot, Store
@@ -45,6 +45,7 @@ class ClusterFetch:
         self.timeout_s = timeout_s
         self._fetching: dict[tuple[str, bytes], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.waits = pending.RemoteWaits(store, node, self.fill)
 
     async def fetch(
         self, session_id: str, engine_id: str, keys: Sequence[bytes], wait_ms: int
@@ -87,19 +88,27 @@ class ClusterFetch:
             self._store, self.fetch, session_id, engine_id, acquires, result
         )
 
+    def fetching(self, engine_id: str, key: bytes) -> bool:
+        """Whether `key` is being fetched (its PENDING entry is a read from the store's)."""
+        return (engine_id, key) in self._fetching
+
     async def _fetch(
         self, engine_id: str, namespace: str, keys: list[bytes], done: asyncio.Future[None]
     ) -> None:
         started = time.monotonic()
-        slots: list[PullSlot] = []
         try:
             store_keys = [codec.store_key(namespace, key) for key in keys]
-            sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(store_keys)))
+            markers = [pending.marker_key(namespace, key) for key in keys]
+            # One lookup for the values and for the markers of keys being written elsewhere.
+            found = await asyncio.wrap_future(
+                self._node.ask(self._node.sizes(store_keys + markers))
+            )
             if not self._store.has_pool(engine_id):
                 return
-            info = self._store.pool_info(engine_id)  # the file the allocations below are in
-            reads = []
-            for key, store_key, size in zip(keys, store_keys, sizes, strict=True):
+            slots: list[tuple[PullSlot, str]] = []
+            written: list[bytes] = []
+            sizes, marks = found[: len(keys)], found[len(keys) :]
+            for key, store_key, size, marked in zip(keys, store_keys, sizes, marks, strict=True):
                 nbytes = size - codec.HEADER.size
                 slot = (
                     self._store.pull_allocate(engine_id, key, nbytes, "the cluster's store")
@@ -107,11 +116,34 @@ class ClusterFetch:
                     else None
                 )
                 if slot is not None:
-                    self._store.pull_reading(slot)
-                    slots.append(slot)
-                    reads.append(Read(store_key, slot.extents, nbytes))
-            if not slots:
-                return
+                    slots.append((slot, store_key))
+                elif size == 0 and marked:
+                    written.append(key)
+            if written:  # placeholders, waited for by whoever asks (not by this fetch)
+                await self.waits.wait_for(engine_id, namespace, written)
+            if slots:
+                await self.fill(engine_id, slots, started)
+        except Exception as exc:  # a store call that failed: the keys are misses
+            log.info(
+                "a fetch from the store failed", extra={"engine_id": engine_id, "why": str(exc)}
+            )
+        finally:
+            for key in keys:
+                if self._fetching.get((engine_id, key)) is done:
+                    del self._fetching[(engine_id, key)]
+            done.set_result(None)
+
+    async def fill(self, engine_id: str, slots: list[tuple[PullSlot, str]], started: float) -> int:
+        """Read the values (by their store keys) into the local PENDING entries' extents, with
+        one read, and commit each that fits; abort the others (a miss, nothing partial).
+        Returns how many were committed."""
+        unread = [slot for slot, _ in slots]
+        committed = 0
+        try:
+            for slot in unread:
+                self._store.pull_reading(slot)
+            info = self._store.pool_info(engine_id)  # the file the entries are in
+            reads = [Read(store_key, slot.extents, slot.nbytes) for slot, store_key in slots]
             reading = self._node.ask(self._node.read(info, reads))
             try:
                 specs = await asyncio.wrap_future(reading)
@@ -119,7 +151,7 @@ class ClusterFetch:
                 # The read may still be writing into the entries' blocks: they go now (askers
                 # see a miss), their blocks held until it is over.
                 loop = asyncio.get_running_loop()
-                held, slots = slots, []
+                held, unread = unread, []
                 for slot in held:
                     self._store.pull_abort(slot)
                 reading.add_done_callback(
@@ -127,23 +159,22 @@ class ClusterFetch:
                 )
                 raise
             seconds = time.monotonic() - started
-            for slot, spec in zip(slots, specs, strict=True):
+            for slot, spec in zip(unread, specs, strict=True):
                 self._store.pull_read_over(slot)
-                if spec is None or not self._store.pull_commit(slot, spec, 0, seconds):
+                if spec is not None and self._store.pull_commit(slot, spec, 0, seconds):
+                    committed += 1
+                else:
                     self._store.pull_abort(slot)
-            slots = []
+            unread = []
         except Exception as exc:  # a store call that failed: the entries go, as misses
             log.info(
-                "a fetch from the store failed", extra={"engine_id": engine_id, "why": str(exc)}
+                "a read from the store failed", extra={"engine_id": engine_id, "why": str(exc)}
             )
         finally:
-            for slot in slots:  # not read: nothing writes into them
+            for slot in unread:  # not read: nothing writes into them
                 self._store.pull_abort(slot)
-            self._read_over(slots)
-            for key in keys:
-                if self._fetching.get((engine_id, key)) is done:
-                    del self._fetching[(engine_id, key)]
-            done.set_result(None)
+            self._read_over(unread)
+        return committed
 
     def _read_over(self, slots: list[PullSlot]) -> None:
         for slot in slots:
@@ -155,3 +186,4 @@ class ClusterFetch:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.waits.close()

@@ -11,16 +11,12 @@ PENDING lets the waiter encode at once, not one lease later.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 
 import pytest
-from ecd_testing import REPO, Daemon, wait_until
+from ecd_testing import Daemon, python_killed_after, wait_until
 from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
 
 SHARED = "node-pool"
@@ -110,18 +106,10 @@ def test_a_producer_killed_mid_encode_lets_the_waiting_engine_encode_at_once(
         print("encoding", flush=True)
         time.sleep(120)
     """)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    producer = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
-    )
-    try:
+    with python_killed_after(code, "encoding"):
         waiter = engine(role="ec_both", pool=SHARED)
-        assert producer.stdout is not None and producer.stdout.readline().strip() == "encoding"
         wait_until(lambda: waiter.scheduler.view.pending(b"img"))
         held_while(waiter, "b1", 0.5)  # the daemon has seen the producer's life mark by now
-    finally:
-        producer.send_signal(signal.SIGKILL)
-        producer.wait()
     killed_at = time.monotonic()
     steps, result = waiter.admit(request("b1", "img"), max_steps=100)
     encoded_after = time.monotonic() - killed_at
