@@ -13,20 +13,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from cluster_testing import NAMESPACE, POOL, Master, store_client, store_daemon
+from cluster_testing import NAMESPACE, POOL, Master, cluster_stats, store_client, store_daemon
 from ecd_testing import Daemon, python_killed_after, wait_until
 
 from ec_client import AllocateItem, Client, Consumer, EntryState, Status
-from ec_client.types import ClusterStats
 from ec_daemon.cluster.pending import Marker, marker_key
 
 ROWS = torch.arange(16 * 2048, dtype=torch.float32).reshape(16, 2048).to(torch.bfloat16)
-
-
-def cluster(client: Client) -> ClusterStats:
-    stats = client.stats().cluster
-    assert stats is not None, "the daemon has no store"
-    return stats
 
 
 def shared(daemon: Daemon, name: str = "engine") -> Client:
@@ -70,14 +63,14 @@ def two_nodes(master: Master, *a_args: str) -> Iterator[tuple[Daemon, Daemon]]:
     with store_daemon(master, *a_args) as a, store_daemon(master) as b:
         for daemon in (a, b):
             with daemon.client() as client:
-                wait_until(lambda: cluster(client).connected, 10)
+                wait_until(lambda: cluster_stats(client).connected, 10)
         yield a, b
 
 
 def pending_elsewhere(writer: Client, reader: Client, key: str) -> None:
     """The reader's node, asked by a Step (as the vLLM connector asks), answers PENDING: it
     holds a placeholder for the writer's entry."""
-    wait_until(lambda: cluster(writer).claims == 1, 10)
+    wait_until(lambda: cluster_stats(writer).claims == 1, 10)
     [answer] = reader.step("shared", acquires=[key.encode()]).acquires
     assert answer.status is Status.PENDING
     assert state(reader, key) is EntryState.PENDING
@@ -88,7 +81,7 @@ def test_a_key_being_written_on_one_node_is_waited_for_on_another_and_read_once_
 ) -> None:
     with two_nodes(master) as (a, b), shared(a) as writer, shared(b) as reader:
         allocated = allocate(writer, "img")
-        wait_until(lambda: cluster(writer).claims == 1, 10)
+        wait_until(lambda: cluster_stats(writer).claims == 1, 10)
         with ThreadPoolExecutor(1) as pool:
             got = pool.submit(Consumer(reader, "shared").get, "img", wait_ms=20000)
             wait_until(lambda: state(reader, "img") is EntryState.PENDING, 10)
@@ -96,7 +89,7 @@ def test_a_key_being_written_on_one_node_is_waited_for_on_another_and_read_once_
             write(writer, allocated)
             writer.commit("shared", ["img"])
             tensor = got.result(20)
-        stats = cluster(reader)
+        stats = cluster_stats(reader)
         wait_until(lambda: not marker_in_store(master, "img"), 10)
     assert tensor is not None and torch.equal(tensor, ROWS)
     assert (stats.waits_hit, stats.waits_missed) == (1, 0)
@@ -113,7 +106,7 @@ def test_an_abort_on_the_writing_node_lets_the_other_nodes_asker_miss_at_once(
         wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 10)
         missed_after = time.monotonic() - aborted_at
         [answer] = reader.step("shared", acquires=[b"img"]).acquires
-        stats = cluster(reader)
+        stats = cluster_stats(reader)
         gone = not marker_in_store(master, "img")
     assert answer.status is Status.MISS and gone
     assert (stats.waits_hit, stats.waits_missed) == (0, 1)
@@ -155,8 +148,8 @@ def test_a_marker_past_its_deadline_is_taken_for_absent_and_replaced_by_the_next
         with store_daemon(master) as b, shared(b) as client:
             [answer] = client.step("shared", acquires=[b"img"]).acquires
             allocate(client, "img")
-            wait_until(lambda: cluster(client).claims == 1, 10)
-            stats = cluster(client)
+            wait_until(lambda: cluster_stats(client).claims == 1, 10)
+            stats = cluster_stats(client)
             now = Marker.parse(store.get(marker_key(NAMESPACE, b"img")))
             client.abort("shared", ["img"])
     finally:
@@ -184,9 +177,9 @@ def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_
 def test_two_nodes_writing_one_key_at_once_are_counted_as_the_window(master: Master) -> None:
     with two_nodes(master) as (a, b), shared(a) as first, shared(b) as second:
         allocate(first, "img")
-        wait_until(lambda: cluster(first).claims == 1, 10)
+        wait_until(lambda: cluster_stats(first).claims == 1, 10)
         allocate(second, "img")  # its engine found nothing when it asked: it encodes too
-        wait_until(lambda: cluster(second).claims_lost == 1, 10)
-        assert cluster(second).claims == 0
+        wait_until(lambda: cluster_stats(second).claims_lost == 1, 10)
+        assert cluster_stats(second).claims == 0
         first.abort("shared", ["img"])
         second.abort("shared", ["img"])

@@ -17,25 +17,9 @@ import time
 
 import pytest
 from ecd_testing import Daemon, python_killed_after, wait_until
-from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
+from vllm_testing import LONG_ENCODE_S, EngineFactory, digest, encoder_output, held_while, request
 
 SHARED = "node-pool"
-# Longer than the old connector's cap on waiting for a PENDING item (ecd_pending_wait_ms, 2 s).
-LONG_ENCODE_S = 2.5
-
-
-def held_while(engine: Engine, waiting_id: str, seconds: float) -> int:
-    """Step `engine` as vLLM's busy loop would, with only `waiting_id` unfinished, for
-    `seconds`; assert it was held back every step; returns how many steps it took."""
-    waiting = request(waiting_id, "img")
-    steps = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        result = engine.step(waiting)
-        assert result.step.held == {waiting_id}, f"admitted after {steps} steps"
-        assert not result.step.encode
-        steps += 1
-    return steps
 
 
 @pytest.mark.parametrize("offset_s", [0.0, 0.5])
