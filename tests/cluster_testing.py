@@ -19,6 +19,7 @@ import torch
 from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import Client, Producer
+from ec_client.types import ClusterStats
 from ec_daemon.spawn import free_port
 
 # A shared pool as vLLM would name it: its namespace, rows of 2048 bf16 as blocks.
@@ -111,10 +112,14 @@ def store_daemon(master: Master, *args: str) -> Iterator[Daemon]:
         assert daemon.stop() == 0, daemon.log()
 
 
-def published(client: Client) -> int:
+def cluster_stats(client: Client) -> ClusterStats:
     stats = client.stats().cluster
     assert stats is not None, "the daemon has no store"
-    return stats.published
+    return stats
+
+
+def published(client: Client) -> int:
+    return cluster_stats(client).published
 
 
 @contextmanager

@@ -20,7 +20,10 @@ saves.py) are touched on the scheduler thread alone. Per step:
         counters and LRU order). The items a lock pin cannot take are pinned in the background
         and their request waits one step (see loads.py): those only a peer daemon holds (the
         ready view counts them: docs/design.md §13; their Acquire pulls them from the peer),
-        and those committed a moment ago whose slot the view has not heard yet.
+        and those committed a moment ago whose slot the view has not heard yet. In a pool shared
+        through the daemon's store, an item the pool lacks is asked the same way: its Acquire
+        is a remote hit, PENDING while another node's engine encodes it (then held as for an
+        item PENDING here), or a miss (then encoded): single flight across nodes.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step (step_soon): releases owed, aborts of failed
         copies, pins for the wanted items, entries for this step's new outputs. The metadata
@@ -310,6 +313,9 @@ class SchedulerSide:
         self.client: SchedulerClient | None = None
         self._generation = ("", "")
         self._slot_pins: SlotPins | None = None  # the lock pins on the current pool file
+        # Whether the pool is shared through the daemon's store: then a key it lacks is asked
+        # of the daemon, in the background (docs/design.md §13, single flight across nodes).
+        self._shared = False
         self.view: PoolView = NothingReady()
         try:
             self._connect()
@@ -337,10 +343,12 @@ class SchedulerSide:
                 # opened again with the namespace. At connect only: the client reopens the pool
                 # as it was last opened.
                 client.open_pool(*pool)
-                if client.stats(c.pool).cluster is not None:
+                shared = client.stats(c.pool).cluster is not None
+                if shared:
                     client.open_pool(*pool, cluster_namespace=c.cluster_namespace)
             else:
                 client.open_pool(*pool, cluster_namespace=c.cluster_namespace)
+                shared = bool(c.cluster_namespace)  # named: a store is meant to be there
         except EcdError as error:
             client.close()
             if error.code is grpc.StatusCode.FAILED_PRECONDITION:
@@ -352,6 +360,7 @@ class SchedulerSide:
                 ) from None
             raise
         self.client = client
+        self._shared = shared
         self._generation = self._current_generation(client)
         self._slot_pins = self._open_slot_pins(client)
         view = client.view(c.pool)  # reattaches by reopening the pool
@@ -401,6 +410,7 @@ class SchedulerSide:
             wait_s,
             pending=self._pending,
             lock=self._lock_pin,
+            elsewhere=self._shared and self.view.synced,
         )
         self._held = self._held or not admitted
         return admitted
