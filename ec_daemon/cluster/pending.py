@@ -37,6 +37,7 @@ round trip, the put); a second node's lookup inside it finds nothing either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -111,6 +112,8 @@ class Claims:
         self._fetching: Callable[[str, bytes], bool] = lambda engine_id, key: False
         self._waits: RemoteWaits | None = None
         self._claimed: dict[tuple[str, bytes], str] = {}  # the event loop's: marker keys put
+        # The node thread's: markers found another daemon's, which our entry's end leaves be.
+        self._lost: set[str] = set()
         # The node thread's counters (read by stats() too: plain ints).
         self.claims = self.claims_lost = 0
 
@@ -146,7 +149,7 @@ class Claims:
             marker = Marker(self.writer, self._wall() + self._life_s, event.nbytes)
             _logged(self._node.ask(self._claim(key, marker)), "claim")
         elif event.type in _ENDED and claim in self._claimed:
-            _logged(self._node.ask(_removal(self._claimed.pop(claim))), "marker removal")
+            _logged(self._node.ask(self._removal(self._claimed.pop(claim))), "marker removal")
 
     def _claim(self, key: str, marker: Marker) -> Callable[[StoreClient], None]:
         def work(store: StoreClient) -> None:
@@ -156,6 +159,7 @@ class Claims:
             if found is not None and found.writer != self.writer:
                 if found.deadline > self._wall():
                     self.claims_lost += 1  # another node's producer writes it too
+                    self._lost.add(key)
                     return
                 store.upsert(key, raw)  # a dead writer's, past its deadline
             elif found != marker:
@@ -164,12 +168,16 @@ class Claims:
 
         return work
 
+    def _removal(self, key: str) -> Callable[[StoreClient], None]:
+        """Work for the node's thread, after the claim's (the queue keeps their order)."""
 
-def _removal(key: str) -> Callable[[StoreClient], None]:
-    def work(store: StoreClient) -> None:
-        store.batch_remove([key], True)  # forced: readers' lookups hold leases on it
+        def work(store: StoreClient) -> None:
+            if key in self._lost:  # another node's: its writer removes it
+                self._lost.discard(key)
+                return
+            store.batch_remove([key], True)  # forced: readers' lookups hold leases on it
 
-    return work
+        return work
 
 
 def _logged(future: Future[None], what: str) -> None:
@@ -240,10 +248,12 @@ class RemoteWaits:
 
     async def _poll_once(self, awaited: list[Awaited]) -> None:
         keys = [a.store_key for a in awaited] + [a.marker_key for a in awaited]
-        try:
-            sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(keys)))
-        except Exception:  # the store did not answer: wait on, up to the markers' deadlines
-            sizes = [0] * len(awaited) + [1] * len(awaited)
+        # The store not answering (or not joined: asks wait for the join), they wait on, up to
+        # their markers' deadlines.
+        sizes = [0] * len(awaited) + [1] * len(awaited)
+        if self._node.connected:
+            with contextlib.suppress(Exception):
+                sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(keys)))
         started, now = time.monotonic(), self._wall()
         landed: dict[str, list[tuple[PullSlot, str]]] = {}
         values, marks = sizes[: len(awaited)], sizes[len(awaited) :]

@@ -174,12 +174,19 @@ def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_
     assert missed_after < 2 + 1 + 0.5  # its --pending-timeout, the margin, a few polls
 
 
-def test_two_nodes_writing_one_key_at_once_are_counted_as_the_window(master: Master) -> None:
+def test_two_nodes_writing_one_key_at_once_are_counted_and_the_loser_leaves_the_marker_be(
+    master: Master,
+) -> None:
     with two_nodes(master) as (a, b), shared(a) as first, shared(b) as second:
         allocate(first, "img")
         wait_until(lambda: cluster_stats(first).claims == 1, 10)
         allocate(second, "img")  # its engine found nothing when it asked: it encodes too
         wait_until(lambda: cluster_stats(second).claims_lost == 1, 10)
-        assert cluster_stats(second).claims == 0
-        first.abort("shared", ["img"])
         second.abort("shared", ["img"])
+        allocate(second, "later")  # claimed after the abort's turn on the node's thread
+        wait_until(lambda: cluster_stats(second).claims == 1, 10)
+        kept = marker_in_store(master, "img")  # the first node still writes it
+        first.abort("shared", ["img"])
+        wait_until(lambda: not marker_in_store(master, "img"), 10)
+        second.abort("shared", ["later"])
+    assert kept
