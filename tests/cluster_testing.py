@@ -157,3 +157,17 @@ def vllm_store_client(master: Master) -> Any:
     config = ReplicateConfig()
     config.data_type = ObjectDataType.TENSOR
     return MooncakeEmbeddingStoreClient(store, replicate_config=config, read_buffer_bytes=32 << 20)
+
+
+class BufferlessStore:
+    """The calls of a store client (ec_daemon.cluster.mooncake.StoreClient) that a fake of it in
+    memory answers as done: registering buffers, closing."""
+
+    def register_buffer(self, address: int, length: int) -> int:
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0
+
+    def close(self) -> int:
+        return 0
