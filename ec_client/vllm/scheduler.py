@@ -428,9 +428,10 @@ class SchedulerSide:
         self.loads.scheduled(request.request_id, key)
         if self._ready(key):
             return
-        if self.config.is_consumer and self.view.synced:
+        if self.config.is_consumer and self.view.synced and not self._shared:
             # A miss the view answered (nothing was asked of the daemon): its count rides on
-            # the next Step, for the daemon's miss counters (see _step_soon).
+            # the next Step, for the daemon's miss counters (see _step_soon). In a shared pool
+            # the miss was asked (admit's `elsewhere`), and the daemon counted it then.
             self._misses += 1
         if self.config.is_producer:
             spec = self._save_spec(feature)

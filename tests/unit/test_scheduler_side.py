@@ -333,6 +333,11 @@ def test_in_a_pool_shared_through_a_store_a_new_item_is_asked_in_one_background_
     side.client.flush(5)  # type: ignore[union-attr]
     assert [sent.acquires for sent in client.sent] == [["img-new"]]
     assert side.ensure_cache_available(request, 0)  # a miss everywhere: encoded
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()  # its save's Allocate: a Step that would carry misses owed
+    side.client.flush(5)  # type: ignore[union-attr]
+    # The daemon counted the Acquire's miss: it is not owed again.
+    assert [(sent.allocates, sent.misses) for sent in client.sent[1:]] == [(["img-new"], 0)]
 
 
 def test_a_pool_stays_on_its_node_when_the_daemon_has_no_store(client: FakeClient) -> None:
