@@ -150,11 +150,15 @@ class Claims:
             _logged(self._node.ask(self._claim(key, marker)), "claim")
         elif event.type in _ENDED and claim in self._claimed:
             _logged(self._node.ask(self._removal(self._claimed.pop(claim))), "marker removal")
+        elif event.type is EventType.POOL_DROPPED:  # dropped by force, its entries with it
+            for dropped in [c for c in self._claimed if c[0] == event.engine_id]:
+                _logged(self._node.ask(self._removal(self._claimed.pop(dropped))), "marker removal")
 
     def _claim(self, key: str, marker: Marker) -> Callable[[StoreClient], None]:
         def work(store: StoreClient) -> None:
             raw = marker.pack()
-            store.put(key, raw)
+            if (answer := store.put(key, raw)) < 0:
+                raise RuntimeError(f"the store answered {answer} to the marker's put")
             found = Marker.parse(store.get(key))
             if found is not None and found.writer != self.writer:
                 if found.deadline > self._wall():

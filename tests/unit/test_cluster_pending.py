@@ -135,3 +135,13 @@ def test_an_entry_whose_claim_another_node_holds_leaves_its_marker_when_it_ends(
     allocate(store, sid)  # claimed again after the abort's turn: the other node's marker stays
     wait_until(lambda: claims.claims_lost == 2, 10)
     assert fake.values[MARKER] == theirs and ("remove", MARKER) not in fake.calls
+
+
+def test_a_pool_dropped_by_force_while_an_entry_was_written_removes_its_marker(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    allocate(store, sid)
+    wait_until(lambda: claims.claims == 1, 10)
+    store.drop_pool("p", force=True)
+    wait_until(lambda: MARKER not in fake.values, 10)
