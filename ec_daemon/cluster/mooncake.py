@@ -57,9 +57,9 @@ class StoreClient(Protocol):
 
     # Small values of ecd's own (the pending markers, ec_daemon.cluster.pending), through the
     # client's own buffer.
-    def put(self, key: str, value: bytes) -> int: ...
+    def put(self, key: str, value: bytes, config: Any = ...) -> int: ...
 
-    def upsert(self, key: str, value: bytes) -> int: ...
+    def get_hostname(self) -> str: ...
 
     def get(self, key: str) -> bytes: ...
 
@@ -115,6 +115,16 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     config = ReplicateConfig()  # as vLLM's store connector puts its values
     config.data_type = ObjectDataType.TENSOR
     return store, config
+
+
+def own_segment(store: StoreClient) -> Any:
+    """A put's placement in this node's own segment (the master places values anywhere by
+    default)."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = store.get_hostname()
+    return config
 
 
 def answered(results: Sequence[int]) -> bool:

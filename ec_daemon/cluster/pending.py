@@ -12,13 +12,16 @@ has answers success without writing (Mooncake 0.3.x). So ecd writes a *marker* o
   when the writer's own daemon has aborted the entry whatever became of its producer.
 - **The writer** (`Claims`, on the event loop, its store calls on the node's thread in turn with
   the publishes): an Allocate in a shared pool (its PENDING event) puts the marker in the
-  background, nobody waits on it, then reads it back: the store keeps the first value put under
-  a key, so the writer whose marker it reads holds the claim; a live marker of another node's
-  means both encode (counted, `claims_lost`); an expired one is overwritten. The commit removes
-  it after the value's publish (same queue, so in that order: a reader never finds neither while
-  the value is on its way); an abort, an eviction or a delete of the entry removes it at once (a
-  producer's death is an abort: issue 38's life marks). Removals are forced: a reader's lookup
-  holds a lease on the marker that would refuse them.
+  background, nobody waits on it, in the node's own segment (so that the node's death takes it:
+  the master drops a dead client's segment after its --client_ttl), then reads it back: the
+  store keeps the first value put under a key, so the writer whose marker it reads holds the
+  claim; a live marker of another node's means both encode (counted, `claims_lost`); one past
+  its deadline, or that cannot be read (its replica was on a node that died), is removed and
+  put again. The commit removes it after the value's publish (same queue, so in that order: a
+  reader never finds neither while the value is on its way); an abort, an eviction or a delete
+  of the entry removes it at once (a producer's death is an abort: the life marks of
+  ec_client/life_marks.py). Removals are forced: a reader's lookup holds a lease on the marker
+  that would refuse them.
 - **A reader** (`RemoteWaits`): an Acquire's lookup at the master (ec_daemon.cluster.fetch) asks
   for the value and the marker in the same batch; a key with no value but a marker is read once
   (its deadline, its size) and, while the marker is live, allocated here PENDING (a placeholder
@@ -27,7 +30,8 @@ has answers success without writing (Mooncake 0.3.x). So ecd writes a *marker* o
   every POLL_S for every placeholder of the node: the value there, it is read into the
   placeholder's extents and committed (a remote hit: an encode saved, `waits_hit`); the marker
   gone without a value, or past its deadline, the placeholder is aborted (`waits_missed`) and its
-  askers encode. A writer's daemon that dies leaves its marker to its deadline.
+  askers encode. A writer's daemon that dies leaves its marker to the master's dropping its
+  segment or to its deadline, whichever comes first.
 
 The window where two nodes both encode: from the first asker's lookup that found nothing to its
 own producer's marker landing in the store (its engine's step to Allocate, the background Step's
@@ -46,11 +50,11 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ec_client.types import ClusterStats, EventType, WatchEvent
 from ec_daemon.cluster import codec
-from ec_daemon.cluster.mooncake import StoreClient
+from ec_daemon.cluster.mooncake import StoreClient, own_segment
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.store import PullSlot, Store
 
@@ -101,10 +105,17 @@ class Claims:
     """The markers this node writes for the entries its producers write in shared pools."""
 
     def __init__(
-        self, node: ClusterNode, pending_timeout_s: float, wall: Callable[[], float] = time.time
+        self,
+        node: ClusterNode,
+        pending_timeout_s: float,
+        wall: Callable[[], float] = time.time,
+        placement: Callable[[StoreClient], Any] = own_segment,
     ) -> None:
-        """pending_timeout_s: this daemon's --pending-timeout."""
+        """pending_timeout_s: this daemon's --pending-timeout; placement: where a marker is put
+        (this node's own segment)."""
         self._node = node
+        self._placement = placement
+        self._placed: Any = None  # the node thread's, made at its first claim
         self._life_s = pending_timeout_s + MARGIN_S
         self._wall = wall
         self.writer = os.urandom(16)
@@ -143,7 +154,7 @@ class Claims:
         claim = (event.engine_id, event.key)
         if event.type is EventType.PENDING:
             namespace = self._pools.cluster_namespace(event.engine_id)
-            if not namespace or not self._node.connected or self._fetching(*claim):
+            if not namespace or not self._node.joined or self._fetching(*claim):
                 return
             key = self._claimed[claim] = marker_key(namespace, event.key)
             marker = Marker(self.writer, self._wall() + self._life_s, event.nbytes)
@@ -157,20 +168,34 @@ class Claims:
     def _claim(self, key: str, marker: Marker) -> Callable[[StoreClient], None]:
         def work(store: StoreClient) -> None:
             raw = marker.pack()
-            if (answer := store.put(key, raw)) < 0:
-                raise RuntimeError(f"the store answered {answer} to the marker's put")
-            found = Marker.parse(store.get(key))
-            if found is not None and found.writer != self.writer:
-                if found.deadline > self._wall():
-                    self.claims_lost += 1  # another node's producer writes it too
-                    self._lost.add(key)
-                    return
-                store.upsert(key, raw)  # a dead writer's, past its deadline
-            elif found != marker:
-                store.upsert(key, raw)  # not one (a failed put), or ours of an earlier entry
+            if self._placed is None:
+                self._placed = self._placement(store)
+            found = self._put_and_read(store, key, raw)
+            stale = found is not None and (
+                found.writer == self.writer or found.deadline <= self._wall()
+            )
+            if found is None or (found != marker and stale):
+                # Not readable (its replica's node is gone), ours of an earlier entry of the
+                # key, or a dead writer's past its deadline: a put would keep it, so it goes.
+                store.batch_remove([key], True)
+                found = self._put_and_read(store, key, raw)
+            if found is None:
+                raise RuntimeError("the marker written could not be read back")
+            if found != marker:  # another node's producer writes it too
+                self.claims_lost += 1
+                self._lost.add(key)
+                return
             self.claims += 1
 
         return work
+
+    def _put_and_read(self, store: StoreClient, key: str, raw: bytes) -> Marker | None:
+        """Put the marker (kept only if the store has no value under the key) in this node's
+        segment, or where the master places it if that cannot take it (no segment, full), and
+        read back the one the store holds; None if it holds none that can be read."""
+        if store.put(key, raw, self._placed) < 0 and (answer := store.put(key, raw)) < 0:
+            raise RuntimeError(f"the store answered {answer} to the marker's put")
+        return Marker.parse(store.get(key))
 
     def _removal(self, key: str) -> Callable[[StoreClient], None]:
         """Work for the node's thread, after the claim's (the queue keeps their order)."""
@@ -252,10 +277,9 @@ class RemoteWaits:
 
     async def _poll_once(self, awaited: list[Awaited]) -> None:
         keys = [a.store_key for a in awaited] + [a.marker_key for a in awaited]
-        # The store not answering (or not joined: asks wait for the join), they wait on, up to
-        # their markers' deadlines.
+        # The store not answering, they wait on, up to their markers' deadlines.
         sizes = [0] * len(awaited) + [1] * len(awaited)
-        if self._node.connected:
+        if self._node.joined:  # else an ask would wait for the join
             with contextlib.suppress(Exception):
                 sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(keys)))
         started, now = time.monotonic(), self._wall()

@@ -63,14 +63,14 @@ def two_nodes(master: Master, *a_args: str) -> Iterator[tuple[Daemon, Daemon]]:
     with store_daemon(master, *a_args) as a, store_daemon(master) as b:
         for daemon in (a, b):
             with daemon.client() as client:
-                wait_until(lambda: cluster_stats(client).connected, 10)
+                wait_until(lambda: cluster_stats(client).connected, 20)
         yield a, b
 
 
 def pending_elsewhere(writer: Client, reader: Client, key: str) -> None:
     """The reader's node, asked by a Step (as the vLLM connector asks), answers PENDING: it
     holds a placeholder for the writer's entry."""
-    wait_until(lambda: cluster_stats(writer).claims == 1, 10)
+    wait_until(lambda: cluster_stats(writer).claims == 1, 20)
     [answer] = reader.step("shared", acquires=[key.encode()]).acquires
     assert answer.status is Status.PENDING
     assert state(reader, key) is EntryState.PENDING
@@ -81,16 +81,16 @@ def test_a_key_being_written_on_one_node_is_waited_for_on_another_and_read_once_
 ) -> None:
     with two_nodes(master) as (a, b), shared(a) as writer, shared(b) as reader:
         allocated = allocate(writer, "img")
-        wait_until(lambda: cluster_stats(writer).claims == 1, 10)
+        wait_until(lambda: cluster_stats(writer).claims == 1, 20)
         with ThreadPoolExecutor(1) as pool:
             got = pool.submit(Consumer(reader, "shared").get, "img", wait_ms=20000)
-            wait_until(lambda: state(reader, "img") is EntryState.PENDING, 10)
+            wait_until(lambda: state(reader, "img") is EntryState.PENDING, 20)
             assert not got.done()
             write(writer, allocated)
             writer.commit("shared", ["img"])
             tensor = got.result(20)
         stats = cluster_stats(reader)
-        wait_until(lambda: not marker_in_store(master, "img"), 10)
+        wait_until(lambda: not marker_in_store(master, "img"), 20)
     assert tensor is not None and torch.equal(tensor, ROWS)
     assert (stats.waits_hit, stats.waits_missed) == (1, 0)
 
@@ -103,7 +103,7 @@ def test_an_abort_on_the_writing_node_lets_the_other_nodes_asker_miss_at_once(
         pending_elsewhere(writer, reader, "img")
         writer.abort("shared", ["img"])
         aborted_at = time.monotonic()
-        wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 10)
+        wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 20)
         missed_after = time.monotonic() - aborted_at
         [answer] = reader.step("shared", acquires=[b"img"]).acquires
         stats = cluster_stats(reader)
@@ -131,7 +131,7 @@ def test_a_producer_killed_mid_write_lets_the_other_nodes_asker_miss_at_once(
             pending_elsewhere(watcher, reader, "img")
             time.sleep(0.5)  # the daemon probes life marks every 0.2 s: it has seen the mark
         killed_at = time.monotonic()
-        wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 10)
+        wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 20)
         missed_after = time.monotonic() - killed_at
         gone = not marker_in_store(master, "img")
     assert gone
@@ -148,7 +148,7 @@ def test_a_marker_past_its_deadline_is_taken_for_absent_and_replaced_by_the_next
         with store_daemon(master) as b, shared(b) as client:
             [answer] = client.step("shared", acquires=[b"img"]).acquires
             allocate(client, "img")
-            wait_until(lambda: cluster_stats(client).claims == 1, 10)
+            wait_until(lambda: cluster_stats(client).claims == 1, 20)
             stats = cluster_stats(client)
             now = Marker.parse(store.get(marker_key(NAMESPACE, b"img")))
             client.abort("shared", ["img"])
@@ -167,7 +167,7 @@ def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_
         pending_elsewhere(writer, reader, "img")
         a.kill()
         killed_at = time.monotonic()
-        wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 10)
+        wait_until(lambda: state(reader, "img") is EntryState.ABSENT, 20)
         missed_after = time.monotonic() - killed_at
         writer.close(flush_timeout_s=0)
         a.start()  # for store_daemon's clean stop
@@ -179,14 +179,14 @@ def test_two_nodes_writing_one_key_at_once_are_counted_and_the_loser_leaves_the_
 ) -> None:
     with two_nodes(master) as (a, b), shared(a) as first, shared(b) as second:
         allocate(first, "img")
-        wait_until(lambda: cluster_stats(first).claims == 1, 10)
+        wait_until(lambda: cluster_stats(first).claims == 1, 20)
         allocate(second, "img")  # its engine found nothing when it asked: it encodes too
-        wait_until(lambda: cluster_stats(second).claims_lost == 1, 10)
+        wait_until(lambda: cluster_stats(second).claims_lost == 1, 20)
         second.abort("shared", ["img"])
         allocate(second, "later")  # claimed after the abort's turn on the node's thread
-        wait_until(lambda: cluster_stats(second).claims == 1, 10)
+        wait_until(lambda: cluster_stats(second).claims == 1, 20)
         kept = marker_in_store(master, "img")  # the first node still writes it
         first.abort("shared", ["img"])
-        wait_until(lambda: not marker_in_store(master, "img"), 10)
+        wait_until(lambda: not marker_in_store(master, "img"), 20)
         second.abort("shared", ["later"])
     assert kept

@@ -36,14 +36,9 @@ class RecordingStore(BufferlessStore):
         self.values: dict[str, bytes] = {}
         self.calls: list[tuple[str, str]] = []
 
-    def put(self, key: str, value: bytes) -> int:
+    def put(self, key: str, value: bytes, config: Any = None) -> int:
         self.calls.append(("put", key))
         self.values.setdefault(key, value)  # a key the store has is not written again
-        return 0
-
-    def upsert(self, key: str, value: bytes) -> int:
-        self.calls.append(("upsert", key))
-        self.values[key] = value
         return 0
 
     def get(self, key: str) -> bytes:
@@ -76,7 +71,7 @@ def claiming(shm_dir: Path, fake: RecordingStore) -> Iterator[tuple[Claims, Stor
     claims as the daemon wires them (server.build_store); a session of that store."""
     settings = StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
     node = ClusterNode(settings, connect=lambda _: (fake, None))
-    claims = Claims(node, 30.0, wall=lambda: NOW)
+    claims = Claims(node, 30.0, wall=lambda: NOW, placement=lambda store: "here")
     loaded, _ = config.load({"shm_dir": str(shm_dir)}, {}, None)
     store = build_store(loaded, 1 << 30, EventHub(), cluster=node, claims=claims)
 
@@ -111,7 +106,7 @@ def test_a_commit_removes_its_marker_only_after_its_value_is_published(
     assert fake.calls == [("put", MARKER), ("publish", value), ("remove", MARKER)]
 
 
-def test_a_marker_past_its_deadline_is_overwritten_and_the_claim_held(
+def test_a_marker_past_its_deadline_is_replaced_and_the_claim_held(
     claiming: tuple[Claims, Store, str], fake: RecordingStore
 ) -> None:
     claims, store, sid = claiming
