@@ -289,6 +289,13 @@ class ClusterStats:
     publish_failures: int
     dropped: int  # the queue was full
     lookup_failures: int  # remote lookups or reads not made: the master did not answer
+    # Single flight across the cluster (docs/design.md §13): pending markers this node wrote for
+    # its producers, and those it found another node's (both encode); its askers' waits for
+    # another node's producer that ended in a remote hit (an encode saved) or in a miss.
+    claims: int = 0
+    claims_lost: int = 0
+    waits_hit: int = 0
+    waits_missed: int = 0
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,8 @@ def cluster_line(c: ClusterStats) -> str:
     return (
         f"store {c.master} {state}; published {c.published}, already stored {c.already_stored}, "
         f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
-        f"dropped {c.dropped}; lookups failed {c.lookup_failures}"
+        f"dropped {c.dropped}; lookups failed {c.lookup_failures}; claims {c.claims} (lost "
+        f"{c.claims_lost}), waits for other nodes hit {c.waits_hit}, missed {c.waits_missed}"
     )
 
 

@@ -203,6 +203,10 @@ CLUSTER_COUNTERS = (
     ("publish_failures", "Publishes the store refused or that failed"),
     ("dropped", "Commits not published because the publish queue was full"),
     ("lookup_failures", "Remote lookups or reads not made or failed: the master did not answer"),
+    ("claims", "Pending markers written for this node's producers of shared pools"),
+    ("claims_lost", "Pending markers found another node's: that key was encoded on both"),
+    ("waits_hit", "Waits for a key another node was writing, ended by a remote hit"),
+    ("waits_missed", "Waits for a key another node was writing, ended without its value"),
 )
 
 

@@ -29,11 +29,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.types import WatchEvent
+from ec_client.types import ClusterStats, WatchEvent
 from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.pending import Claims
 from ec_daemon.cluster.tier import Cluster
 from ec_daemon.config import Config
 from ec_daemon.events import EventHub
@@ -101,6 +102,7 @@ def build_store(
     budget: int,
     hub: EventHub,
     cluster: ClusterNode | None = None,
+    claims: Claims | None = None,
 ) -> Store:
     pools = PoolSettings(
         shm_dir=config.shm_dir,
@@ -117,12 +119,20 @@ def build_store(
         def publish(event: WatchEvent) -> None:
             hub.publish(event)
             cluster.on_event(event)
+            if claims is not None:  # after the node: a commit's publish before its marker goes
+                claims.on_event(event)
+
+    def cluster_stats() -> ClusterStats | None:
+        if cluster is None:
+            return None
+        stats = cluster.stats()
+        return claims.stats(stats) if claims is not None else stats
 
     store = Store(
         StoreConfig(pools, config.lease_ttl, config.pending_timeout),
         clock=time.monotonic,
         publish=publish,
-        cluster=cluster.stats if cluster is not None else lambda: None,
+        cluster=cluster_stats,
     )
     if cluster is not None:
         cluster.bind(store)
@@ -153,11 +163,14 @@ async def start(config: Config) -> Daemon:
         lock.acquire()
     hub = EventHub()
     node = cluster_node(config) if config.store_master else None
-    store = build_store(config, budget, hub, node)
+    claims = Claims(node, config.pending_timeout) if node is not None else None
+    store = build_store(config, budget, hub, node, claims)
     adopt_pools(store)
-    cluster = (
-        Cluster(node, ClusterFetch(store, node, config.pull_timeout)) if node is not None else None
-    )
+    cluster: Cluster | None = None
+    if node is not None and claims is not None:
+        fetches = ClusterFetch(store, node, config.pull_timeout)
+        claims.bind(store, fetches.fetching, fetches.waits)
+        cluster = Cluster(node, fetches)
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})

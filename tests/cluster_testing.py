@@ -17,7 +17,7 @@ import torch
 from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import Client, Producer
-from ec_client.types import PoolStats
+from ec_client.types import ClusterStats, PoolStats
 from ec_daemon.spawn import free_port
 from ec_daemon.spawn_store import MASTER_BINARY as MASTER_BINARY  # where the tests look for it
 from ec_daemon.spawn_store import MasterAddress, master_command, wait_listening
@@ -92,10 +92,14 @@ def store_daemon(master: Master, *args: str) -> Iterator[Daemon]:
         assert daemon.stop() == 0, daemon.log()
 
 
-def published(client: Client) -> int:
+def cluster_stats(client: Client) -> ClusterStats:
     stats = client.stats().cluster
     assert stats is not None, "the daemon has no store"
-    return stats.published
+    return stats
+
+
+def published(client: Client) -> int:
+    return cluster_stats(client).published
 
 
 def pool_stats(client: Client, engine_id: str) -> PoolStats:
@@ -114,19 +118,41 @@ def published_elsewhere(master: Master, tensors: dict[str, torch.Tensor]) -> Ite
         yield far
 
 
+def store_client(master: Master) -> Any:
+    """A plain Mooncake Store client joined to `master` (close it when done)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    ret = store.setup("127.0.0.1", master.metadata, 64 << 20, 64 << 20, "tcp", "", master.address)
+    assert ret == 0, f"setup answered {ret}"
+    return store
+
+
 def vllm_store_client(master: Master) -> Any:
     """vLLM 0.33's own encoder-cache store client (`MooncakeEmbeddingStoreClient`), around a
     store client joined to `master` as vLLM's `create_mooncake_embedding_store_client` joins it
     (that function reads its settings from a file named by the environment: the same calls
     here, with this master's addresses)."""
-    from mooncake.store import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
+    from mooncake.store import ObjectDataType, ReplicateConfig
     from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.store_client import (
         MooncakeEmbeddingStoreClient,
     )
 
-    store = MooncakeDistributedStore()
-    ret = store.setup("127.0.0.1", master.metadata, 64 << 20, 64 << 20, "tcp", "", master.address)
-    assert ret == 0, f"setup answered {ret}"
+    store = store_client(master)
     config = ReplicateConfig()
     config.data_type = ObjectDataType.TENSOR
     return MooncakeEmbeddingStoreClient(store, replicate_config=config, read_buffer_bytes=32 << 20)
+
+
+class BufferlessStore:
+    """The calls of a store client (ec_daemon.cluster.mooncake.StoreClient) that a fake of it in
+    memory answers as done: registering buffers, closing."""
+
+    def register_buffer(self, address: int, length: int) -> int:
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0
+
+    def close(self) -> int:
+        return 0

@@ -185,16 +185,34 @@ def run_ecd(
 
 def run_python(code: str, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     """Run a snippet in a fresh interpreter (a separate client process) and return its output."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env=env,
+        env=_python_env(),
         cwd=REPO,
         check=False,
     )
+
+
+@contextmanager
+def python_killed_after(code: str, ready: str) -> Iterator[None]:
+    """A snippet running in a fresh interpreter (a separate client process), once it printed the
+    line `ready`; SIGKILLed when the block ends, as a process that dies mid-work."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_python_env(), cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == ready
+        yield
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def _python_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
@@ -50,6 +51,9 @@ WIDTH = 64  # LM input-embedding width of the pretend model
 DTYPE = torch.float16  # so a block is 128 bytes
 ROWS = 16  # embeddings per image unless a test says otherwise: 2 KiB, 16 blocks
 CAPACITY = 1 << 20  # 8192 blocks
+# An encode that another engine waits for: longer than the old connector's cap on waiting for a
+# PENDING item (ecd_pending_wait_ms, 2 s), as a real encoder under load, a video or a queue would.
+LONG_ENCODE_S = 2.5
 
 
 @dataclass(frozen=True)
@@ -306,7 +310,7 @@ class Engine:
         """A request that encodes `key`, then empty steps until its save is committed and the
         view heard its slot (the COMMITTED event, a moment after the commit's answer), as for
         an item saved a while ago: from then on a hit is lock-pinned at once."""
-        result = self.step(request(request_id, key))
+        _, result = self.admit(request(request_id, key))  # held a step if the store is asked
         self.flush()
         self.slot_known(key)
         return result
@@ -337,4 +341,18 @@ class Engine:
         self.connector.shutdown()
 
 
-EngineFactory = Callable[..., Engine]  # the `engine` fixture: engine(**EngineSpec fields)
+EngineFactory = Callable[..., Engine]
+
+
+def held_while(engine: Engine, waiting_id: str, seconds: float) -> int:
+    """Step `engine` as vLLM's busy loop would, with only `waiting_id` unfinished, for
+    `seconds`; assert it was held back every step; returns how many steps it took."""
+    waiting = request(waiting_id, "img")
+    steps = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        result = engine.step(waiting)
+        assert result.step.held == {waiting_id}, f"admitted after {steps} steps"
+        assert not result.step.encode
+        steps += 1
+    return steps  # the `engine` fixture: engine(**EngineSpec fields)

@@ -111,6 +111,7 @@ class LoadBook:
         wait_s: float,
         pending: Callable[[str], bool] = lambda key: False,
         lock: Lock = lambda key: None,
+        elsewhere: bool = False,
     ) -> bool:
         """Whether the request may be scheduled now: every key it still needs is pinned, or is
         to be encoded. A key with no pin is first offered to `lock`: a lock pin taken there
@@ -118,9 +119,11 @@ class LoadBook:
         is wanted (pinned at the next flush); a key `pending` in the pool (a producer is
         writing it) is waited for until its fate is known, however long: committed, it is READY
         (then pinned and loaded); aborted (by its producer, at its process's death, or at the
-        daemon's pending timeout), it is absent (then encoded). With wait_s a key the pool
-        lacks is waited for up to that long (another engine may be about to encode it). Any of
-        these holds the request back this step."""
+        daemon's pending timeout), it is absent (then encoded). With `elsewhere` (the pool is
+        shared through the cluster's store) a key the pool lacks is wanted too: its Acquire asks
+        the store (a remote hit, or PENDING while another node writes it, or a miss: then
+        encoded). With wait_s a key the pool lacks is waited for up to that long (another engine
+        may be about to encode it). Any of these holds the request back this step."""
         admitted = True
         for key in keys:
             self._by_request[request_id].add(key)
@@ -148,6 +151,9 @@ class LoadBook:
                 admitted = False
             elif pending(key):  # single flight: its producer's commit, or abort, decides
                 self._absent_since.pop((request_id, key), None)
+                admitted = False
+            elif elsewhere:  # the store may have it, or another node be writing it: asked
+                self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
             elif wait_s > 0:
                 since = self._absent_since.setdefault((request_id, key), now)
@@ -207,7 +213,8 @@ class LoadBook:
         usable: Callable[[TensorSpec], bool],
     ) -> list[str]:
         """Record one Acquire of `keys`; returns the keys that were not pinned (gone meanwhile,
-        or of a shape this engine cannot use). A pin that is not usable is released."""
+        or of a shape this engine cannot use). A pin that is not usable is released. A key
+        answered PENDING keeps its requests held, without a pin: admit decides again."""
         missing = []
         for key, result in zip(keys, results, strict=True):
             requests = self._wanted.pop(key, set()) | self._acquiring.pop(key, set())
@@ -222,6 +229,8 @@ class LoadBook:
                 continue
             if result.status is Status.HIT:
                 self._releases.append(result.lease_id)
+            if result.status is Status.PENDING:  # being written (here, or on another node):
+                continue  # held on, as admit holds a key the view says PENDING
             self._no_wait.update((request_id, key) for request_id in requests)
             missing.append(key)
         return missing

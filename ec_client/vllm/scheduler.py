@@ -19,7 +19,10 @@ saves.py) are touched on the scheduler thread alone. Per step:
         request admitted in the same call; the hit goes to the daemon with the next Step (its
         counters and LRU order). The items a lock pin cannot take are pinned in the background
         and their request waits one step (see loads.py): those committed a moment ago whose
-        slot the view has not heard yet.
+        slot the view has not heard yet, and, in a pool shared through the daemon's store, an
+        item the pool lacks: its Acquire is a remote hit, PENDING while another node's engine
+        encodes it (then held as for an item PENDING here), or a miss (then encoded): single
+        flight across nodes.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step (step_soon): releases owed, aborts of failed
         copies, pins for the wanted items, entries for this step's new outputs. The metadata
@@ -309,6 +312,9 @@ class SchedulerSide:
         self.client: SchedulerClient | None = None
         self._generation = ("", "")
         self._slot_pins: SlotPins | None = None  # the lock pins on the current pool file
+        # Whether the pool is shared through the daemon's store: then a key it lacks is asked
+        # of the daemon, in the background (docs/design.md §13, single flight across nodes).
+        self._shared = False
         self.view: PoolView = NothingReady()
         try:
             self._connect()
@@ -336,10 +342,12 @@ class SchedulerSide:
                 # opened again with the namespace. At connect only: the client reopens the pool
                 # as it was last opened.
                 client.open_pool(*pool)
-                if client.stats(c.pool).cluster is not None:
+                shared = client.stats(c.pool).cluster is not None
+                if shared:
                     client.open_pool(*pool, cluster_namespace=c.cluster_namespace)
             else:
                 client.open_pool(*pool, cluster_namespace=c.cluster_namespace)
+                shared = bool(c.cluster_namespace)  # named: a store is meant to be there
         except EcdError as error:
             client.close()
             if error.code is grpc.StatusCode.FAILED_PRECONDITION:
@@ -351,6 +359,7 @@ class SchedulerSide:
                 ) from None
             raise
         self.client = client
+        self._shared = shared
         self._generation = self._current_generation(client)
         self._slot_pins = self._open_slot_pins(client)
         view = client.view(c.pool)  # reattaches by reopening the pool
@@ -400,6 +409,7 @@ class SchedulerSide:
             wait_s,
             pending=self._pending,
             lock=self._lock_pin,
+            elsewhere=self._shared and self.view.synced,
         )
         self._held = self._held or not admitted
         return admitted
@@ -417,9 +427,10 @@ class SchedulerSide:
         self.loads.scheduled(request.request_id, key)
         if self._ready(key):
             return
-        if self.config.is_consumer and self.view.synced:
+        if self.config.is_consumer and self.view.synced and not self._shared:
             # A miss the view answered (nothing was asked of the daemon): its count rides on
-            # the next Step, for the daemon's miss counters (see _step_soon).
+            # the next Step, for the daemon's miss counters (see _step_soon). In a shared pool
+            # the miss was asked (admit's `elsewhere`), and the daemon counted it then.
             self._misses += 1
         if self.config.is_producer:
             spec = self._save_spec(feature)

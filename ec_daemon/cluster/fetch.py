@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from ec_client.types import EntryState, Status, StepResult
-from ec_daemon.cluster import codec
+from ec_daemon.cluster import codec, pending
 from ec_daemon.cluster.node import ClusterNode, Read
 from ec_daemon.errors import CoreError
 from ec_daemon.store import PullSlot, Store
@@ -57,6 +57,7 @@ class ClusterFetch:
         self.timeout_s = timeout_s
         self._fetching: dict[tuple[str, bytes], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.waits = pending.RemoteWaits(store, node, self.fill)
 
     async def fetch(
         self, session_id: str, engine_id: str, keys: Sequence[bytes], wait_ms: int
@@ -103,6 +104,10 @@ class ClusterFetch:
             self._store, self.fetch, session_id, engine_id, acquires, result
         )
 
+    def fetching(self, engine_id: str, key: bytes) -> bool:
+        """Whether `key` is being fetched (its PENDING entry is a read from the store's)."""
+        return (engine_id, key) in self._fetching
+
     async def _fetch(
         self,
         engine_id: str,
@@ -113,15 +118,17 @@ class ClusterFetch:
     ) -> None:
         started = time.monotonic()
         deadline = started + timeout_s
-        slots: list[PullSlot] = []
         try:
             store_keys = [codec.store_key(namespace, key) for key in keys]
-            sizes = await _until(self._node.ask(self._node.sizes(store_keys)), deadline)
+            markers = [pending.marker_key(namespace, key) for key in keys]
+            # One lookup for the values and for the markers of keys being written elsewhere.
+            found = await _until(self._node.ask(self._node.sizes(store_keys + markers)), deadline)
             if not self._store.has_pool(engine_id):
                 return
-            info = self._store.pool_info(engine_id)  # the file the allocations below are in
-            reads = []
-            for key, store_key, size in zip(keys, store_keys, sizes, strict=True):
+            slots: list[tuple[PullSlot, str]] = []
+            written: list[bytes] = []
+            sizes, marks = found[: len(keys)], found[len(keys) :]
+            for key, store_key, size, marked in zip(keys, store_keys, sizes, marks, strict=True):
                 nbytes = size - codec.HEADER.size
                 slot = (
                     self._store.pull_allocate(engine_id, key, nbytes, "the cluster's store")
@@ -129,11 +136,42 @@ class ClusterFetch:
                     else None
                 )
                 if slot is not None:
-                    self._store.pull_reading(slot)
-                    slots.append(slot)
-                    reads.append(Read(store_key, slot.extents, nbytes))
-            if not slots:
-                return
+                    slots.append((slot, store_key))
+                elif size == 0 and marked:
+                    written.append(key)
+            if written:  # placeholders, waited for by whoever asks (not by this fetch)
+                await self.waits.wait_for(engine_id, namespace, written)
+            if slots:
+                await self.fill(engine_id, slots, started, deadline)
+        except Exception as exc:  # a store call that failed: the keys are misses
+            why = str(exc) or type(exc).__name__  # a timeout's text is empty
+            log.info("a fetch from the store failed", extra={"engine_id": engine_id, "why": why})
+        finally:
+            for key in keys:
+                if self._fetching.get((engine_id, key)) is done:
+                    del self._fetching[(engine_id, key)]
+            done.set_result(None)
+
+    async def fill(
+        self,
+        engine_id: str,
+        slots: list[tuple[PullSlot, str]],
+        started: float,
+        deadline: float | None = None,
+    ) -> int:
+        """Read the values (by their store keys) into the local PENDING entries' extents, with
+        one read, and commit each that fits; abort the others (a miss, nothing partial). The
+        read is given up on at `deadline` (time.monotonic(); by default the fetch timeout after
+        `started`). Returns how many were committed."""
+        if deadline is None:
+            deadline = started + self.timeout_s
+        unread = [slot for slot, _ in slots]
+        committed = 0
+        try:
+            for slot in unread:
+                self._store.pull_reading(slot)
+            info = self._store.pool_info(engine_id)  # the file the entries are in
+            reads = [Read(store_key, slot.extents, slot.nbytes) for slot, store_key in slots]
             reading = self._node.ask(self._node.read(info, reads))
             try:
                 # bounded: a writer that stops answering would hold the entries PENDING, and
@@ -144,7 +182,7 @@ class ClusterFetch:
                 # never will: cancelled): they go now (askers see a miss), their blocks held
                 # until it is over.
                 loop = asyncio.get_running_loop()
-                held, slots = slots, []
+                held, unread = unread, []
                 for slot in held:
                     self._store.pull_abort(slot)
                 reading.add_done_callback(
@@ -152,22 +190,21 @@ class ClusterFetch:
                 )
                 raise
             seconds = time.monotonic() - started
-            for slot, spec in zip(slots, specs, strict=True):
+            for slot, spec in zip(unread, specs, strict=True):
                 self._store.pull_read_over(slot)
-                if spec is None or not self._store.pull_commit(slot, spec, 0, seconds):
+                if spec is not None and self._store.pull_commit(slot, spec, 0, seconds):
+                    committed += 1
+                else:
                     self._store.pull_abort(slot)
-            slots = []
+            unread = []
         except Exception as exc:  # a store call that failed: the entries go, as misses
             why = str(exc) or type(exc).__name__  # a timeout's text is empty
-            log.info("a fetch from the store failed", extra={"engine_id": engine_id, "why": why})
+            log.info("a read from the store failed", extra={"engine_id": engine_id, "why": why})
         finally:
-            for slot in slots:  # not read: nothing writes into them
+            for slot in unread:  # not read: nothing writes into them
                 self._store.pull_abort(slot)
-            self._read_over(slots)
-            for key in keys:
-                if self._fetching.get((engine_id, key)) is done:
-                    del self._fetching[(engine_id, key)]
-            done.set_result(None)
+            self._read_over(unread)
+        return committed
 
     def _read_over(self, slots: list[PullSlot]) -> None:
         for slot in slots:
@@ -179,6 +216,7 @@ class ClusterFetch:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.waits.close()
 
 
 async def acquire_fetched(

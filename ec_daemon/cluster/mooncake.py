@@ -55,6 +55,18 @@ class StoreClient(Protocol):
 
     def register_buffer(self, address: int, length: int) -> int: ...
 
+    # Small values of ecd's own (the pending markers, ec_daemon.cluster.pending), through the
+    # client's own buffer.
+    def put(self, key: str, value: bytes, config: Any = ...) -> int: ...
+
+    def get_hostname(self) -> str: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_batch(self, keys: list[str]) -> list[bytes]: ...
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
+
     def unregister_buffer(self, address: int) -> int: ...
 
     def close(self) -> int: ...
@@ -103,6 +115,16 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     config = ReplicateConfig()  # as vLLM's store connector puts its values
     config.data_type = ObjectDataType.TENSOR
     return store, config
+
+
+def own_segment(store: StoreClient) -> Any:
+    """A put's placement in this node's own segment (the master places values anywhere by
+    default)."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = store.get_hostname()
+    return config
 
 
 def answered(results: Sequence[int]) -> bool:

@@ -171,6 +171,12 @@ class ClusterNode:
 
     # ---- the event loop's side -----------------------------------------------------------------
 
+    @property
+    def joined(self) -> bool:
+        """Whether the node joined the store (its calls may still fail while the master is
+        away: `connected` says whether the last one was answered)."""
+        return self._store is not None
+
     def bind(self, pools: Pools) -> None:
         self._pools = pools
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster_testing import BufferlessStore
 from core_testing import FakeClock, session
 from ecd_testing import wait_until
 
@@ -26,7 +27,7 @@ BLOCK = 4096  # one row of 2048 bf16
 ROWS = 4
 
 
-class FakeStore:
+class FakeStore(BufferlessStore):
     """A store client keeping values in memory. `gate` holds lookups (the node's thread waits
     there, its queue filling behind it); `entered` says one is waiting; `put_result` is what
     every put answers (0: stored); while `master_gone`, lookups answer as for a master gone;
@@ -56,15 +57,6 @@ class FakeStore:
             if self.put_result == 0:
                 self.values[key] = b"".join(map(ctypes.string_at, ptrs, lengths))
         return [self.put_result] * len(keys)
-
-    def register_buffer(self, address: int, length: int) -> int:
-        return 0
-
-    def unregister_buffer(self, address: int) -> int:
-        return 0
-
-    def close(self) -> int:
-        return 0
 
 
 @pytest.fixture

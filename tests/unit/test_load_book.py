@@ -19,6 +19,10 @@ def miss(key: str) -> AcquireResult:
     return AcquireResult(key.encode(), Status.MISS, "", 0, (), None, 0)
 
 
+def pending(key: str) -> AcquireResult:
+    return AcquireResult(key.encode(), Status.PENDING, "", 0, (), None, 0)
+
+
 def ready(*keys: str):  # type: ignore[no-untyped-def]
     return lambda key: key in keys
 
@@ -327,3 +331,20 @@ def test_a_new_pool_file_voids_every_pin_and_the_unlocks_owed() -> None:
     book.forget("r2")  # b's unlock is owed: the old file's locks go with its descriptor
     assert book.void() == {"r1"}
     assert not book.pinned("a") and book.take_unlocks() == [] and not book.busy()
+
+
+def test_in_a_shared_pool_an_absent_key_is_asked_of_the_daemon_and_its_miss_encoded() -> None:
+    book = LoadBook(1)
+    assert not book.admit("r1", ["k"], ready(), 0.0, 0.0, elsewhere=True)
+    assert book.take_wanted() == ["k"]  # its Acquire asks the store
+    assert book.acquired(["k"], [miss("k")], lambda spec: True) == ["k"]
+    assert book.admit("r1", ["k"], ready(), 0.1, 0.0, elsewhere=True)
+
+
+def test_a_key_another_node_writes_holds_its_request_until_its_fate_is_known() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready(), 0.0, 0.0, elsewhere=True)
+    book.take_wanted()
+    assert book.acquired(["k"], [pending("k")], lambda spec: True) == []
+    assert not book.admit("r1", ["k"], ready(), 0.1, 0.0, pending=ready("k"), elsewhere=True)
+    assert book.wanted() == []  # held by the view's PENDING, not asked again

@@ -321,6 +321,25 @@ def test_a_pool_is_shared_under_vllms_namespace_when_the_daemon_has_a_store(
     assert client.namespace.startswith("embedding@model:offline/tiny-vlm@")
 
 
+def test_in_a_pool_shared_through_a_store_a_new_item_is_asked_in_one_background_step(
+    client: FakeClient,
+) -> None:
+    client.store = STORE
+    side = scheduler(client)
+    request = image_request("r1", ["img-new"], ROWS)
+    assert not side.ensure_cache_available(request, 0)  # held: the store may have it
+    assert client.sent == []  # nothing asked on the scheduler's call
+    side.build_connector_meta()
+    side.client.flush(5)  # type: ignore[union-attr]
+    assert [sent.acquires for sent in client.sent] == [["img-new"]]
+    assert side.ensure_cache_available(request, 0)  # a miss everywhere: encoded
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()  # its save's Allocate: a Step that would carry misses owed
+    side.client.flush(5)  # type: ignore[union-attr]
+    # The daemon counted the Acquire's miss: it is not owed again.
+    assert [(sent.allocates, sent.misses) for sent in client.sent[1:]] == [(["img-new"], 0)]
+
+
 def test_a_pool_stays_on_its_node_when_the_daemon_has_no_store(client: FakeClient) -> None:
     scheduler(client)
     assert client.namespace == ""

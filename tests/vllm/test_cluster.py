@@ -2,11 +2,14 @@
 pool is shared under the namespace vLLM's own store connector derives from the same config, when
 its daemon has a store, so that vLLM's own store client finds what the engine saved under the
 key it would use; the pool stays on its node otherwise or when `ecd_cluster_namespace` is "".
-A real `mooncake_master` and real daemons; vLLM's real connector factory builds the scheduler
-side, and real worker processes save."""
+Engines on two daemons sharing a pool through the store encode a new image once: the second
+waits for the first one's encode (single flight across nodes). A real `mooncake_master` and real
+daemons; vLLM's real connector factory builds the scheduler side, and real worker processes save
+and load."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 import torch
 from cluster_testing import (
     Master,
+    cluster_stats,
     needs_mooncake,
     published,
     running_master,
@@ -27,8 +31,19 @@ from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data imp
     build_embedding_namespace,
     make_embedding_key,
 )
-from vllm_testing import Engine, EngineFactory, EngineSpec, WorkerPool, encoder_output
+from vllm_testing import (
+    LONG_ENCODE_S,
+    Engine,
+    EngineFactory,
+    EngineSpec,
+    WorkerPool,
+    digest,
+    encoder_output,
+    held_while,
+    request,
+)
 
+from ec_client import Client
 from ec_client.vllm.scheduler import PoolRefused
 
 pytestmark = needs_mooncake
@@ -131,3 +146,44 @@ def test_an_engine_naming_another_namespace_for_a_shared_pool_is_refused_saying_
         engine(workers=False, pool=SHARED, extra={"ecd_cluster_namespace": "team-b"})
     message = str(refused.value)
     assert "'team-a'" in message and "'team-b'" in message and "cluster namespace" in message
+
+
+@pytest.fixture
+def two_nodes(master: Master, worker_pool: WorkerPool) -> Iterator[tuple[Engine, Engine, Client]]:
+    """Two `ec_both` engines on one shared pool by name, each on a daemon of its own (its own shm
+    directory), the store between them; and a client of the second engine's daemon."""
+    with store_daemon(master) as a, store_daemon(master) as b, b.client() as client:
+        engines = []
+        for daemon in (a, b):
+            spec = EngineSpec(daemon.address, pool=SHARED)
+            engines.append(Engine(spec, worker_pool.take(spec)))
+        yield engines[0], engines[1], client
+        for engine in engines:
+            engine.close()
+        worker_pool.give_back()
+
+
+@pytest.mark.parametrize("offset_s", [0.0, 0.5, 1.5])
+def test_two_engines_on_two_nodes_given_one_new_image_encode_it_once_the_second_loads_it(
+    two_nodes: tuple[Engine, Engine, Client], offset_s: float
+) -> None:
+    """The second request comes `offset_s` after the first engine's Allocate landed in the store
+    as a pending marker (its daemon counts the claim), while the first engine encodes for
+    longer than the offset."""
+    first, second, b = two_nodes
+    asked = first.step(request("a1", "img"))  # held while its daemon asks the store
+    encoding = first.schedule([request("a1", "img")])  # which has nothing: encoded
+    assert asked.step.held == {"a1"} and encoding.encode == {"img": 16}
+    first.answered()  # allocated: PENDING on its node, its marker on its way to the store
+    with Client(first.spec.address) as a:
+        wait_until(lambda: cluster_stats(a).claims == 1, 10)
+    time.sleep(offset_s)
+    held_while(second, "b1", LONG_ENCODE_S)
+    first.finish(first.run(encoding))
+    first.flush()  # committed, published: the second node reads it from the store
+    wait_until(lambda: second.scheduler.view.has(b"img"), 10)
+    _, result = second.admit(request("b1", "img"))
+    assert result.step.load == {"img"} and not result.step.encode
+    assert result.loaded == {"img": digest(encoder_output("img"))}
+    stats = cluster_stats(b)
+    assert (stats.waits_hit, stats.claims) == (1, 0)  # one encode saved, none done

@@ -11,35 +11,15 @@ PENDING lets the waiter encode at once, not one lease later.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 
 import pytest
-from ecd_testing import REPO, Daemon, wait_until
-from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
+from ecd_testing import Daemon, python_killed_after, wait_until
+from vllm_testing import LONG_ENCODE_S, EngineFactory, digest, encoder_output, held_while, request
 
 SHARED = "node-pool"
-# Longer than the old connector's cap on waiting for a PENDING item (ecd_pending_wait_ms, 2 s).
-LONG_ENCODE_S = 2.5
-
-
-def held_while(engine: Engine, waiting_id: str, seconds: float) -> int:
-    """Step `engine` as vLLM's busy loop would, with only `waiting_id` unfinished, for
-    `seconds`; assert it was held back every step; returns how many steps it took."""
-    waiting = request(waiting_id, "img")
-    steps = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        result = engine.step(waiting)
-        assert result.step.held == {waiting_id}, f"admitted after {steps} steps"
-        assert not result.step.encode
-        steps += 1
-    return steps
 
 
 @pytest.mark.parametrize("offset_s", [0.0, 0.5])
@@ -110,18 +90,10 @@ def test_a_producer_killed_mid_encode_lets_the_waiting_engine_encode_at_once(
         print("encoding", flush=True)
         time.sleep(120)
     """)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    producer = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
-    )
-    try:
+    with python_killed_after(code, "encoding"):
         waiter = engine(role="ec_both", pool=SHARED)
-        assert producer.stdout is not None and producer.stdout.readline().strip() == "encoding"
         wait_until(lambda: waiter.scheduler.view.pending(b"img"))
         held_while(waiter, "b1", 0.5)  # the daemon has seen the producer's life mark by now
-    finally:
-        producer.send_signal(signal.SIGKILL)
-        producer.wait()
     killed_at = time.monotonic()
     steps, result = waiter.admit(request("b1", "img"), max_steps=100)
     encoded_after = time.monotonic() - killed_at

@@ -630,7 +630,7 @@ class StatsReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped", "lookup_failures")
+    __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped", "lookup_failures", "claims", "claims_lost", "waits_hit", "waits_missed")
     MASTER_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -641,6 +641,10 @@ class ClusterStats(_message.Message):
     PUBLISH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_LOST_FIELD_NUMBER: _ClassVar[int]
+    WAITS_HIT_FIELD_NUMBER: _ClassVar[int]
+    WAITS_MISSED_FIELD_NUMBER: _ClassVar[int]
     master: str
     connected: bool
     error: str
@@ -651,7 +655,11 @@ class ClusterStats(_message.Message):
     publish_failures: int
     dropped: int
     lookup_failures: int
-    def __init__(self, master: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ..., published: _Optional[int] = ..., already_stored: _Optional[int] = ..., unpublishable: _Optional[int] = ..., gone: _Optional[int] = ..., publish_failures: _Optional[int] = ..., dropped: _Optional[int] = ..., lookup_failures: _Optional[int] = ...) -> None: ...
+    claims: int
+    claims_lost: int
+    waits_hit: int
+    waits_missed: int
+    def __init__(self, master: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ..., published: _Optional[int] = ..., already_stored: _Optional[int] = ..., unpublishable: _Optional[int] = ..., gone: _Optional[int] = ..., publish_failures: _Optional[int] = ..., dropped: _Optional[int] = ..., lookup_failures: _Optional[int] = ..., claims: _Optional[int] = ..., claims_lost: _Optional[int] = ..., waits_hit: _Optional[int] = ..., waits_missed: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("engine_id", "snapshot", "include_pending")

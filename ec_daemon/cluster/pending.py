@@ -1,0 +1,309 @@
+"""Single flight across the cluster (docs/design.md §13): a key a producer on one node is writing
+is seen by the other nodes as pending, and their askers wait for it as they would on a node.
+
+Mooncake Store cannot show it by itself: a put in progress is invisible to other clients (a
+lookup, a get, a replica query all answer "absent" until it ends), and a put of a key the store
+has answers success without writing (Mooncake 0.3.x). So ecd writes a *marker* of its own:
+
+- **Its key** is the value's key with `@ecd-pending:` in place of the `@`: `{namespace}@ecd-
+  pending:id:{key}`; vLLM builds only `{namespace}@id:` keys, so it never asks for one.
+- **Its value** (`Marker`): the writer node's identity (a random 16 bytes per daemon), the entry's
+  size, and a deadline on the wall clock: the writer's --pending-timeout past its Allocate, by
+  when the writer's own daemon has aborted the entry whatever became of its producer.
+- **The writer** (`Claims`, on the event loop, its store calls on the node's thread in turn with
+  the publishes): an Allocate in a shared pool (its PENDING event) puts the marker in the
+  background, nobody waits on it, in the node's own segment (so that the node's death takes it:
+  the master drops a dead client's segment after its --client_ttl), then reads it back: the
+  store keeps the first value put under a key, so the writer whose marker it reads holds the
+  claim; a live marker of another node's means both encode (counted, `claims_lost`); one past
+  its deadline, or that cannot be read (its replica was on a node that died), is removed and
+  put again. The commit removes it after the value's publish (same queue, so in that order: a
+  reader never finds neither while the value is on its way); an abort, an eviction or a delete
+  of the entry removes it at once (a producer's death is an abort: the life marks of
+  ec_client/life_marks.py). Removals are forced: a reader's lookup holds a lease on the marker
+  that would refuse them.
+- **A reader** (`RemoteWaits`): an Acquire's lookup at the master (ec_daemon.cluster.fetch) asks
+  for the value and the marker in the same batch; a key with no value but a marker is read once
+  (its deadline, its size) and, while the marker is live, allocated here PENDING (a placeholder
+  under a pull's session: local askers wait on it as on any PENDING entry, the vLLM connector's
+  view hears it and holds its request, a local producer is told PENDING). Then one batched lookup
+  every POLL_S for every placeholder of the node: the value there, it is read into the
+  placeholder's extents and committed (a remote hit: an encode saved, `waits_hit`); the marker
+  gone without a value, or past its deadline, the placeholder is aborted (`waits_missed`) and its
+  askers encode. A writer's daemon that dies leaves its marker to the master's dropping its
+  segment or to its deadline, whichever comes first.
+
+The window where two nodes both encode: from the first asker's lookup that found nothing to its
+own producer's marker landing in the store (its engine's step to Allocate, the background Step's
+round trip, the put); a second node's lookup inside it finds nothing either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ec_client.types import ClusterStats, EventType, WatchEvent
+from ec_daemon.cluster import codec
+from ec_daemon.cluster.mooncake import StoreClient, own_segment
+from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.store import PullSlot, Store
+
+log = logging.getLogger("ecd.cluster")
+
+_MARKER = struct.Struct("<4sHdQ16s")  # magic, version, deadline (Unix s), nbytes, writer
+_MAGIC, _VERSION = b"ECDP", 1
+# How often a node that waits for other nodes' writers asks the master whether they are done.
+POLL_S = 0.05
+# Past the writer's --pending-timeout: its daemon's own abort, removing the marker, takes that.
+MARGIN_S = 1.0
+# The events after which a claimed entry is no longer being written.
+_ENDED = (EventType.COMMITTED, EventType.ABORTED, EventType.EVICTED, EventType.DELETED)
+
+
+def marker_key(namespace: str, key: bytes) -> str:
+    """The key of the marker saying `key` of a pool shared under `namespace` is being written."""
+    return f"{namespace}@ecd-pending:{codec.store_key(namespace, key)[len(namespace) + 1 :]}"
+
+
+@dataclass(frozen=True)
+class Marker:
+    """What a marker holds: who writes the entry, its size, and until when it may be trusted."""
+
+    writer: bytes  # 16 bytes, one daemon's
+    deadline: float  # Unix time (readers on other nodes compare it to their own clock)
+    nbytes: int
+
+    def pack(self) -> bytes:
+        return _MARKER.pack(_MAGIC, _VERSION, self.deadline, self.nbytes, self.writer)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Marker | None:
+        """The marker in `raw`; None if it is not one (absent, another format)."""
+        if len(raw) != _MARKER.size:
+            return None
+        magic, version, deadline, nbytes, writer = _MARKER.unpack(raw)
+        if magic != _MAGIC or version != _VERSION:
+            return None
+        return cls(writer, deadline, nbytes)
+
+
+class Pools(Protocol):
+    def cluster_namespace(self, engine_id: str) -> str: ...
+
+
+class Claims:
+    """The markers this node writes for the entries its producers write in shared pools."""
+
+    def __init__(
+        self,
+        node: ClusterNode,
+        pending_timeout_s: float,
+        wall: Callable[[], float] = time.time,
+        placement: Callable[[StoreClient], Any] = own_segment,
+    ) -> None:
+        """pending_timeout_s: this daemon's --pending-timeout; placement: where a marker is put
+        (this node's own segment)."""
+        self._node = node
+        self._placement = placement
+        self._placed: Any = None  # the node thread's, made at its first claim
+        self._life_s = pending_timeout_s + MARGIN_S
+        self._wall = wall
+        self.writer = os.urandom(16)
+        self._pools: Pools | None = None
+        self._fetching: Callable[[str, bytes], bool] = lambda engine_id, key: False
+        self._waits: RemoteWaits | None = None
+        self._claimed: dict[tuple[str, bytes], str] = {}  # the event loop's: marker keys put
+        # The node thread's: markers found another daemon's, which our entry's end leaves be.
+        self._lost: set[str] = set()
+        # The node thread's counters (read by stats() too: plain ints).
+        self.claims = self.claims_lost = 0
+
+    def bind(
+        self, pools: Pools, fetching: Callable[[str, bytes], bool], waits: RemoteWaits
+    ) -> None:
+        """fetching: whether a PENDING entry is a fetch's (read from the store, not written
+        here); waits: the node's placeholders (for their counters)."""
+        self._pools, self._fetching, self._waits = pools, fetching, waits
+
+    def stats(self, node: ClusterStats) -> ClusterStats:
+        """The node's stats with the single-flight counters."""
+        waits = self._waits
+        return dataclasses.replace(
+            node,
+            claims=self.claims,
+            claims_lost=self.claims_lost,
+            waits_hit=waits.waits_hit if waits is not None else 0,
+            waits_missed=waits.waits_missed if waits is not None else 0,
+        )
+
+    def on_event(self, event: WatchEvent) -> None:
+        """Every event the core emits (on the event loop, after the node's own on_event: a
+        commit's publish is queued before the marker's removal)."""
+        if self._pools is None:
+            return
+        claim = (event.engine_id, event.key)
+        if event.type is EventType.PENDING:
+            namespace = self._pools.cluster_namespace(event.engine_id)
+            if not namespace or not self._node.joined or self._fetching(*claim):
+                return
+            key = self._claimed[claim] = marker_key(namespace, event.key)
+            marker = Marker(self.writer, self._wall() + self._life_s, event.nbytes)
+            _logged(self._node.ask(self._claim(key, marker)), "claim")
+        elif event.type in _ENDED and claim in self._claimed:
+            _logged(self._node.ask(self._removal(self._claimed.pop(claim))), "marker removal")
+        elif event.type is EventType.POOL_DROPPED:  # dropped by force, its entries with it
+            for dropped in [c for c in self._claimed if c[0] == event.engine_id]:
+                _logged(self._node.ask(self._removal(self._claimed.pop(dropped))), "marker removal")
+
+    def _claim(self, key: str, marker: Marker) -> Callable[[StoreClient], None]:
+        def work(store: StoreClient) -> None:
+            raw = marker.pack()
+            if self._placed is None:
+                self._placed = self._placement(store)
+            found = self._put_and_read(store, key, raw)
+            stale = found is not None and (
+                found.writer == self.writer or found.deadline <= self._wall()
+            )
+            if found is None or (found != marker and stale):
+                # Not readable (its replica's node is gone), ours of an earlier entry of the
+                # key, or a dead writer's past its deadline: a put would keep it, so it goes.
+                store.batch_remove([key], True)
+                found = self._put_and_read(store, key, raw)
+            if found is None:
+                raise RuntimeError("the marker written could not be read back")
+            if found != marker:  # another node's producer writes it too
+                self.claims_lost += 1
+                self._lost.add(key)
+                return
+            self.claims += 1
+
+        return work
+
+    def _put_and_read(self, store: StoreClient, key: str, raw: bytes) -> Marker | None:
+        """Put the marker (kept only if the store has no value under the key) in this node's
+        segment, or where the master places it if that cannot take it (no segment, full), and
+        read back the one the store holds; None if it holds none that can be read."""
+        if store.put(key, raw, self._placed) < 0 and (answer := store.put(key, raw)) < 0:
+            raise RuntimeError(f"the store answered {answer} to the marker's put")
+        return Marker.parse(store.get(key))
+
+    def _removal(self, key: str) -> Callable[[StoreClient], None]:
+        """Work for the node's thread, after the claim's (the queue keeps their order)."""
+
+        def work(store: StoreClient) -> None:
+            if key in self._lost:  # another node's: its writer removes it
+                self._lost.discard(key)
+                return
+            store.batch_remove([key], True)  # forced: readers' lookups hold leases on it
+
+        return work
+
+
+def _logged(future: Future[None], what: str) -> None:
+    """Log a store call nobody waits on if it fails (the node logs the master's silence)."""
+
+    def done(future: Future[None]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.info(f"a {what} failed", extra={"why": str(future.exception())})
+
+    future.add_done_callback(done)
+
+
+@dataclass(frozen=True)
+class Awaited:
+    """A placeholder: a local PENDING entry standing for one another node's producer writes."""
+
+    slot: PullSlot
+    store_key: str
+    marker_key: str
+    deadline: float  # the marker's (Unix time)
+
+
+# Reads the values of placeholders whose values landed into their extents and commits them (or
+# aborts them): ClusterFetch.fill.
+Fill = Callable[[str, list[tuple[PullSlot, str]], float], Awaitable[int]]
+
+
+class RemoteWaits:
+    """The placeholders of this node, each waiting for another node's producer."""
+
+    def __init__(
+        self, store: Store, node: ClusterNode, fill: Fill, wall: Callable[[], float] = time.time
+    ) -> None:
+        self._store = store
+        self._node = node
+        self._fill = fill
+        self._wall = wall
+        self._awaited: dict[tuple[str, bytes], Awaited] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.waits_hit = self.waits_missed = 0
+
+    async def wait_for(self, engine_id: str, namespace: str, keys: list[bytes]) -> None:
+        """`keys` have no value in the store but a marker: read the markers, and allocate a
+        placeholder for each live one (its askers wait on it until the poll ends it)."""
+        markers = [marker_key(namespace, key) for key in keys]
+        raws = await asyncio.wrap_future(self._node.ask(lambda store: store.get_batch(markers)))
+        now = self._wall()
+        for key, key_of_marker, raw in zip(keys, markers, raws, strict=True):
+            marker = Marker.parse(raw)
+            if marker is None or marker.deadline <= now or not self._store.has_pool(engine_id):
+                continue
+            slot = self._store.pull_allocate(engine_id, key, marker.nbytes, "another node")
+            if slot is not None:
+                placeholder = Awaited(
+                    slot, codec.store_key(namespace, key), key_of_marker, marker.deadline
+                )
+                self._awaited[(engine_id, key)] = placeholder
+        if self._awaited and self._task is None:
+            self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        try:
+            while self._awaited:
+                await asyncio.sleep(POLL_S)
+                await self._poll_once(list(self._awaited.values()))
+        finally:
+            self._task = None
+
+    async def _poll_once(self, awaited: list[Awaited]) -> None:
+        keys = [a.store_key for a in awaited] + [a.marker_key for a in awaited]
+        # The store not answering, they wait on, up to their markers' deadlines.
+        sizes = [0] * len(awaited) + [1] * len(awaited)
+        if self._node.joined:  # else an ask would wait for the join
+            with contextlib.suppress(Exception):
+                sizes = await asyncio.wrap_future(self._node.ask(self._node.sizes(keys)))
+        started, now = time.monotonic(), self._wall()
+        landed: dict[str, list[tuple[PullSlot, str]]] = {}
+        values, marks = sizes[: len(awaited)], sizes[len(awaited) :]
+        for a, size, marked in zip(awaited, values, marks, strict=True):
+            if size > codec.HEADER.size:
+                landed.setdefault(a.slot.engine_id, []).append((a.slot, a.store_key))
+            elif marked and a.deadline > now:
+                continue  # still being written
+            else:
+                self._store.pull_abort(a.slot)  # its writer gave up, died, or is late
+                self.waits_missed += 1
+            del self._awaited[(a.slot.engine_id, a.slot.key)]
+        for engine_id, slots in landed.items():
+            hits = await self._fill(engine_id, slots, started)
+            self.waits_hit += hits
+            self.waits_missed += len(slots) - hits
+
+    async def close(self) -> None:
+        """Stop polling and abort the placeholders (their askers encode)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for a in self._awaited.values():
+            self._store.pull_abort(a.slot)
+        self._awaited.clear()

@@ -1,0 +1,142 @@
+"""The pending markers a node writes (ec_daemon/cluster/pending.py) against a store client of this
+test's own that keeps the first value put under a key, as Mooncake Store does: a real core Store,
+a real ClusterNode thread, the calls recorded in order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_testing import BufferlessStore
+from core_testing import session
+from ecd_testing import wait_until
+
+from ec_client.types import Status, TensorSpec
+from ec_daemon import config
+from ec_daemon.cluster import codec
+from ec_daemon.cluster.mooncake import StoreSettings
+from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.pending import Claims, Marker, RemoteWaits, marker_key
+from ec_daemon.events import EventHub
+from ec_daemon.server import build_store
+from ec_daemon.store import Store
+
+BLOCK = 4096
+SPEC = TensorSpec((1, 2048), "bfloat16", BLOCK)
+MARKER = marker_key("ns", b"k")
+NOW = 1_000_000.0  # the wall clock's
+
+
+class RecordingStore(BufferlessStore):
+    """Values in memory, each call recorded as (name, key)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def put(self, key: str, value: bytes, config: Any = None) -> int:
+        self.calls.append(("put", key))
+        self.values.setdefault(key, value)  # a key the store has is not written again
+        return 0
+
+    def get(self, key: str) -> bytes:
+        return self.values.get(key, b"")
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        self.calls += [("remove", key) for key in keys]
+        return [0 if self.values.pop(key, None) is not None else -704 for key in keys]
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [int(key in self.values) for key in keys]
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], buffers: Any, sizes: Any, config: Any
+    ) -> list[int]:
+        for key in keys:
+            self.calls.append(("publish", key))
+            self.values[key] = b"value"
+        return [0] * len(keys)
+
+
+@pytest.fixture
+def fake() -> RecordingStore:
+    return RecordingStore()
+
+
+@pytest.fixture
+def claiming(shm_dir: Path, fake: RecordingStore) -> Iterator[tuple[Claims, Store, str]]:
+    """A Store whose pool "p" is shared under "ns", its events handed to a node and to its
+    claims as the daemon wires them (server.build_store); a session of that store."""
+    settings = StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
+    node = ClusterNode(settings, connect=lambda _: (fake, None))
+    claims = Claims(node, 30.0, wall=lambda: NOW, placement=lambda store: "here")
+    loaded, _ = config.load({"shm_dir": str(shm_dir)}, {}, None)
+    store = build_store(loaded, 1 << 30, EventHub(), cluster=node, claims=claims)
+
+    async def no_fill(engine_id: str, slots: Any, started: float) -> int:
+        return 0
+
+    claims.bind(store, lambda engine_id, key: False, RemoteWaits(store, node, no_fill))
+    node.start()
+    wait_until(lambda: node.connected, 10)
+    sid = session(store)
+    store.open_pool(sid, "p", BLOCK, 8 * BLOCK, "", cluster_namespace="ns")
+    yield claims, store, sid
+    node.stop(10)
+    store.close()
+
+
+def allocate(store: Store, sid: str) -> int:
+    [result] = store.allocate(sid, "p", [(b"k", SPEC)])
+    assert result.status is Status.ALLOCATED
+    return result.allocation
+
+
+def test_a_commit_removes_its_marker_only_after_its_value_is_published(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    allocation = allocate(store, sid)
+    wait_until(lambda: claims.claims == 1, 10)
+    store.commit(sid, "p", [(b"k", 0, allocation)])
+    wait_until(lambda: ("remove", MARKER) in fake.calls, 10)
+    value = codec.store_key("ns", b"k")
+    assert fake.calls == [("put", MARKER), ("publish", value), ("remove", MARKER)]
+
+
+def test_a_marker_past_its_deadline_is_replaced_and_the_claim_held(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    fake.values[MARKER] = Marker(b"\x01" * 16, NOW - 1, BLOCK).pack()
+    allocate(store, sid)
+    wait_until(lambda: claims.claims == 1, 10)
+    found = Marker.parse(fake.values[MARKER])
+    assert found is not None and found.writer == claims.writer and found.deadline == NOW + 31
+    assert claims.claims_lost == 0
+
+
+def test_an_entry_whose_claim_another_node_holds_leaves_its_marker_when_it_ends(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    theirs = Marker(b"\x01" * 16, NOW + 10, BLOCK).pack()
+    fake.values[MARKER] = theirs
+    allocate(store, sid)
+    wait_until(lambda: claims.claims_lost == 1, 10)
+    store.abort(sid, "p", [b"k"])
+    allocate(store, sid)  # claimed again after the abort's turn: the other node's marker stays
+    wait_until(lambda: claims.claims_lost == 2, 10)
+    assert fake.values[MARKER] == theirs and ("remove", MARKER) not in fake.calls
+
+
+def test_a_pool_dropped_by_force_while_an_entry_was_written_removes_its_marker(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    allocate(store, sid)
+    wait_until(lambda: claims.claims == 1, 10)
+    store.drop_pool("p", force=True)
+    wait_until(lambda: MARKER not in fake.values, 10)
