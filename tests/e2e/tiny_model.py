@@ -146,7 +146,7 @@ def build(dest: Path, shape: Shape) -> None:
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=VOCAB,
-            max_position_embeddings=512,
+            max_position_embeddings=1024,  # a prompt of VIT_L_336 holds 576 image tokens
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
