@@ -7,9 +7,9 @@ the image is encoded; when it loads from ecd in the engine that encoded it (vLLM
 prefix caches reset between, so the hit neither skips the connector nor reuses the encode's KV
 blocks); when it loads from ecd in another engine that never saw it; and, the anchor, when it
 loads through vLLM's own ECCPUConnector in the engine that encoded it (one engine's cache, which
-no other engine can read). One engine at a time (an idle engine's busy loop takes CPU from the
-one measured on this 2-core machine: side by side, both connectors' hits measured 2-4x slower),
-each engine's first request (colder than the rest) left out. In the suite's report (printed at
+no other engine can read). One engine at a time (two alive at once on this 2-core machine, asked
+in turn, measured both connectors' hits 1.6-4.6x slower), each engine's first request (colder
+than the rest) left out. In the suite's report (printed at
 its end, and in ECD_E2E_JSON)."""
 
 from __future__ import annotations
