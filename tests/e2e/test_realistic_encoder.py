@@ -22,7 +22,7 @@ import pytest
 import tiny_model
 from e2e_testing import Engine, Engines, Generated
 
-# Three engine starts with a 0.3-billion-parameter vision tower, and 2.4 s or more per encode.
+# Three engine starts with a 0.3-billion-parameter vision tower, about a second per encode here.
 pytestmark = pytest.mark.timeout(1800)
 
 REQUESTS = 8
