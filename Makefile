@@ -53,7 +53,8 @@ test: $(STAMP) native-libs
 # tests/e2e/requirements*.txt and kept outside the clone in a cache directory named after those
 # files: later runs and other clones on the machine reuse it, a change to them builds a new one
 # (~6 GB, ~6 min). The project runs from the checkout (PYTHONPATH), the daemon as `python -m
-# ec_daemon`; the suite's tiny model is built on first use, cached beside it.
+# ec_daemon`; the suite's models (a tiny LLaVA, and one with ViT-L/14-336's vision tower for one
+# figure) are built on first use, cached beside it.
 E2E_REQUIREMENTS := tests/e2e/requirements-torch.txt tests/e2e/requirements.txt
 E2E_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ecd
 E2E_VENV ?= $(E2E_CACHE)/e2e-venv-$(shell cat $(E2E_REQUIREMENTS) | sha256sum | cut -c1-12)

@@ -59,16 +59,17 @@ def build_llm(spec: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     if spec["role"] is not None:
         kwargs["ec_transfer_config"] = {
-            "ec_connector": "ECDaemonConnector",
-            "ec_connector_module_path": "ec_client.vllm.connector",
+            "ec_connector": spec["connector"],
             "ec_role": spec["role"],
             "ec_connector_extra_config": spec["extra"],
         }
+        if spec["connector"] == "ECDaemonConnector":  # vLLM's own connectors need no path
+            kwargs["ec_transfer_config"]["ec_connector_module_path"] = "ec_client.vllm.connector"
     return LLM(
         model=spec["model"],
         dtype=spec["dtype"],
         seed=0,
-        max_model_len=256,
+        max_model_len=spec["max_model_len"],
         max_num_seqs=8,
         enforce_eager=True,
         limit_mm_per_prompt={"image": 1},
@@ -81,12 +82,13 @@ def build_llm(spec: dict[str, Any]) -> Any:
     )
 
 
-def generate(llm: Any, seeds: list[int]) -> dict[str, Any]:
+def generate(llm: Any, seeds: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """One request per image, each alone (as a proxy sends them); the tokens, each request's
-    latency, and the encoder outputs computed meanwhile."""
+    latency (with max_tokens=1, its time to first token), and the encoder outputs computed
+    meanwhile."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     before = sum(llm.collective_rpc(count_encoder_outputs))
     tokens, latencies = [], []
     for seed in seeds:

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from e2e_engine import MAX_TOKENS
 from ecd_testing import Daemon
 from vllm_cpu import FLAG as CPU_WORKAROUNDS
 
@@ -30,7 +31,7 @@ REPO = HERE.parent.parent
 SHM = Path("/dev/shm")
 START_TIMEOUT_S = 300.0  # imports alone take ~10 s per process on an idle 2-core machine
 CALL_TIMEOUT_S = 300.0
-CAPACITY = "64MiB"
+CAPACITY = 64 << 20  # bytes: ECCPUConnector's ec_cpu_bytes takes no units
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,15 @@ class EngineSpec:
     pool: str | None = None
     dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict)
+    # ECDaemonConnector (ecd), or vLLM's ECCPUConnector (one engine's own cache) to compare with
+    connector: str = "ECDaemonConnector"
+    max_model_len: int = 256  # a prompt holds one image's tokens: 16 with the tiny model
 
     def to_json(self) -> str:
         spec = asdict(self)
-        if self.role is not None:
+        if self.connector == "ECCPUConnector":
+            spec["extra"] = {"ec_cpu_bytes": CAPACITY, **self.extra}
+        elif self.role is not None:
             spec["extra"] = {
                 "ecd_address": self.address,
                 "ec_cpu_bytes": CAPACITY,
@@ -158,9 +164,10 @@ class Engine:
             raise
         self.start_s: float = started["start_s"]
 
-    def generate(self, *images: int) -> Generated:
-        """One request per image, in turn, each waited for."""
-        answer = Generated(**self._call("generate", list(images)))
+    def generate(self, *images: int, max_tokens: int = MAX_TOKENS) -> Generated:
+        """One request per image, in turn, each waited for (with max_tokens=1, its latency is
+        its time to first token)."""
+        answer = Generated(**self._call("generate", list(images), max_tokens))
         self.answers.append(answer)
         return answer
 

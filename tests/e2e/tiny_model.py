@@ -1,15 +1,20 @@
-"""A tiny random-weight LLaVA, built offline and seeded, so a real vLLM engine runs it on a CPU.
+"""The end-to-end suite's models: random-weight LLaVAs, built offline and seeded, so a real vLLM
+engine runs them on a CPU.
 
-There is no network to a model hub here, so the end-to-end suite makes its own model: a byte-level
-BPE tokenizer trained on a fixed text, a CLIP vision tower (2 layers, width 64) over 56x56 images
-(16 patches of 14 pixels: 16 image tokens per image), a projector, and a Llama text model (2
-layers, hidden 128, vocabulary 512). The weights are random but seeded: every build of the same
-generator writes the same bytes, so greedy tokens are reproducible, and different images give
-different tokens (the output depends on the image, so a wrong or missing embedding shows).
+There is no network to a model hub here, so the suite makes its own models: a byte-level BPE
+tokenizer trained on a fixed text, a CLIP vision tower, a projector, and a Llama text model (2
+layers, hidden 128, vocabulary 512). `TINY`'s vision tower (2 layers, width 64, over 56x56 images:
+16 patches of 14 pixels, 16 image tokens per image) costs nothing, so the scenarios run fast;
+`VIT_L_336`'s has the shape of CLIP ViT-L/14-336, the vision tower of LLaVA-1.5 (24 layers, width
+1024, 16 heads, MLP 4096, 336x336 images: 577 positions, 576 image tokens), so that an encode costs
+what a real model's does (compute does not depend on the weights' values) and a figure shows what
+a hit saves. The weights are random but seeded: every build of the same generator writes the same
+bytes, so greedy tokens are reproducible, and different images give different tokens (the output
+depends on the image, so a wrong or missing embedding shows).
 
-`model_dir()` builds it once into a cache directory (ECD_E2E_CACHE, as `make test-e2e` sets it)
-named after this file's digest: a change
-to the generator builds a new model, an unchanged one is reused across runs.
+`model_dir(shape)` builds a model once into a cache directory (ECD_E2E_CACHE, as `make test-e2e`
+sets it) named after the shape and this file's digest: a change to the generator builds new
+models, an unchanged one is reused across runs.
 """
 
 from __future__ import annotations
@@ -18,13 +23,11 @@ import hashlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 SEED = 20261201
-IMAGE_SIZE = 56
 PATCH_SIZE = 14
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
-VISION_WIDTH = 64
 TEXT_WIDTH = 128  # the LM's input-embedding width: one ecd block is one row of it
 VOCAB = 512
 SPECIALS = ["<s>", "</s>", "<pad>", "<image>"]
@@ -37,20 +40,41 @@ CORPUS = [
 ] * 8
 
 
-def model_dir(cache: Path | None = None) -> Path:
+@dataclass(frozen=True)
+class Shape:
+    """A model's vision tower: what an encode costs. The text model is the same in every shape."""
+
+    name: str  # the cache directory's prefix
+    image_size: int
+    width: int
+    layers: int
+    heads: int
+    mlp: int
+
+    @property
+    def image_tokens(self) -> int:
+        """Rows of one image's encoder output: one per patch (CLIP's class token is dropped)."""
+        return (self.image_size // PATCH_SIZE) ** 2
+
+
+TINY = Shape("e2e-tiny-llava", image_size=56, width=64, layers=2, heads=2, mlp=128)
+VIT_L_336 = Shape("e2e-vitl336-llava", image_size=336, width=1024, layers=24, heads=16, mlp=4096)
+
+
+def model_dir(shape: Shape = TINY, cache: Path | None = None) -> Path:
     """The model's directory, built on first use (atomically: a crash mid-build leaves no half
     model behind for the next run to trust)."""
     if cache is None:
         default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ecd"
         cache = Path(os.environ.get("ECD_E2E_CACHE", default))
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    target = cache / f"e2e-tiny-llava-{digest}"
+    target = cache / f"{shape.name}-{digest}"
     if (target / "model.safetensors").exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=cache))
     try:
-        build(scratch)
+        build(scratch, shape)
         os.rename(scratch, target)
     except OSError:
         if not (target / "model.safetensors").exists():
@@ -62,7 +86,7 @@ def model_dir(cache: Path | None = None) -> Path:
     return target
 
 
-def build(dest: Path) -> None:
+def build(dest: Path, shape: Shape) -> None:
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -95,8 +119,8 @@ def build(dest: Path) -> None:
     image_token = tokenizer.convert_tokens_to_ids("<image>")
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE},
-            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            size={"shortest_edge": shape.image_size},
+            crop_size={"height": shape.image_size, "width": shape.image_size},
         ),
         tokenizer=tokenizer,
         patch_size=PATCH_SIZE,
@@ -107,13 +131,13 @@ def build(dest: Path) -> None:
 
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(
-            hidden_size=VISION_WIDTH,
-            intermediate_size=2 * VISION_WIDTH,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=IMAGE_SIZE,
+            hidden_size=shape.width,
+            intermediate_size=shape.mlp,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            image_size=shape.image_size,
             patch_size=PATCH_SIZE,
-            projection_dim=VISION_WIDTH,
+            projection_dim=shape.width,
         ),
         text_config=LlamaConfig(
             hidden_size=TEXT_WIDTH,
@@ -122,13 +146,13 @@ def build(dest: Path) -> None:
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=VOCAB,
-            max_position_embeddings=512,
+            max_position_embeddings=1024,  # a prompt of VIT_L_336 holds 576 image tokens
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         ),
         image_token_index=image_token,
-        image_seq_length=IMAGE_TOKENS,
+        image_seq_length=shape.image_tokens,
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         torch_dtype="bfloat16",

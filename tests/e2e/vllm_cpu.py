@@ -9,7 +9,9 @@ made in the parent would not reach it).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import time
 from typing import Any
 
 FLAG = "ECD_E2E_VLLM_CPU"
@@ -18,6 +20,7 @@ FLAG = "ECD_E2E_VLLM_CPU"
 def install() -> None:
     _triton_interpreter()
     _encoder_only_runner()
+    _ec_cpu_connector_copies()
 
 
 def _triton_interpreter() -> None:
@@ -52,3 +55,49 @@ def _encoder_only_runner() -> None:
         return cls(vllm_config, device)
 
     cpu_runner.CPUModelRunner = runner  # type: ignore[misc,assignment]
+
+
+class _CopyEvent:
+    """What ECCPUConnector's worker asks of a copy's start or end event, for a copy that is done
+    when it returns (see `_ec_cpu_connector_copies`): it has fired as soon as it is recorded."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _CopyEvent) -> float:
+        return 1000 * (end.at - self.at)
+
+
+def _ec_cpu_connector_copies() -> None:
+    """vLLM 0.32: ECCPUConnector's worker (the anchor the suite's figures compare ecd with) copies
+    a step's blocks with one `swap_blocks_batch`, a CUDA/XPU kernel (`_C_cache_ops`) that the CPU
+    build lacks, and learns that a copy finished, and how long it took, from `torch.Event.query`
+    and `elapsed_time`, which vLLM's CPU stand-in for torch.Event (`_EventPlaceholder`,
+    vllm/v1/worker/cpu/shm.py) lacks. On a CPU the copies are plain memory copies: made here one
+    by one, synchronously, with events that have fired once recorded."""
+    from vllm.distributed.ec_transfer.ec_connector.cpu import worker
+
+    def submit(self: Any, bufs: Any, count: int, direction: Any) -> None:
+        copies = zip(
+            bufs.src_ptrs[:count].tolist(),
+            bufs.dst_ptrs[:count].tolist(),
+            bufs.sizes[:count].tolist(),
+            strict=True,
+        )
+        for src, dst, size in copies:
+            ctypes.memmove(dst, src, size)
+
+    def acquire_event(self: Any) -> Any:
+        return self._event_pool.pop() if self._event_pool else _CopyEvent()
+
+    worker.ECCPUWorker._submit_transfer = submit
+    worker.ECCPUWorker._acquire_event = acquire_event
