@@ -43,6 +43,10 @@ class EngineSpec:
     pool: str | None = None
     dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict)
+    # A file holding the seconds each encoder call sleeps first (test only: e2e_engine.py).
+    encode_delay_file: str | None = None
+    # vLLM's request stats (its time to first token): off by default, as vLLM's LLM has them.
+    log_stats: bool = False
 
     def to_json(self) -> str:
         spec = asdict(self)
@@ -58,12 +62,15 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Generated:
-    """The answer to `Engine.generate`: per request (one image each) its greedy tokens and
-    latency, and how many encoder outputs the engine computed for them."""
+    """The answer to `Engine.generate`: per request (one image each) its greedy tokens,
+    latency and time to first token (as vLLM measured it, when it did), and how many encoder
+    outputs the engine computed and steps it ran meanwhile."""
 
     tokens: list[list[int]]
     latency_s: list[float]
     encoded: int
+    ttft_s: list[float | None] = field(default_factory=list)
+    steps: int = 0
 
 
 class Leftovers:
@@ -132,6 +139,15 @@ class Engine:
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "VLLM_RPC_BASE_PATH": self._leftovers.rpc_dir,
+            # vLLM's CPU worker pins its threads to one core by default, the same core (0) in
+            # every engine: two engines' workers then share that core while the rest of the
+            # machine idles, and a worker's shared-memory reader busy-polls (sched_yield) for a
+            # second after each step it is sent, so an engine stepping even 20 times a second
+            # (one that holds a request for another's encode) keeps its worker spinning on the
+            # core the other engine's worker encodes on (its step took 16-23 s instead of 3 s
+            # here, and past vLLM's 300 s execute_model timeout in some runs). Unpinned, the
+            # kernel spreads them.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         }
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
