@@ -83,9 +83,14 @@ class Leftovers:
     directory), all unlinked only by a shutdown that runs to its end. `remove`, once the
     engine's processes are gone, takes away the directory, and the segments and files that
     appeared since the engine started that no live process has open or mapped: another
-    engine's, running, are left alone."""
+    engine's, running, are left alone. Named semaphores younger than START_TIMEOUT_S stay: the
+    process that creates one maps it under a temporary name (glibc's sem_open), so no scan can
+    see it in use until a child opens it by name, and unlinking it before then failed the start
+    of an engine another test (another suite's run) was starting ("FileNotFoundError" in
+    SemLock._rebuild); a few 32-byte files of a killed engine stay instead."""
 
     FILES = (SHM / "psm_*", SHM / "sem.mp-*", Path(tempfile.gettempdir()) / "vllm_dist_*")
+    SEMAPHORES = "sem.mp-"
 
     def __init__(self) -> None:
         self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")  # short: socket paths are limited
@@ -94,8 +99,11 @@ class Leftovers:
     def remove(self) -> None:
         shutil.rmtree(self.rpc_dir, ignore_errors=True)
         new = self._files() - self._before
+        young = time.time() - START_TIMEOUT_S
         for path in new - self._in_use(new):
             with contextlib.suppress(FileNotFoundError):
+                if Path(path).name.startswith(self.SEMAPHORES) and os.stat(path).st_mtime > young:
+                    continue
                 os.unlink(path)
 
     def _files(self) -> set[str]:
