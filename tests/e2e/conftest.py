@@ -68,9 +68,20 @@ def baseline(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    """A real `ecd serve` on a private socket and shm directory."""
-    with running_daemon("--max-bytes", "512MiB", "--log-level", "debug") as d:
+def daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    """A real `ecd serve` on a private socket and shm directory.
+
+    --pending-timeout 300 rather than 30: these tests check single flight and the connector,
+    not the timeout (tests/unit/test_store.py and tests/vllm do), and on this loaded 2-core
+    machine a producer's first step (its encode, and vLLM's Triton kernels interpreted on CPU for
+    the first time) has taken 16-23 s with vLLM's workers pinned to one core (e2e_testing.Engine
+    unpins them), about 6 s unpinned, more beside CPU hogs: the default could abort the entry of
+    a producer that is alive and let the waiting engine encode too. A test module adds flags
+    of its own in DAEMON_ARGS."""
+    extra = getattr(request.module, "DAEMON_ARGS", ())
+    with running_daemon(
+        "--max-bytes", "512MiB", "--log-level", "debug", "--pending-timeout", "300", *extra
+    ) as d:
         yield d
         for log in d.workdir.glob("daemon-*.log"):  # the workdir goes with the daemon
             shutil.copy(log, tmp_path)

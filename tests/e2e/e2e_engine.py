@@ -10,7 +10,11 @@ worker in another.
 Encoder calls are counted where they happen, in the worker: `count_encoder_outputs` (sent there
 by vLLM's collective_rpc, by reference: this module is importable in every process) wraps the
 model's `embed_multimodal`, the V2 runner's one entry into the vision encoder, and counts the
-outputs it returns, one per image.
+outputs it returns, one per image. The same wrapper slows the encoder, in the test only, when
+the spec names an `encode_delay_file`: each call first sleeps as many seconds as the file says
+then (the tiny model encodes in milliseconds; a real one under load, or a video, takes seconds).
+The worker's steps are counted too (its `execute_model` is called at every engine step, empty
+ones included): how often an engine steps while a request of it is held back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 PROMPT = "USER: <image>\nwhat is in this picture? ASSISTANT:"
 MAX_TOKENS = 8
+ENCODE_DELAY_FILE = "ECD_E2E_ENCODE_DELAY_FILE"  # how the spec's file reaches the worker
 
 
 def image(seed: int) -> Any:
@@ -45,12 +50,30 @@ def count_encoder_outputs(worker: Any) -> int:
         embed = model.embed_multimodal
 
         def counted(**kwargs: Any) -> Any:
+            delay_file = os.environ.get(ENCODE_DELAY_FILE)
+            if delay_file:
+                with open(delay_file) as delay:
+                    time.sleep(float(delay.read() or 0))
             outputs = embed(**kwargs)
             model._e2e_encoded += len(outputs)
             return outputs
 
         model.embed_multimodal = counted
     return int(model._e2e_encoded)
+
+
+def count_steps(worker: Any) -> int:
+    """In the worker: the engine steps it ran so far (installing the counter first)."""
+    if not hasattr(worker, "_e2e_steps"):
+        worker._e2e_steps = 0
+        execute = worker.execute_model
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            worker._e2e_steps += 1
+            return execute(*args, **kwargs)
+
+        worker.execute_model = counted
+    return int(worker._e2e_steps)
 
 
 def build_llm(spec: dict[str, Any]) -> Any:
@@ -77,20 +100,21 @@ def build_llm(spec: dict[str, Any]) -> Any:
         # several engines at once, each needs a few MiB of KV cache.
         gpu_memory_utilization=0.05,
         kv_cache_memory_bytes=64 << 20,
-        disable_log_stats=True,
+        disable_log_stats=not spec.get("log_stats", False),
         **kwargs,
     )
 
 
 def generate(llm: Any, seeds: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """One request per image, each alone (as a proxy sends them); the tokens, each request's
-    latency (with max_tokens=1, its time to first token), and the encoder outputs computed
+    latency and time to first token, the encoder outputs computed and the steps run
     meanwhile."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     before = sum(llm.collective_rpc(count_encoder_outputs))
-    tokens, latencies = [], []
+    steps_before = sum(llm.collective_rpc(count_steps))
+    tokens, latencies, ttfts = [], [], []
     for seed in seeds:
         started = time.perf_counter()
         [out] = llm.generate(
@@ -99,9 +123,17 @@ def generate(llm: Any, seeds: list[int], max_tokens: int = MAX_TOKENS) -> dict[s
             use_tqdm=False,
         )
         latencies.append(time.perf_counter() - started)
+        ttfts.append(out.metrics.first_token_latency if out.metrics else None)
         tokens.append(list(out.outputs[0].token_ids))
     encoded = sum(llm.collective_rpc(count_encoder_outputs)) - before
-    return {"tokens": tokens, "latency_s": latencies, "encoded": encoded}
+    steps = sum(llm.collective_rpc(count_steps)) - steps_before
+    return {
+        "tokens": tokens,
+        "latency_s": latencies,
+        "ttft_s": ttfts,
+        "encoded": encoded,
+        "steps": steps,
+    }
 
 
 def serve(llm: Any, conn: Connection) -> None:
@@ -128,9 +160,12 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     conn = Connection(socket.socket(fileno=int(sys.argv[2])).detach())
     started = time.perf_counter()
+    if spec.get("encode_delay_file"):  # before the worker starts: it inherits the environment
+        os.environ[ENCODE_DELAY_FILE] = spec["encode_delay_file"]
     try:
         llm = build_llm(spec)
         count_start = sum(llm.collective_rpc(count_encoder_outputs))
+        llm.collective_rpc(count_steps)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return

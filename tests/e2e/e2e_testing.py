@@ -47,6 +47,10 @@ class EngineSpec:
     # ECDaemonConnector (ecd), or vLLM's ECCPUConnector (one engine's own cache) to compare with
     connector: str = "ECDaemonConnector"
     max_model_len: int = 256  # a prompt holds one image's tokens: 16 with the tiny model
+    # A file holding the seconds each encoder call sleeps first (test only: e2e_engine.py).
+    encode_delay_file: str | None = None
+    # vLLM's request stats (its time to first token): off by default, as vLLM's LLM has them.
+    log_stats: bool = False
 
     def to_json(self) -> str:
         spec = asdict(self)
@@ -64,12 +68,15 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Generated:
-    """The answer to `Engine.generate`: per request (one image each) its greedy tokens and
-    latency, and how many encoder outputs the engine computed for them."""
+    """The answer to `Engine.generate`: per request (one image each) its greedy tokens,
+    latency and time to first token (as vLLM measured it, when it did), and how many encoder
+    outputs the engine computed and steps it ran meanwhile."""
 
     tokens: list[list[int]]
     latency_s: list[float]
     encoded: int
+    ttft_s: list[float | None] = field(default_factory=list)
+    steps: int = 0
 
 
 class Leftovers:
@@ -82,9 +89,14 @@ class Leftovers:
     directory), all unlinked only by a shutdown that runs to its end. `remove`, once the
     engine's processes are gone, takes away the directory, and the segments and files that
     appeared since the engine started that no live process has open or mapped: another
-    engine's, running, are left alone."""
+    engine's, running, are left alone. Named semaphores younger than START_TIMEOUT_S stay: the
+    process that creates one maps it under a temporary name (glibc's sem_open), so no scan can
+    see it in use until a child opens it by name, and unlinking it before then failed the start
+    of an engine another test (another suite's run) was starting ("FileNotFoundError" in
+    SemLock._rebuild); a few 32-byte files of a killed engine stay instead."""
 
     FILES = (SHM / "psm_*", SHM / "sem.mp-*", Path(tempfile.gettempdir()) / "vllm_dist_*")
+    SEMAPHORES = "sem.mp-"
 
     def __init__(self) -> None:
         self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")  # short: socket paths are limited
@@ -93,8 +105,11 @@ class Leftovers:
     def remove(self) -> None:
         shutil.rmtree(self.rpc_dir, ignore_errors=True)
         new = self._files() - self._before
+        young = time.time() - START_TIMEOUT_S
         for path in new - self._in_use(new):
             with contextlib.suppress(FileNotFoundError):
+                if Path(path).name.startswith(self.SEMAPHORES) and os.stat(path).st_mtime > young:
+                    continue
                 os.unlink(path)
 
     def _files(self) -> set[str]:
@@ -138,6 +153,15 @@ class Engine:
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "VLLM_RPC_BASE_PATH": self._leftovers.rpc_dir,
+            # vLLM's CPU worker pins its threads to one core by default, the same core (0) in
+            # every engine: two engines' workers then share that core while the rest of the
+            # machine idles, and a worker's shared-memory reader busy-polls (sched_yield) for a
+            # second after each step it is sent, so an engine stepping even 20 times a second
+            # (one that holds a request for another's encode) keeps its worker spinning on the
+            # core the other engine's worker encodes on (its step took 16-23 s instead of 3 s
+            # here, and past vLLM's 300 s execute_model timeout in some runs). Unpinned, the
+            # kernel spreads them.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         }
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
