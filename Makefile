@@ -74,8 +74,10 @@ $(E2E_STAMP):
 	$(E2E_VENV)/bin/python -m pip install --quiet --no-deps -r tests/e2e/requirements.txt
 	touch $@
 
+# The two-node scenario's daemons and mooncake_master run from $(VENV) (make test builds it, with
+# the mooncake extra): the pinned e2e environment has no Mooncake, and only the daemons need it.
 test-e2e: $(E2E_STAMP)
-	ECD_E2E=1 ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR) \
+	ECD_E2E=1 ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR) ECD_E2E_STORE_PYTHON=$(abspath $(PY)) \
 		$(E2E_VENV)/bin/python -m pytest tests/e2e $(PYTEST_ARGS)
 
 bench: $(STAMP)
