@@ -54,7 +54,9 @@ test: $(STAMP) native-libs
 # files: later runs and other clones on the machine reuse it, a change to them builds a new one
 # (~6 GB, ~6 min). The project runs from the checkout (PYTHONPATH), the daemon as `python -m
 # ec_daemon`; the suite's models (a tiny LLaVA, and one with ViT-L/14-336's vision tower for one
-# figure) are built on first use, cached beside it.
+# figure) are built on first use, cached beside it. The two-node scenario's daemons and Mooncake
+# master run from the project's own environment (ECD_E2E_STORE_PYTHON), which has the mooncake
+# extra the pinned e2e environment lacks: test-e2e builds it too.
 E2E_REQUIREMENTS := tests/e2e/requirements-torch.txt tests/e2e/requirements.txt
 E2E_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ecd
 E2E_VENV ?= $(E2E_CACHE)/e2e-venv-$(shell cat $(E2E_REQUIREMENTS) | sha256sum | cut -c1-12)
@@ -74,8 +76,10 @@ $(E2E_STAMP):
 	$(E2E_VENV)/bin/python -m pip install --quiet --no-deps -r tests/e2e/requirements.txt
 	touch $@
 
-test-e2e: $(E2E_STAMP)
-	ECD_E2E=1 ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR) \
+# The two-node scenario's daemons and mooncake_master run from $(VENV) (make test builds it, with
+# the mooncake extra): the pinned e2e environment has no Mooncake, and only the daemons need it.
+test-e2e: $(E2E_STAMP) $(STAMP)
+	ECD_E2E=1 ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR) ECD_E2E_STORE_PYTHON=$(abspath $(PY)) \
 		$(E2E_VENV)/bin/python -m pytest tests/e2e $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -25,10 +25,12 @@ def new_shm_dir(prefix: str = "ecd-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
-def serve_command(socket: Path, shm_dir: Path, args: Sequence[str]) -> list[str]:
-    """`ecd serve` on this socket and shm directory, run by this interpreter."""
+def serve_command(
+    socket: Path, shm_dir: Path, args: Sequence[str], python: str = sys.executable
+) -> list[str]:
+    """`ecd serve` on this socket and shm directory, run by `python` (this interpreter)."""
     return [
-        sys.executable,
+        python,
         "-m",
         "ec_daemon",
         "serve",

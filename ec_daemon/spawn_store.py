@@ -22,10 +22,12 @@ from ec_daemon.spawn import SpawnedDaemon, free_port, restartable_daemon
 MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
 
 
-def master_command(rpc_port: int, http_port: int, metrics_port: int) -> list[str]:
-    """`mooncake_master` on loopback with its own HTTP metadata server."""
+def master_command(
+    rpc_port: int, http_port: int, metrics_port: int, binary: str = MASTER_BINARY
+) -> list[str]:
+    """`mooncake_master` (`binary`) on loopback with its own HTTP metadata server."""
     return [
-        MASTER_BINARY,
+        binary,
         f"--rpc_port={rpc_port}",
         "--rpc_address=127.0.0.1",
         "--enable_http_metadata_server=true",

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +50,7 @@ class Master(MasterAddress):
     http_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     args: tuple[str, ...] = ()  # more of mooncake_master's flags
+    binary: str = MASTER_BINARY
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(".log", "mc-master-")[1]))
 
@@ -59,7 +61,10 @@ class Master(MasterAddress):
     def start(self, timeout_s: float = 20.0) -> Master:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*master_command(self.rpc_port, self.http_port, self.admin_port), *self.args],
+                [
+                    *master_command(self.rpc_port, self.http_port, self.admin_port, self.binary),
+                    *self.args,
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -73,8 +78,8 @@ class Master(MasterAddress):
 
 
 @contextmanager
-def running_master(*args: str) -> Iterator[Master]:
-    master = Master(args=args).start()
+def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
+    master = Master(args=args, binary=binary).start()
     try:
         yield master
     finally:
@@ -83,11 +88,11 @@ def running_master(*args: str) -> Iterator[Master]:
 
 
 @contextmanager
-def store_daemon(master: Master, *args: str) -> Iterator[Daemon]:
-    """A daemon in the store, stopped by SIGTERM at the end (it must exit 0): a daemon that
-    leaves unmounts its segment, where a killed one leaves the master placing replicas in a
-    segment nobody serves until its client TTL runs out."""
-    with running_daemon(*master.flags(), *args) as daemon:
+def store_daemon(master: Master, *args: str, python: str = sys.executable) -> Iterator[Daemon]:
+    """A daemon in the store (run by `python`), stopped by SIGTERM at the end (it must exit 0):
+    a daemon that leaves unmounts its segment, where a killed one leaves the master placing
+    replicas in a segment nobody serves until its client TTL runs out."""
+    with running_daemon(*master.flags(), *args, python=python) as daemon:
         yield daemon
         assert daemon.stop() == 0, daemon.log()
 

@@ -65,6 +65,7 @@ class Daemon:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    python: str = sys.executable  # the interpreter that runs `ecd serve`
 
     @property
     def socket(self) -> Path:
@@ -79,7 +80,7 @@ class Daemon:
         return self.workdir / f"daemon-{self.starts}.log"
 
     def command(self) -> list[str]:
-        return serve_command(self.socket, self.shm_dir, self.args)
+        return serve_command(self.socket, self.shm_dir, self.args, self.python)
 
     def start(self, timeout_s: float = 15.0, wait: bool = True) -> Daemon:
         self.starts += 1
@@ -134,11 +135,13 @@ def auth_args(directory: Path, tokens: dict[str, str], acl: str) -> tuple[str, .
 
 
 @contextmanager
-def running_daemon(*args: str, env: dict[str, str] | None = None) -> Iterator[Daemon]:
-    """A daemon in fresh directories, killed and cleaned up on exit."""
+def running_daemon(
+    *args: str, env: dict[str, str] | None = None, python: str = sys.executable
+) -> Iterator[Daemon]:
+    """A daemon in fresh directories (run by `python`), killed and cleaned up on exit."""
     workdir = Path(tempfile.mkdtemp(prefix="ecd-test-"))
     shm_dir = new_shm_dir("ecd-test-")
-    daemon = Daemon(workdir, shm_dir, args or DEFAULT_ARGS, env or {})
+    daemon = Daemon(workdir, shm_dir, args or DEFAULT_ARGS, env or {}, python=python)
     try:
         yield daemon.start()
     finally:
