@@ -131,8 +131,15 @@ def _drop_local_copy(client: Client, key: str) -> None:
     """Delete this node's copy of `key`, until the client's view no longer offers it."""
     client.flush()  # the last get's pin goes back first
     client.delete(POOL, [key])
+    _wait_for_view(client, key, False)
+
+
+def _wait_for_view(client: Client, key: str, present: bool) -> None:
+    """Until the client's view offers `key` (present) or no longer does: a get with no wait_ms
+    is answered by the view alone, which hears of a commit a moment after a remote hit's
+    answer."""
     view, raw = client.view(POOL), key.encode()
-    _wait(lambda: not view.has(raw), "the local copy to go")
+    _wait(lambda: view.has(raw) is present, "the local copy to " + ("come" if present else "go"))
 
 
 def bench_remote_hit(
@@ -169,6 +176,8 @@ def bench_remote_hit(
                     (local, lambda: consumer.get(key, "cpu", 0, out)),
                     (theirs, lambda: vllm(store_key(key), out)),
                 ):
+                    if samples_of is local:  # untimed: the view hears of the remote hit's commit
+                        _wait_for_view(far, key, True)
                     out.zero_()
                     samples_of.append(timed(read))
                     if not torch.equal(out, tensor):
