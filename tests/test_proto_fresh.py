@@ -24,5 +24,9 @@ def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
         committed = ROOT / relative
         assert committed.exists(), f"{relative} is not committed: run `make proto`"
         assert committed.read_bytes() == path.read_bytes(), f"{relative} is stale: run `make proto`"
-    committed_all = {p.relative_to(ROOT) for p in (ROOT / "ec_client" / "_proto").rglob("*.py*")}
+    proto_dir = ROOT / "ec_client" / "_proto"
+    # .py and .pyi only: a checkout that imported them holds __pycache__/*.pyc beside them
+    committed_all = {
+        p.relative_to(ROOT) for p in [*proto_dir.rglob("*.py"), *proto_dir.rglob("*.pyi")]
+    }
     assert committed_all == {p.relative_to(tmp_path) for p in generated}, "extra generated files"
