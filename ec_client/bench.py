@@ -220,7 +220,7 @@ def client_costs(items: int, rounds: int) -> dict[str, float]:
 
 def bench_costs(daemon: dict[str, float], items: int, rounds: int, report: Report) -> None:
     """The daemon's and the client's microseconds per item, side by side (`daemon`: measured
-    in process by ec_daemon.costs)."""
+    in process by ec_daemon.tools.costs)."""
     client = client_costs(items, rounds)
     for name, micros in client.items():
         report.add(
@@ -503,7 +503,7 @@ RESTART_WINDOW = 10  # batches whose per-item cost is the fill's start, and its 
 
 class Restartable(Protocol):
     """A daemon process that can be SIGKILLed and started again on the same socket and shm
-    directory (ec_daemon.spawn.SpawnedDaemon)."""
+    directory (ec_daemon.tools.spawn.SpawnedDaemon)."""
 
     @property
     def address(self) -> str: ...

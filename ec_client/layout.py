@@ -11,9 +11,9 @@ The header's magic is written last at creation, so a half-written header never v
 record describes one READY entry (key, extents, tensor spec, checksum) in the first bytes of its
 512-byte slot; it is written with one pwrite, mark included, and a CRC covers what follows the
 mark and CRC, so after a daemon crash every record is either whole or ignored (see
-ec_daemon/pool.py). The slot table is sized from what a pool can hold (Geometry.for_capacity), so
-a pool file is its capacity plus at most about 1.6%, or 2 MiB. This module is pure Python (no
-torch) so the daemon can use it without importing torch.
+ec_daemon/core/pool.py). The slot table is sized from what a pool can hold
+(Geometry.for_capacity), so a pool file is its capacity plus at most about 1.6%, or 2 MiB. This
+module is pure Python (no torch) so the daemon can use it without importing torch.
 
 Layout version 2 (this one) replaced version 1's 1 KiB records, one per block; a version 1 file
 is refused at adoption and kept for inspection.

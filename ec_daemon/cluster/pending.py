@@ -56,7 +56,7 @@ from ec_client.types import ClusterStats, EventType, WatchEvent
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreClient, own_segment
 from ec_daemon.cluster.node import ClusterNode
-from ec_daemon.store import PullSlot, Store
+from ec_daemon.core.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
 

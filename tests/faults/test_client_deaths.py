@@ -32,7 +32,7 @@ POOL = "faults"
 BLOCK = 4096
 CAPACITY = 128 << 20
 LEASE_TTL = 1.0
-REAPER_PERIOD = min(LEASE_TTL / 4, 1.0)  # ec_daemon.server.reap_sessions
+REAPER_PERIOD = min(LEASE_TTL / 4, 1.0)  # ec_daemon.server.server.reap_sessions
 # The longest a dead client's holdings may outlive it: its last renewal was at most one TTL
 # before its death, the reaper looks every REAPER_PERIOD, and the test polls with some slack.
 GIVE_BACK_DEADLINE = LEASE_TTL + REAPER_PERIOD + 0.75
@@ -379,7 +379,7 @@ def test_a_client_killed_holding_an_ephemeral_pool_leaks_neither_its_file_nor_it
 # ---- an ephemeral pool across a daemon restart ---------------------------------------------------
 
 # After a restart, an adopted ephemeral pool waits two leases for its client to open it again
-# (ec_daemon.store.UNCLAIMED_LEASES), then the reaper's period, then the test's slack.
+# (ec_daemon.core.store.UNCLAIMED_LEASES), then the reaper's period, then the test's slack.
 UNCLAIMED_DEADLINE = 2 * LEASE_TTL + REAPER_PERIOD + 0.75
 
 

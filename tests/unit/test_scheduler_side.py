@@ -50,7 +50,7 @@ from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.metadata import ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import image_request, offline_config
 from ec_client.vllm.scheduler import SchedulerSide
-from ec_daemon.pool import PoolFile
+from ec_daemon.core.pool import PoolFile
 
 WIDTH = 64
 ROWS = 4

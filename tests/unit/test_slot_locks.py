@@ -35,7 +35,7 @@ from ec_client.slot_locks import (
     unlock,
 )
 from ec_client.types import Extent, TensorSpec
-from ec_daemon.pool import PoolFile
+from ec_daemon.core.pool import PoolFile
 
 BLOCK = 4096
 GEOMETRY = Geometry(BLOCK, num_blocks=64, num_slots=8)

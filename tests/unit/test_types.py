@@ -18,7 +18,7 @@ from ec_client.types import (
     Status,
     WatchEvent,
 )
-from ec_daemon import wire
+from ec_daemon.server import wire
 
 
 def fields(value: type) -> set[str]:

@@ -33,7 +33,7 @@ from ec_client.layout import (
 )
 from ec_client.slot_locks import lock_exclusive, locked_slots, unlock
 from ec_client.units import format_size
-from ec_daemon.errors import Code, CoreError, Reason
+from ec_daemon.core.errors import Code, CoreError, Reason
 
 _MARK = struct.Struct("<I")
 SlotRecords = list[tuple[int, RecordFields]]  # records read from a slot table, by slot

@@ -19,7 +19,7 @@ from ec_client.layout import (
     tensor_nbytes,
 )
 from ec_client.types import MAX_HITS_PER_STEP, MAX_MISSES_PER_STEP, TensorSpec
-from ec_daemon.errors import Code, CoreError
+from ec_daemon.core.errors import Code, CoreError
 
 MAX_WAIT_MS = 600_000
 MAX_BLOCK_SIZE = 1 << 30

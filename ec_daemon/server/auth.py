@@ -12,7 +12,7 @@
   pool grant: a session answers only to the caller that opened it.
 - A session is bound to its opener's `identity`: its token, and with mutual TLS its client
   certificate. Every call naming a session from another identity is answered as a call naming a
-  session that does not exist (ec_daemon.sessions), so another token that learned a session ID
+  session that does not exist (ec_daemon.core.sessions), so another token that learned a session ID
   can neither use the session nor tell that it exists. With neither tokens nor client
   certificates (the Unix socket alone) every caller is the same identity: whoever may connect
   may do anything, sessions included (docs/security.md).
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ec_client import token_file
-from ec_daemon.errors import Code, CoreError
+from ec_daemon.core.errors import Code, CoreError
 
 log = logging.getLogger("ecd.auth")
 

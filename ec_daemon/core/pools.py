@@ -40,10 +40,10 @@ from ec_client.layout import (
 )
 from ec_client.types import EventType, PoolInfo, PoolStats, WatchEvent
 from ec_client.units import format_size
-from ec_daemon.errors import Code, CoreError, Reason
-from ec_daemon.eviction import POLICIES
-from ec_daemon.index import PoolIndex
-from ec_daemon.pool import (
+from ec_daemon.core.errors import Code, CoreError, Reason
+from ec_daemon.core.eviction import POLICIES
+from ec_daemon.core.index import PoolIndex
+from ec_daemon.core.pool import (
     DROPPED_MARK_SUFFIX,
     PoolFile,
     creation_interrupted,

@@ -43,8 +43,8 @@ from typing import Protocol
 
 from ec_client.layout import Geometry, RecordFields, SlotRecord, max_extents
 from ec_client.types import EntryState, EventType, Extent, PoolStats, Status, TensorSpec
-from ec_daemon.allocator import ExtentAllocator
-from ec_daemon.eviction import EvictionPolicy
+from ec_daemon.core.allocator import ExtentAllocator
+from ec_daemon.core.eviction import EvictionPolicy
 
 
 @dataclass(eq=False, slots=True)

@@ -23,13 +23,13 @@ import grpc
 from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_daemon import validate, wire
-from ec_daemon.auth import Action, Guard, identity
 from ec_daemon.cluster.tier import Cluster
-from ec_daemon.errors import Code, CoreError, Reason
-from ec_daemon.events import EventHub, StreamEnd
-from ec_daemon.sessions import tag
-from ec_daemon.store import Store
+from ec_daemon.core.errors import Code, CoreError, Reason
+from ec_daemon.core.sessions import tag
+from ec_daemon.core.store import Store
+from ec_daemon.server import validate, wire
+from ec_daemon.server.auth import Action, Guard, identity
+from ec_daemon.server.events import EventHub, StreamEnd
 
 log = logging.getLogger("ecd.service")
 
@@ -39,7 +39,7 @@ Request = TypeVar("Request")
 Reply = TypeVar("Reply")
 Handler = Callable[[Any, Request, grpc.aio.ServicerContext[Any, Any]], Awaitable[Reply]]
 
-# The identity of the caller of the RPC being handled (ec_daemon.auth.identity), set by `rpc`
+# The identity of the caller of the RPC being handled (ec_daemon.server.auth.identity), set by `rpc`
 # before the handler runs, in the handler's own task: what OpenSession binds its session to.
 CALLER: contextvars.ContextVar[bytes] = contextvars.ContextVar("ecd_caller")
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.types import Role
-from ec_daemon.events import EventHub
-from ec_daemon.pools import PoolSettings
-from ec_daemon.service import EncoderCacheService
-from ec_daemon.store import Store, StoreConfig
-from ec_daemon.validate import Limits
+from ec_daemon.core.pools import PoolSettings
+from ec_daemon.core.store import Store, StoreConfig
+from ec_daemon.server.events import EventHub
+from ec_daemon.server.service import EncoderCacheService
+from ec_daemon.server.validate import Limits
 
 ROWS, WIDTH, BLOCK = 256, 3584, 7168  # one Qwen2.5-VL image: 256 rows of 3584 bf16
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_daemon.spawn import SpawnedDaemon, free_port, restartable_daemon
+from ec_daemon.tools.spawn import SpawnedDaemon, free_port, restartable_daemon
 
 # The mooncake extra installs it beside the interpreter (the venv's bin), on PATH or not.
 MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))

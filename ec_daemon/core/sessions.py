@@ -8,10 +8,10 @@ A pin is named by a lease ID that is never reused within a daemon's life, so a l
 Release cannot drop a pin that someone else took since.
 
 A session answers only to the caller that opened it: it keeps that caller's identity
-(ec_daemon.auth.identity: its token, its client certificate), and a call naming the session with
-another identity gets exactly what a call naming no live session gets (`owned`), so a session ID
-seen elsewhere (a log, a process listing) neither works nor tells whether the session exists. Logs
-name a session by its `tag`, never by its ID.
+(ec_daemon.server.auth.identity: its token, its client certificate), and a call naming the
+session with another identity gets exactly what a call naming no live session gets (`owned`), so
+a session ID seen elsewhere (a log, a process listing) neither works nor tells whether the session
+exists. Logs name a session by its `tag`, never by its ID.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ec_client.types import Role
-from ec_daemon.errors import Code, CoreError, Reason
-from ec_daemon.index import Entry
+from ec_daemon.core.errors import Code, CoreError, Reason
+from ec_daemon.core.index import Entry
 
 # What a session's role lets it do with entries (see Role): a consumer-only engine cannot write
 # into a pool by mistake, nor an operator tool hold pins.
@@ -55,7 +55,7 @@ class Session:
     pid: int
     role: Role
     expires_at: float
-    owner: bytes  # the identity of the caller that opened it (ec_daemon.auth.identity)
+    owner: bytes  # the identity of the caller that opened it (ec_daemon.server.auth.identity)
     pending: set[tuple[str, bytes]] = field(default_factory=set)  # (engine_id, key) it allocated
     leases: dict[int, Lease] = field(default_factory=dict)
     pools: set[str] = field(default_factory=set)  # engine_ids it opened: an ephemeral one's holders

@@ -15,9 +15,9 @@ from google.protobuf.message import DecodeError
 
 from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_daemon import validate
-from ec_daemon.errors import Code, CoreError
-from ec_daemon.store import Store
+from ec_daemon.core.errors import Code, CoreError
+from ec_daemon.core.store import Store
+from ec_daemon.server import validate
 
 GRPC_CODE = {code: getattr(grpc.StatusCode, code.value) for code in Code}
 

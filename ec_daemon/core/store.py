@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from ec_client import __version__
 from ec_client import types as api
-from ec_daemon.errors import Code, CoreError, Reason
-from ec_daemon.index import Entry, Outcome, saturated
-from ec_daemon.pools import Pool, PoolRegistry, PoolSettings
-from ec_daemon.sessions import CONSUME, PRODUCE, Session, SessionTable
+from ec_daemon.core.errors import Code, CoreError, Reason
+from ec_daemon.core.index import Entry, Outcome, saturated
+from ec_daemon.core.pools import Pool, PoolRegistry, PoolSettings
+from ec_daemon.core.sessions import CONSUME, PRODUCE, Session, SessionTable
 
 log = logging.getLogger("ecd.store")
 
@@ -150,7 +150,7 @@ class Store:
         return self._sessions.ttl_s
 
     def open_session(self, name: str, pid: int, role: api.Role, owner: bytes = b"") -> str:
-        """A new session, bound to the identity of the caller that opens it (ec_daemon.auth:
+        """A new session, bound to the identity of the caller that opens it (ec_daemon.server.auth:
         b"", every caller, when the daemon tells none apart); returns its ID."""
         return self._sessions.open(name, pid, role, owner).id
 
@@ -491,7 +491,7 @@ class Store:
     def touch(self, engine_id: str, keys: Sequence[bytes]) -> None:
         """Hits a client answered under lock pins, with no round trip (StepRequest.hits): each
         naming a READY entry counts and refreshes it for eviction; the others count nothing
-        (ec_daemon.index.Index.touch). None counted for a pool gone."""
+        (ec_daemon.core.index.Index.touch). None counted for a pool gone."""
         pool = self._pools.find(engine_id)
         if pool is not None:
             for key in keys:

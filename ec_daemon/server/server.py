@@ -30,21 +30,21 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.types import ClusterStats, WatchEvent
-from ec_daemon import auth, checks, reflection, systemd
 from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.cluster.pending import Claims
 from ec_daemon.cluster.tier import Cluster
-from ec_daemon.config import Config
-from ec_daemon.events import EventHub
-from ec_daemon.metrics import Metrics, snapshot_on_loop
-from ec_daemon.pools import PoolSettings
-from ec_daemon.service import EncoderCacheService
-from ec_daemon.sessions import tag
-from ec_daemon.store import SessionEnd, Store, StoreConfig
-from ec_daemon.validate import Limits
-from ec_daemon.wire import add_to_server
+from ec_daemon.core.pools import PoolSettings
+from ec_daemon.core.sessions import tag
+from ec_daemon.core.store import SessionEnd, Store, StoreConfig
+from ec_daemon.server import auth, checks, reflection, systemd
+from ec_daemon.server.config import Config
+from ec_daemon.server.events import EventHub
+from ec_daemon.server.metrics import Metrics, snapshot_on_loop
+from ec_daemon.server.service import EncoderCacheService
+from ec_daemon.server.validate import Limits
+from ec_daemon.server.wire import add_to_server
 
 log = logging.getLogger("ecd.server")
 
