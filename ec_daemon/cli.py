@@ -345,7 +345,7 @@ def count_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ec_client import bench, bench_cluster
+    from ec_client.bench import bench, bench_cluster
     from ec_daemon.tools import costs
     from ec_daemon.tools.spawn import restartable_daemon, spawned_daemon
     from ec_daemon.tools.spawn_store import spawned_master, spawned_store_daemons

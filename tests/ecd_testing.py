@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ec_client import Client, slot_locks
-from ec_client.layout import RecordFields, read_record
-from ec_client.mapping import PoolMapping
+from ec_client.data.mapping import PoolMapping
+from ec_client.pool.layout import RecordFields, read_record
 from ec_daemon.tools import spawn
 from ec_daemon.tools.spawn import serve_command, wait_serving
 

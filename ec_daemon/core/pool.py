@@ -14,8 +14,8 @@ import time
 import uuid
 from pathlib import Path
 
-from ec_client import life_marks
-from ec_client.layout import (
+from ec_client.pool import life_marks
+from ec_client.pool.layout import (
     HEADER_SIZE,
     MAGIC,
     SLOT_DOOMED_MARK,
@@ -31,7 +31,7 @@ from ec_client.layout import (
     slot_offset,
     slots_marked,
 )
-from ec_client.slot_locks import lock_exclusive, locked_slots, unlock
+from ec_client.pool.slot_locks import lock_exclusive, locked_slots, unlock
 from ec_client.units import format_size
 from ec_daemon.core.errors import Code, CoreError, Reason
 
@@ -236,7 +236,7 @@ class PoolFile:
 
     def life_marked(self, session_id: str) -> bool:
         """Whether the session's client holds its life mark on this file now (a probe, see
-        ec_client/life_marks.py)."""
+        ec_client/pool/life_marks.py)."""
         return self._fd >= 0 and life_marks.held(self._fd, session_id)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ in place for inspection; OpenPool of its engine_id fails until an operator remov
 
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
-slot table, at most about 2% more (see ec_client.layout), counted apart as reserved bytes.
+slot table, at most about 2% more (see ec_client.pool.layout), counted apart as reserved bytes.
 
 A pool dropped (DropPool) while other sessions held it is remembered (`Dropped`), in memory and
 by a mark beside its path: the client libraries of those sessions open their pools again by
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client.layout import (
+from ec_client.pool.layout import (
     ENGINE_ID_PATTERN,
     MAX_AUTO_SLOTS,
     POOL_FILE_PREFIX,

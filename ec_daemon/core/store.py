@@ -177,7 +177,7 @@ class Store:
 
     def end_dead_sessions(self) -> list[SessionEnd]:
         """End every session whose client's process is gone: seen holding its life mark on a
-        pool file once (ec_client/life_marks.py), it holds it on none of its pools now. Its
+        pool file once (ec_client/pool/life_marks.py), it holds it on none of its pools now. Its
         PENDING entries are aborted at once (whoever waits for them encodes), its pins
         released; a session never seen marked is left to its lease."""
         ends = []

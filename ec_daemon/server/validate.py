@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.layout import (
+from ec_client.pool.layout import (
     DTYPES,
     ENGINE_ID_PATTERN,
     MAX_BLOCKS,

@@ -1,6 +1,6 @@
 """The daemon's side of the wire: ecd.v1 messages to the core's inputs and the core's answers
 (the values of `ec_client.types`) to messages, one function per value; a CoreError to a gRPC
-error; request bodies parsed and the service registered. `ec_client/_wire.py` is the same on
+error; request bodies parsed and the service registered. `ec_client/control/_wire.py` is the same on
 the client's side. No handling here: `service.py` validates, calls the store and answers.
 """
 

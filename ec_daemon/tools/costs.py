@@ -4,7 +4,7 @@ The service's handlers are called directly, with a store on a private directory,
 way: what is left is the daemon's own work per item (validation, the core, the reply's messages),
 the part that grows with the number of images in a scheduler step. Each RPC's time is divided by
 the batch's items; medians over rounds. The client's side of the same batches is measured by
-`ec_client.bench.bench_costs`.
+`ec_client.bench.bench.bench_costs`.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from ec_client import _wire
+from ec_client.control import _wire
 from ec_client.errors import EcdError
 from ec_client.types import (
     MAX_HITS_PER_STEP,

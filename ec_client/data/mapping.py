@@ -35,14 +35,14 @@ import grpc
 import numpy as np
 import torch
 
-from ec_client.cuda_runtime import (
+from ec_client.data.cuda_runtime import (
     CUDA_ERROR_MEMORY_ALLOCATION,
     CUDA_SUCCESS,
     CudaRuntime,
     cuda_runtime,
 )
 from ec_client.errors import EcdError
-from ec_client.layout import HEADER_SIZE, Header, LayoutError
+from ec_client.pool.layout import HEADER_SIZE, Header, LayoutError
 from ec_client.types import Extent, PoolInfo
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python lacks the name

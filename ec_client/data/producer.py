@@ -10,9 +10,9 @@ entries that are pinned or being written), REFUSED (the daemon refused that item
 spec, or an entry larger than the whole pool; `PutHandle.refused` says why, and `put` of one key
 raises it). One refused item never sinks the others of its batch.
 
-One round trip per put, whose Allocate rides in a Step with whatever the client owes the pool.
-When a put becomes visible: `put` returns once the Allocate answered and the copy was launched
-(on CPU: done). From then on the client owes its Commit (ec_client.outbox), sent only once the copy
+One round trip per put, whose Allocate rides in a Step with whatever the client owes the pool. When
+a put becomes visible: `put` returns once the Allocate answered and the copy was launched (on CPU:
+done). From then on the client owes its Commit (ec_client.control.outbox), sent only once the copy
 has landed: with the client's next Step to the pool (the next put or get) or, if none comes within
 the client's `linger_s` (1 ms by default), alone from a background thread. The entry is visible
 to every client, and durable (a daemon killed and restarted serves it again), once the daemon has
@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ec_client.client import Client
-from ec_client.endpoint import PoolEndpoint, item_errors
+from ec_client.control.client import Client
+from ec_client.control.outbox import DeferredOp
+from ec_client.data.endpoint import PoolEndpoint, item_errors
+from ec_client.data.mapping import stale
+from ec_client.data.mover import TensorMover, Transfer, spec_of, wait_all
 from ec_client.errors import EcdError
-from ec_client.mapping import stale
-from ec_client.mover import TensorMover, Transfer, spec_of, wait_all
-from ec_client.outbox import DeferredOp
 from ec_client.types import AllocateItem, AllocateResult, ItemResult, Key, Status, key_bytes
 
 log = logging.getLogger("ec_client")

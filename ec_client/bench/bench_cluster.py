@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from ec_client import Client, Consumer, Producer, Role
-from ec_client.bench import Report, _wait, pool_dropped, progress
+from ec_client.bench.bench import Report, _wait, pool_dropped, progress
 from ec_client.units import format_size
 
 if TYPE_CHECKING:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ec_client import _wire
-from ec_client._connection import Options
-from ec_client._session import SessionState
-from ec_client.outbox import Outbox, OutboxBatch, batch_sender
-from ec_client.ready_view import ReadyView, Views
-from ec_client.tls import TLSFiles
+from ec_client.control import _wire
+from ec_client.control._connection import Options
+from ec_client.control._session import SessionState
+from ec_client.control.outbox import Outbox, OutboxBatch, batch_sender
+from ec_client.control.ready_view import ReadyView, Views
+from ec_client.control.tls import TLSFiles
 from ec_client.types import PoolInfo, Role, StepResult
 
 

@@ -16,9 +16,10 @@ reattaching (docs/design.md §3): the view says so once, at warning, and stays u
 someone opens the pool with its geometry again.
 
 Each local READY key comes with its slot in the pool file (the events carry it), where a reader
-takes a lock pin and finds the entry's record (`slot`: docs/design.md §5, ec_client/slot_locks.py):
-a hit with no round trip. A slot from the view is a hint too: the lock pin checks the record.
-Whoever takes those pins can have each committed entry's slot told to it as the event comes
+takes a lock pin and finds the entry's record (`slot`: docs/design.md §5,
+ec_client/pool/slot_locks.py): a hit with no round trip. A slot from the view is a hint too: the
+lock pin checks the record. Whoever takes those pins can have each committed entry's slot told to it
+as the event comes
 (`on_committed`), on this thread: to read the record ahead, off its own hot path.
 
 It also follows the keys being written (include_pending: PENDING events, in the snapshot too),
@@ -38,7 +39,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
-from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S
+from ec_client.control._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S
 from ec_client.errors import EcdError
 from ec_client.types import EventType, Key, WatchEvent, key_bytes
 

@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ec_client.layout import DTYPES, MAX_NDIM
-from ec_client.mapping import PoolMapping, Span, split_at
+from ec_client.data.mapping import PoolMapping, Span, split_at
+from ec_client.pool.layout import DTYPES, MAX_NDIM
 from ec_client.types import Extent, TensorSpec
 
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from ec_client import types as api
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.layout import tensor_nbytes
+from ec_client.pool.layout import tensor_nbytes
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

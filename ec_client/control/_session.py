@@ -54,11 +54,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ec_client import _wire
-from ec_client._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S, Options
+from ec_client.control import _wire
+from ec_client.control._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S, Options
+from ec_client.control.outbox import OutboxBatch
 from ec_client.errors import EcdError
-from ec_client.life_marks import LifeMarks
-from ec_client.outbox import OutboxBatch
+from ec_client.pool.life_marks import LifeMarks
 from ec_client.types import PoolInfo, StepResult
 
 T = TypeVar("T")
@@ -181,7 +181,7 @@ class SessionState:
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic  # for the plans' deadlines
     # The session's life mark on each pool file it opened: the daemon ends the session the
-    # moment this process dies, rather than one lease later (ec_client/life_marks.py).
+    # moment this process dies, rather than one lease later (ec_client/pool/life_marks.py).
     life: LifeMarks = field(default_factory=LifeMarks)
 
     # ---- plans -----------------------------------------------------------------------------

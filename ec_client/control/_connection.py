@@ -16,8 +16,8 @@ import grpc
 
 from ec_client import token_file
 from ec_client.address import default_target
+from ec_client.control.tls import TLSFiles
 from ec_client.errors import EcdError
-from ec_client.tls import TLSFiles
 from ec_client.types import Role
 
 MAX_MESSAGE_BYTES = 64 << 20

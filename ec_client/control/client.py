@@ -9,10 +9,10 @@ pools reopened after a restart or a lost lease); this module only performs their
 
 Two things serve the hot path of Producer, Consumer and the vLLM scheduler side (docs/design.md
 §12):
-- `outbox` (ec_client/outbox.py), the client's one background mechanism: what is owed with nobody
-  waiting for it (a Commit once its bytes landed, a Release once its load landed, an Abort) rides
-  on the next Step to its pool or goes from its thread, and `outbox.step_soon` sends a Step from
-  that thread for a caller that must not wait on it; `flush()` waits for all of it so far.
+- `outbox` (ec_client/control/outbox.py), the client's one background mechanism: what is owed with
+  nobody waiting for it (a Commit once its bytes landed, a Release once its load landed, an Abort)
+  rides on the next Step to its pool or goes from its thread, and `outbox.step_soon` sends a Step
+  from that thread for a caller that must not wait on it; `flush()` waits for all of it so far.
 - `view(engine_id)`: the pool's READY keys, followed through Watch (ReadyView), so that a miss
   costs no round trip.
 
@@ -36,21 +36,21 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from ec_client import _wire
-from ec_client._base import BaseClient
-from ec_client._connection import (
+from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_client.control import _wire
+from ec_client.control._base import BaseClient
+from ec_client.control._connection import (
     UNREACHED,
     Options,
     await_daemon,
     connection_problem,
     shared_channel,
 )
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, advance
+from ec_client.control._session import Done, Pause, Plan, Probe, Reopen, Send, advance
+from ec_client.control.outbox import OutboxBatch
+from ec_client.control.ready_view import ReadyView
+from ec_client.control.tls import TLSFiles
 from ec_client.errors import EcdError
-from ec_client.outbox import OutboxBatch
-from ec_client.ready_view import ReadyView
-from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
     AllocateItem,

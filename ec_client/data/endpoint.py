@@ -7,12 +7,12 @@ from collections.abc import Iterable
 import grpc
 import torch
 
-from ec_client.client import Client
+from ec_client.control.client import Client
+from ec_client.data.mapping import PoolMapping
+from ec_client.data.mover import TensorMover, cuda_device
 from ec_client.errors import EcdError
-from ec_client.layout import file_at
-from ec_client.mapping import PoolMapping
-from ec_client.mover import TensorMover, cuda_device
-from ec_client.slot_locks import SlotPins
+from ec_client.pool.layout import file_at
+from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import ItemResult, LeaseResult
 
 

@@ -40,9 +40,9 @@ from ec_client.units import format_size
 if TYPE_CHECKING:
     import torch
 
-    from ec_client.consumer import Consumer
-    from ec_client.mover import TensorMover
-    from ec_client.producer import Producer
+    from ec_client.data.consumer import Consumer
+    from ec_client.data.mover import TensorMover
+    from ec_client.data.producer import Producer
 
 T = TypeVar("T")
 POOL = "ecd-bench"
@@ -166,8 +166,8 @@ def client_costs(items: int, rounds: int) -> dict[str, float]:
     """Microseconds per item the client spends on a Step carrying one batch of Allocate, Commit,
     Acquire or Release: building the request, serializing it, parsing the daemon's reply (made
     up here, as the daemon packs it). Medians over rounds."""
-    from ec_client import _wire
     from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+    from ec_client.control import _wire
 
     keys = [f"img-{i:04d}-0123456789abcdef" for i in range(items)]
     rows, width = 256, 3584
@@ -329,8 +329,8 @@ def bench_data(client: Client, sizes: Sequence[int], runs: int, batch: int, repo
     import torch
 
     from ec_client import Consumer, Producer
-    from ec_client.mapping import PoolMapping
-    from ec_client.mover import TensorMover
+    from ec_client.data.mapping import PoolMapping
+    from ec_client.data.mover import TensorMover
 
     # Room for the scratch regions of a run, or for its puts (2 * batch entries), whichever is
     # more, and for what eviction has not yet taken back.

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ec_client.layout import (
+from ec_client.pool.layout import (
     HEADER_SIZE,
     SLOT_SIZE,
     Header,

@@ -7,7 +7,7 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
 
 1. The client follows the pool's READY keys and their slots (ReadyView, fed by Watch). A key it
    does not know is a miss, answered at once. A key it knows READY here is pinned by a lock pin
-   on its slot (ec_client/slot_locks.py: a shared lock, about 2 us, no daemon; the batch's
+   on its slot (ec_client/pool/slot_locks.py: a shared lock, about 2 us, no daemon; the batch's
    together, SlotPins.pin_many), which also reads the entry's record (extents, shape, dtype,
    checksum): a local hit makes no round trip. A lock pin that finds another entry in the slot
    (the view was behind an eviction) is a miss.
@@ -21,7 +21,8 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
    the daemon's: TensorMover.load_many checks them all, then copies back to back). Pins are
    given back only once their copies landed:
    lock pins are unlocked (at once for a CPU copy, else by the outbox thread), leases are released
-   with the client's next Step to the pool or alone once it has been quiet (ec_client.outbox).
+   with the client's next Step to the pool or alone once it has been quiet
+   (ec_client.control.outbox).
 4. What the client answered itself reaches the daemon owed, with its next Step: the misses as a
    count, the local hits as keys (the daemon's hit counter and LRU order).
 
@@ -40,13 +41,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from ec_client.client import Client
-from ec_client.endpoint import PoolEndpoint, item_errors
+from ec_client.control.client import Client
+from ec_client.control.outbox import DeferredOp
+from ec_client.data.endpoint import PoolEndpoint, item_errors
+from ec_client.data.mover import Load, TensorMover, Transfer, wait_all
 from ec_client.errors import EcdError
-from ec_client.layout import LayoutError
-from ec_client.mover import Load, TensorMover, Transfer, wait_all
-from ec_client.outbox import DeferredOp
-from ec_client.slot_locks import PinnedEntry, SlotPins
+from ec_client.pool.layout import LayoutError
+from ec_client.pool.slot_locks import PinnedEntry, SlotPins
 from ec_client.types import Extent, Key, LeaseResult, Status, TensorSpec, key_bytes
 
 log = logging.getLogger("ec_client")
@@ -260,7 +261,7 @@ class Consumer:
 
     def _give_back(self, reads: list[_Read]) -> None:
         """Each pin goes back once its copy landed: a lock pin whose copy is done (a CPU copy)
-        at once, the others owed (ec_client.outbox)."""
+        at once, the others owed (ec_client.control.outbox)."""
         engine_id = self.endpoint.engine_id
         leases = [r for r in reads if r.pins is None]
         self.client.outbox.releases(
