@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ec_client import Client, slot_locks
+from ec_client import Client
 from ec_client.data.mapping import PoolMapping
+from ec_client.pool import slot_locks
 from ec_client.pool.layout import RecordFields, read_record
 from ec_daemon.tools import spawn
 from ec_daemon.tools.spawn import serve_command, wait_serving

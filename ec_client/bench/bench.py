@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from ec_client import AllocateItem, Client, EcdError, Role, StepResult, _connection
+from ec_client import AllocateItem, Client, EcdError, Role, StepResult
+from ec_client.control import _connection
 from ec_client.types import AllocateResult, Extent, Key, Status
 from ec_client.units import format_size
 
