@@ -491,7 +491,7 @@ class Store:
     def touch(self, engine_id: str, keys: Sequence[bytes]) -> None:
         """Hits a client answered under lock pins, with no round trip (StepRequest.hits): each
         naming a READY entry counts and refreshes it for eviction; the others count nothing
-        (ec_daemon.core.index.Index.touch). None counted for a pool gone."""
+        (ec_daemon.core.index.PoolIndex.touch). None counted for a pool gone."""
         pool = self._pools.find(engine_id)
         if pool is not None:
             for key in keys:

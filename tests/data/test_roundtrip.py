@@ -9,7 +9,8 @@ import pytest
 import torch
 from ecd_testing import Daemon, assert_blocks_accounted
 
-from ec_client import Client, Consumer, EcdError, Producer, PutStatus, mover
+from ec_client import Client, Consumer, EcdError, Producer, PutStatus
+from ec_client.data import mover
 from ec_client.data.mover import byte_view
 from ec_client.pool.layout import DTYPES
 
