@@ -3,7 +3,7 @@ so both produce exactly the same text).
 
 A generated part lies between `<!-- NAME: begin ... -->` and `<!-- NAME: end -->` in a doc; what
 is between them is replaced by the part's source. Today one part: the settings table of
-docs/operations.md, from the SETTINGS table of ec_daemon/config.py.
+docs/operations.md, from the SETTINGS table of ec_daemon/server/config.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ec_daemon import config
+from ec_daemon.server import config
 
 DOCS = Path(__file__).resolve().parent
 

@@ -2,16 +2,21 @@
 
 The tensor side (Producer, Consumer, PoolMapping, TensorMover) imports torch; it is loaded on
 first use, so the daemon and the control clients never pay for importing torch.
+
+Import these names from here. The modules stack one way (tests/unit/test_layering.py): `vllm`
+(the connector) and `bench` -> `data` (the tensor side) -> `control` (the clients that talk to
+the daemon) -> the base the daemon shares: `types`, `errors`, `units`, `address`, `token_file`
+and `pool` (the pool file's format and its locks).
 """
 
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from ec_client.aio import AsyncClient
-from ec_client.client import Client, check_health
+from ec_client.control.aio import AsyncClient
+from ec_client.control.client import Client, check_health
+from ec_client.control.tls import TLSFiles
 from ec_client.errors import EcdError
-from ec_client.tls import TLSFiles
 from ec_client.types import (
     AcquireResult,
     AllocateItem,
@@ -31,19 +36,19 @@ from ec_client.types import (
 )
 
 if TYPE_CHECKING:
-    from ec_client.consumer import Consumer, GetHandle
-    from ec_client.mapping import PoolMapping
-    from ec_client.mover import TensorMover
-    from ec_client.producer import Producer, PutHandle, PutStatus
+    from ec_client.data.consumer import Consumer, GetHandle
+    from ec_client.data.mapping import PoolMapping
+    from ec_client.data.mover import TensorMover
+    from ec_client.data.producer import Producer, PutHandle, PutStatus
 
 _LAZY = {
-    "Consumer": "ec_client.consumer",
-    "GetHandle": "ec_client.consumer",
-    "PoolMapping": "ec_client.mapping",
-    "TensorMover": "ec_client.mover",
-    "Producer": "ec_client.producer",
-    "PutHandle": "ec_client.producer",
-    "PutStatus": "ec_client.producer",
+    "Consumer": "ec_client.data.consumer",
+    "GetHandle": "ec_client.data.consumer",
+    "PoolMapping": "ec_client.data.mapping",
+    "TensorMover": "ec_client.data.mover",
+    "Producer": "ec_client.data.producer",
+    "PutHandle": "ec_client.data.producer",
+    "PutStatus": "ec_client.data.producer",
 }
 
 

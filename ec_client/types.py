@@ -2,7 +2,8 @@
 
 Plain dataclasses and enums, free of torch and gRPC, so that the daemon's core speaks in the same
 values as the clients (it imports this module, as it imports `layout`), and each value is mapped
-to and from its protobuf message in one place on each side (ec_daemon.service, ec_client._wire).
+to and from its protobuf message in one place on each side (ec_daemon.server.service,
+ec_client.control._wire).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ec_client.layout import tensor_nbytes
+from ec_client.pool.layout import tensor_nbytes
 
 Key = str | bytes
 

@@ -25,8 +25,8 @@ from ec_client import Client, EcdError, ItemResult, Role, __version__, check_hea
 from ec_client.address import default_target
 from ec_client.types import ClusterStats
 from ec_client.units import format_size, parse_size
-from ec_daemon import config as config_module
-from ec_daemon.checks import StartupError
+from ec_daemon.server import config as config_module
+from ec_daemon.server.checks import StartupError
 
 
 def display_key(key: bytes) -> str:
@@ -78,7 +78,7 @@ def emit(args: argparse.Namespace, data: Any, human: Callable[[], str]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ec_daemon import logs, server
+    from ec_daemon.server import logs, server
 
     try:
         config, sources = config_module.load(vars(args), os.environ, args.config)
@@ -345,10 +345,10 @@ def count_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ec_client import bench, bench_cluster
-    from ec_daemon import costs
-    from ec_daemon.spawn import restartable_daemon, spawned_daemon
-    from ec_daemon.spawn_store import spawned_master, spawned_store_daemons
+    from ec_client.bench import bench, bench_cluster
+    from ec_daemon.tools import costs
+    from ec_daemon.tools.spawn import restartable_daemon, spawned_daemon
+    from ec_daemon.tools.spawn_store import spawned_master, spawned_store_daemons
 
     report = bench.Report({})
     suites = args.suite

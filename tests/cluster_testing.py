@@ -19,9 +19,11 @@ from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import Client, Producer
 from ec_client.types import ClusterStats, PoolStats
-from ec_daemon.spawn import free_port
-from ec_daemon.spawn_store import MASTER_BINARY as MASTER_BINARY  # where the tests look for it
-from ec_daemon.spawn_store import MasterAddress, master_command, wait_listening
+from ec_daemon.tools.spawn import free_port
+from ec_daemon.tools.spawn_store import (
+    MASTER_BINARY as MASTER_BINARY,  # where the tests look for it
+)
+from ec_daemon.tools.spawn_store import MasterAddress, master_command, wait_listening
 
 # A shared pool as vLLM would name it: its namespace, rows of 2048 bf16 as blocks.
 NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from ec_client.types import PoolInfo, Role, TensorSpec, WatchEvent
-from ec_daemon.pools import PoolSettings
-from ec_daemon.store import Store, StoreConfig
+from ec_daemon.core.pools import PoolSettings
+from ec_daemon.core.store import Store, StoreConfig
 
 
 class FakeClock:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from ec_client import mapping as mapping_module
-from ec_client.mapping import PoolMapping, RegistrationStats
+from ec_client.data import mapping as mapping_module
+from ec_client.data.mapping import PoolMapping, RegistrationStats
 
 ERROR_STRINGS = {
     1: "invalid argument",

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ec_client import Client, slot_locks
-from ec_client.layout import RecordFields, read_record
-from ec_client.mapping import PoolMapping
-from ec_daemon import spawn
-from ec_daemon.spawn import serve_command, wait_serving
+from ec_client import Client
+from ec_client.data.mapping import PoolMapping
+from ec_client.pool import slot_locks
+from ec_client.pool.layout import RecordFields, read_record
+from ec_daemon.tools import spawn
+from ec_daemon.tools.spawn import serve_command, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARGS = ("--max-bytes", "256MiB", "--lease-ttl", "2", "--log-level", "debug")
@@ -49,7 +50,8 @@ SHM_DIRS_MADE: list[Path] = []
 
 
 def new_shm_dir(prefix: str = "ecd-") -> Path:
-    """A private directory on /dev/shm (ec_daemon.spawn.new_shm_dir), which the test removes."""
+    """A private directory on /dev/shm (ec_daemon.tools.spawn.new_shm_dir), which the test
+    removes."""
     path = spawn.new_shm_dir(prefix)
     SHM_DIRS_MADE.append(path)
     return path

@@ -68,7 +68,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from ec_client.errors import EcdError
-from ec_client.layout import tensor_nbytes
+from ec_client.pool.layout import tensor_nbytes
 from ec_client.units import format_size, parse_size
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank

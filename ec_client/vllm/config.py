@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ec_client._connection import Options, await_daemon
-from ec_client.layout import ENGINE_ID_PATTERN
-from ec_client.mover import dtype_name
+from ec_client.control._connection import Options, await_daemon
+from ec_client.data.mover import dtype_name
+from ec_client.pool.layout import ENGINE_ID_PATTERN
 from ec_client.types import Role
 from ec_client.units import parse_size
 

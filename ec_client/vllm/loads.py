@@ -8,7 +8,7 @@ from wrong embeddings. The decision cannot be taken back when the step's metadat
 `take_unavailable_requests` is read only after the step ran. So the connector answers True only
 for entries it already holds a pin on. A pin is of one of two kinds:
 
-- a *lock pin* (docs/design.md §5, ec_client/slot_locks.py): a shared lock on the entry's slot
+- a *lock pin* (docs/design.md §5, ec_client/pool/slot_locks.py): a shared lock on the entry's slot
   in the pool file, taken by the scheduler side itself, with no round trip, for an entry READY
   in this daemon's pool whose slot the ready view knows. It is given back here (`take_unlocks`)
   and it outlives a daemon restart: the lock belongs to the file.

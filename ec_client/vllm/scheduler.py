@@ -3,8 +3,8 @@
 The scheduler thread waits on no round trip in steady state (docs/design.md §12), pins
 included: everything owed to the daemon and asked of it goes in a Step (one RPC: Release,
 Commit, Abort, Acquire, Allocate, in that order, with the hits and misses answered here since the
-last one) sent from the client's one background thread (`Outbox`, ec_client/outbox.py). What is owed
-(releases of lease pins, commits of landed saves, aborts of failed ones) is handed to the
+last one) sent from the client's one background thread (`Outbox`, ec_client/control/outbox.py). What
+is owed (releases of lease pins, commits of landed saves, aborts of failed ones) is handed to the
 client's Outbox as ops, with the hits and misses, in the `Outbox.step_soon` that asks what is
 asked (pins, allocations) and carries them ahead of the asks: one hand-over, one wake of
 Outbox's thread per Step. The answers to the asks are taken on the scheduler thread
@@ -15,7 +15,7 @@ saves.py) are touched on the scheduler thread alone. Per step:
 
     ensure_cache_available   from local state, no round trip: a needed item READY in this
         daemon's pool whose slot the ready view knows is pinned right there, by a lock on its
-        slot in the pool file (a lock pin: docs/design.md §5, ec_client/slot_locks.py), and its
+        slot in the pool file (a lock pin: docs/design.md §5, ec_client/pool/slot_locks.py), and its
         request admitted in the same call; the hit goes to the daemon with the next Step (its
         counters and LRU order). The items a lock pin cannot take are pinned in the background
         and their request waits one step (see loads.py): those committed a moment ago whose
@@ -90,11 +90,11 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
     get_encoder_output_width,
 )
 
-from ec_client.client import Client
+from ec_client.control.client import Client
+from ec_client.control.outbox import NOT_DELIVERED, Answered, DeferredOp, Outbox
 from ec_client.errors import EcdError
-from ec_client.layout import LayoutError, tensor_nbytes
-from ec_client.outbox import NOT_DELIVERED, Answered, DeferredOp, Outbox
-from ec_client.slot_locks import SlotPins
+from ec_client.pool.layout import LayoutError, tensor_nbytes
+from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import (
     AllocateItem,
     ItemResult,
@@ -139,7 +139,7 @@ class PoolRefused(RuntimeError):
 
 
 class PoolView(Protocol):
-    """What SchedulerSide reads of the pool's view (ec_client.ready_view.ReadyView)."""
+    """What SchedulerSide reads of the pool's view (ec_client.control.ready_view.ReadyView)."""
 
     @property
     def synced(self) -> bool: ...

@@ -46,10 +46,10 @@ from vllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
 )
 
-from ec_client.client import Client
+from ec_client.control.client import Client
+from ec_client.data.mapping import PoolMapping
+from ec_client.data.mover import Load, TensorMover, Transfer, spec_of, wait_all
 from ec_client.errors import EcdError
-from ec_client.mapping import PoolMapping
-from ec_client.mover import Load, TensorMover, Transfer, spec_of, wait_all
 from ec_client.types import PoolInfo
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.metadata import (

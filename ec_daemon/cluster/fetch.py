@@ -37,8 +37,8 @@ from typing import TypeVar
 from ec_client.types import EntryState, Status, StepResult
 from ec_daemon.cluster import codec, pending
 from ec_daemon.cluster.node import ClusterNode, Read
-from ec_daemon.errors import CoreError
-from ec_daemon.store import PullSlot, Store
+from ec_daemon.core.errors import CoreError
+from ec_daemon.core.store import PullSlot, Store
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")

@@ -7,7 +7,7 @@ node's own does the rest, in order: it joins the store (again and again, backing
 master cannot be reached: the daemon serves locally meanwhile), then takes the queued commits a
 batch at a time and for each
 
-1. pins the entry by a lock pin on its slot, as any reader does (ec_client.slot_locks: the
+1. pins the entry by a lock pin on its slot, as any reader does (ec_client.pool.slot_locks: the
    daemon's own index cannot erase the slot's record, hence cannot reuse the entry's blocks,
    while the pin holds), and checks that the slot still holds the key; an entry evicted or
    removed meanwhile is skipped (`gone`), so the bytes published are always the committed
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ec_client.layout import LayoutError
-from ec_client.slot_locks import SlotPins
+from ec_client.pool.layout import LayoutError
+from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import (

@@ -11,7 +11,7 @@ from ecd_testing import run_ecd, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Producer, check_health
-from ec_daemon.spawn import free_port
+from ec_daemon.tools.spawn import free_port
 
 
 def scrape(port: int) -> dict[str, float]:

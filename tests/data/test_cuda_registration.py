@@ -16,9 +16,9 @@ from cuda_fakes import FakeCudart, install_fake_cuda
 from ecd_testing import Daemon, unmap_pools
 
 from ec_client import Client, Consumer, Producer
-from ec_client import mapping as mapping_module
-from ec_client.mapping import PoolMapping
-from ec_client.mover import TensorMover
+from ec_client.data import mapping as mapping_module
+from ec_client.data.mapping import PoolMapping
+from ec_client.data.mover import TensorMover
 
 POOL = "cuda-reg"
 BLOCK = 3072  # not a divisor of 2 MiB: chunks are multiples of both, 6 MiB

@@ -14,8 +14,8 @@ import torch
 from ecd_testing import Daemon, wait_until
 
 from ec_client import Client, Consumer, EcdError, EntryState, Producer, PutStatus
-from ec_client import mover as mover_module
-from ec_client.mover import Transfer
+from ec_client.data import mover as mover_module
+from ec_client.data.mover import Transfer
 
 POOL = "hot"
 BLOCK = 4096

@@ -22,10 +22,10 @@ import torch
 from ecd_testing import Daemon, wait_until
 
 from ec_client import Client, Consumer, EcdError, EntryState, Producer
-from ec_client._session import Send
-from ec_client.mapping import PoolMapping
-from ec_client.mover import LARGE_COPY, Load, TensorMover, Transfer
-from ec_client.slot_locks import SlotPins
+from ec_client.control._session import Send
+from ec_client.data.mapping import PoolMapping
+from ec_client.data.mover import LARGE_COPY, Load, TensorMover, Transfer
+from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import Extent, TensorSpec
 
 POOL = "mover"

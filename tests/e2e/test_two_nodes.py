@@ -28,7 +28,8 @@ from ecd_testing import REPO, Daemon, wait_until
 pytestmark = pytest.mark.timeout(900)
 
 STORE_PYTHON = os.environ.get("ECD_E2E_STORE_PYTHON", str(REPO / ".venv" / "bin" / "python"))
-# Installed beside the interpreter by the mooncake extra (as ec_daemon.spawn_store looks for it).
+# Installed beside the interpreter by the mooncake extra (as ec_daemon.tools.spawn_store looks
+# for it).
 MASTER = str(Path(STORE_PYTHON).with_name("mooncake_master"))
 # As the suite's daemon fixture (tests/e2e/conftest.py): a producer's first step can take
 # several seconds here, and this test checks the store, not the pending timeout.

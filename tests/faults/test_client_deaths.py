@@ -26,13 +26,13 @@ from workload_testing import (
 )
 
 from ec_client import AllocateItem, Client, EntryState, Producer, PutStatus, Status
-from ec_client.layout import pool_file_name
+from ec_client.pool.layout import pool_file_name
 
 POOL = "faults"
 BLOCK = 4096
 CAPACITY = 128 << 20
 LEASE_TTL = 1.0
-REAPER_PERIOD = min(LEASE_TTL / 4, 1.0)  # ec_daemon.server.reap_sessions
+REAPER_PERIOD = min(LEASE_TTL / 4, 1.0)  # ec_daemon.server.server.reap_sessions
 # The longest a dead client's holdings may outlive it: its last renewal was at most one TTL
 # before its death, the reaper looks every REAPER_PERIOD, and the test polls with some slack.
 GIVE_BACK_DEADLINE = LEASE_TTL + REAPER_PERIOD + 0.75
@@ -217,7 +217,7 @@ def test_a_producer_killed_at_a_random_point_loses_only_what_it_had_not_committe
 # also holds some keys' lock pins across its wait, as vLLM's scheduler does from a request's
 # admission to its load: kills then land while entries are locked.
 READER = """
-from ec_client.slot_locks import SlotPins
+from ec_client.pool.slot_locks import SlotPins
 
 c = Client(ADDRESS, name="reader")
 c.open_pool(POOL, BLOCK, CAPACITY)
@@ -307,7 +307,7 @@ def test_a_dead_producers_blocks_are_free_at_once_after_its_death_whatever_the_l
     interpreters: Interpreters, lease_ttl: float
 ) -> None:
     """The figure for operators: a producer on this machine holds a life mark on the pool file
-    (ec_client/life_marks.py), so its blocks come back within the daemon's settle period (0.2
+    (ec_client/pool/life_marks.py), so its blocks come back within the daemon's settle period (0.2
     s) of its death, not one lease later, for the default lease (10 s) as for short ones."""
     args = ("--max-bytes", "256MiB", "--lease-ttl", str(lease_ttl))
     with running_daemon(*args) as daemon, survivor(daemon) as c:
@@ -379,7 +379,7 @@ def test_a_client_killed_holding_an_ephemeral_pool_leaks_neither_its_file_nor_it
 # ---- an ephemeral pool across a daemon restart ---------------------------------------------------
 
 # After a restart, an adopted ephemeral pool waits two leases for its client to open it again
-# (ec_daemon.store.UNCLAIMED_LEASES), then the reaper's period, then the test's slack.
+# (ec_daemon.core.store.UNCLAIMED_LEASES), then the reaper's period, then the test's slack.
 UNCLAIMED_DEADLINE = 2 * LEASE_TTL + REAPER_PERIOD + 0.75
 
 

@@ -1,4 +1,4 @@
-"""Lock pins (docs/design.md §5, ec_client/slot_locks.py) against real daemons and real client
+"""Lock pins (docs/design.md §5, ec_client/pool/slot_locks.py) against real daemons and real client
 processes: real OFD locks on real pool files, real SIGKILLs.
 
 Proven here:
@@ -46,7 +46,7 @@ from workload_testing import (
 
 from ec_client import AllocateItem, Client, Consumer, EntryState, Producer, PutStatus, Status
 from ec_client.errors import EcdError
-from ec_client.slot_locks import SlotPins
+from ec_client.pool.slot_locks import SlotPins
 
 POOL = "locks"
 BLOCK = 4096
@@ -105,8 +105,8 @@ def allocate(client: Client, key: str, blocks: int) -> Status:
 # on "read" reads their bytes under the pins and says which are not the committed ones, and on
 # "unpin" gives the pins back.
 HOLDER = """
-from ec_client.mover import TensorMover
-from ec_client.slot_locks import SlotPins
+from ec_client.data.mover import TensorMover
+from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import Extent, TensorSpec
 
 c = Client(ADDRESS, name="holder")
@@ -366,7 +366,7 @@ READER = (
     SIZE_OF
     + """
 from ec_client.errors import EcdError
-from ec_client.layout import LayoutError
+from ec_client.pool.layout import LayoutError
 from ec_client.types import Extent, TensorSpec
 
 c = Client(ADDRESS, name="reader")

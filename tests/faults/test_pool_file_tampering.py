@@ -1,8 +1,9 @@
 """A pool file truncated, overwritten or removed by another process, on a live daemon.
 
-The daemon never maps pool files (it uses pwrite/pread, see ec_daemon/pool.py), so nothing done to
-a file can crash it: it keeps serving, its other pools are untouched, and within a check interval
-it refuses the changed pool (tests/security/test_pool_tampering.py shows the refusal itself).
+The daemon never maps pool files (it uses pwrite/pread, see ec_daemon/core/pool.py), so nothing
+done to a file can crash it: it keeps serving, its other pools are untouched, and within a check
+interval it refuses the changed pool (tests/security/test_pool_tampering.py shows the refusal
+itself).
 Clients find out on their own: a mapping checks the file before every copy, a new mapping checks
 the header and size, and a consumer that verifies checksums catches overwritten bytes.
 """
@@ -38,7 +39,7 @@ from ec_client import (
     Producer,
     PutStatus,
 )
-from ec_client.layout import HEADER_SIZE, SLOT_SIZE
+from ec_client.pool.layout import HEADER_SIZE, SLOT_SIZE
 
 pytestmark = pytest.mark.fault_kind("pool file tampered with")
 

@@ -44,8 +44,8 @@ from hypothesis import strategies as st
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client.layout import DTYPES, ENGINE_ID_PATTERN
-from ec_daemon.spawn import free_port
+from ec_client.pool.layout import DTYPES, ENGINE_ID_PATTERN
+from ec_daemon.tools.spawn import free_port
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EncoderCache"]
 UNARY = [m.name for m in SERVICE.methods if not m.server_streaming]

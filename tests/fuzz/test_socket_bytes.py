@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from workload_testing import daemon_fds
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_daemon.spawn import free_port
+from ec_daemon.tools.spawn import free_port
 
 METHODS = [
     f"/{pb.DESCRIPTOR.services_by_name['EncoderCache'].full_name}/{m.name}".encode()

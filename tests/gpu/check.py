@@ -41,8 +41,8 @@ from ecd_testing import running_daemon  # noqa: E402
 from gpu_testing import free_bytes, pools_with_room  # noqa: E402
 
 from ec_client import Client, Consumer, Producer  # noqa: E402
-from ec_client.mapping import PoolMapping  # noqa: E402
-from ec_client.mover import TensorMover, Transfer  # noqa: E402
+from ec_client.data.mapping import PoolMapping  # noqa: E402
+from ec_client.data.mover import TensorMover, Transfer  # noqa: E402
 from ec_client.types import AllocateItem, Extent, TensorSpec  # noqa: E402
 
 MiB = 1 << 20

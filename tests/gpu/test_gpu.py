@@ -23,10 +23,10 @@ from ecd_testing import Daemon, wait_until
 from stream_testing import SLEEP, cache_block
 
 from ec_client import Client, Consumer, EntryState, PoolMapping, Producer, PutStatus, TensorMover
-from ec_client import mapping as mapping_module
-from ec_client.cuda_runtime import cuda_runtime
-from ec_client.mover import byte_view, spec_of
-from ec_client.outbox import OutboxBatch
+from ec_client.control.outbox import OutboxBatch
+from ec_client.data import mapping as mapping_module
+from ec_client.data.cuda_runtime import cuda_runtime
+from ec_client.data.mover import byte_view, spec_of
 from ec_client.types import CommitItem, Extent, StepResult
 
 POOL = "gpu"

@@ -26,7 +26,7 @@ from ec_client import (
     PutStatus,
     Status,
 )
-from ec_client.outbox import DeferredOp, OutboxBatch
+from ec_client.control.outbox import DeferredOp, OutboxBatch
 
 POOL = "vl"
 BLOCK = 4096

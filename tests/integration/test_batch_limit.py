@@ -1,6 +1,6 @@
 """A daemon with a small --max-batch, and clients whose batches are larger: the client learns the
 limit when it opens its session (OpenSessionReply.max_batch) and sends every batch in requests the
-daemon accepts (ec_client/_session.py, `call`), so nothing fails for being large.
+daemon accepts (ec_client/control/_session.py, `call`), so nothing fails for being large.
 
 Proves: put_many and get_many of more items than the limit (and the Commits and Releases they owe,
 which ride on Steps) store and load every item; Lookup, Acquire with a wait, Evict and Delete of

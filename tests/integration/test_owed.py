@@ -1,5 +1,5 @@
-"""What a client owes a pool (ec_client/outbox.py: commits, releases, aborts it sends with its next
-Step) against a real daemon, when a Step that was to carry it does not go or is cut short.
+"""What a client owes a pool (ec_client/control/outbox.py: commits, releases, aborts it sends with
+its next Step) against a real daemon, when a Step that was to carry it does not go or is cut short.
 
 Proves: a Step refused for the caller's own items (a key, shape, dtype or checksum list that
 cannot make a Step) raises that error and leaves what is owed owed: the next Step carries it,
@@ -20,7 +20,7 @@ import pytest
 from ecd_testing import Daemon
 
 from ec_client import AllocateItem, AsyncClient, Client, EcdError, ItemResult, Status
-from ec_client.outbox import DeferredOp, Outbox
+from ec_client.control.outbox import DeferredOp, Outbox
 
 POOL = "owed"
 BLOCK = 4096

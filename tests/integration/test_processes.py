@@ -18,7 +18,7 @@ import torch
 from ecd_testing import REPO, Daemon, assert_blocks_accounted
 
 from ec_client import AllocateItem, Client, Consumer, EcdError, EntryState, Producer, Status
-from ec_client.producer import PutStatus
+from ec_client.data.producer import PutStatus
 
 POOL = "shared"
 BLOCK = 4096
@@ -148,7 +148,7 @@ def test_a_killed_client_that_holds_no_life_mark_loses_its_allocations_and_pins_
             """
             # As a client on another machine (TCP), or one that cannot open the pool's file: it
             # marks nothing the daemon can probe, so only its lease tells it died.
-            from ec_client.life_marks import LifeMarks
+            from ec_client.pool.life_marks import LifeMarks
             LifeMarks.mark = lambda self, engine_id, path, session_id: None
             c = Client(ADDRESS, name="victim")
             c.open_pool(POOL, BLOCK, CAPACITY)

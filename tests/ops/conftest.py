@@ -6,8 +6,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
-from ec_daemon import config
 from ec_daemon.cli import build_parser
+from ec_daemon.server import config
 
 
 def serve_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> config.Config:

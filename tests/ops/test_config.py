@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ecd_testing import DEFAULT_ARGS, run_ecd, running_daemon
 
-from ec_daemon import config
+from ec_daemon.server import config
 
 GiB = 1 << 30
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ecd_testing import REPO
 
-from ec_daemon.config import Config
+from ec_daemon.server.config import Config
 
 DOCKER = REPO / "deploy" / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"

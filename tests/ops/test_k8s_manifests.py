@@ -19,7 +19,7 @@ from ecd_testing import REPO
 
 from ec_client.units import parse_size
 from ec_daemon.cluster.mooncake import LOCAL_BUFFER_BYTES
-from ec_daemon.config import Config
+from ec_daemon.server.config import Config
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

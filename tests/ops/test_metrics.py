@@ -176,7 +176,8 @@ def test_evictions_are_counted_by_cause(metrics_daemon: tuple[Daemon, int]) -> N
 def test_misses_answered_from_the_clients_view_are_counted(
     metrics_daemon: tuple[Daemon, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)  # only the settle sends them
+    # Only the settle sends them.
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)
     daemon, port = metrics_daemon
     with daemon.client(name="metrics", keepalive=False) as client:
         client.open_pool(POOL, block_size_bytes=BLOCK, capacity_bytes=CAPACITY)

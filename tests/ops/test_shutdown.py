@@ -26,7 +26,7 @@ from http2_testing import (
 from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client.layout import pool_file_name
+from ec_client.pool.layout import pool_file_name
 from ec_client.types import AcquireResult, Status
 
 POOL = "shutdown-pool"
@@ -52,7 +52,7 @@ def test_sigterm_turns_not_serving_refuses_new_calls_and_keeps_pool_files() -> N
         health.cancel()
         # New calls are refused from now on: with UNAVAILABLE, or CANCELLED when grpc took the
         # call in as it began to stop (ec_client retries both for calls safe to retry, see
-        # ec_client/_session.py).
+        # ec_client/control/_session.py).
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.EncoderCacheStub(channel).Stats(pb.StatsRequest(), timeout=2)
         assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from ecd_testing import REPO, running_daemon
 
-from ec_daemon.config import Config
+from ec_daemon.server.config import Config
 
 SYSTEMD = REPO / "deploy" / "systemd"
 UNIT = SYSTEMD / "ecd.service"

@@ -14,7 +14,7 @@ from ecd_testing import Daemon, auth_args, running_daemon
 from pki_testing import make_pki, tls_args
 
 from ec_client import AllocateItem, Client, EcdError, Status, TLSFiles, check_health
-from ec_daemon.spawn import free_port
+from ec_daemon.tools.spawn import free_port
 
 TOKENS = {
     "encoder": "enc-0123456789abcdef",

@@ -18,7 +18,7 @@ from ec_client import AllocateItem, Client
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client.types import MAX_MISSES_PER_STEP, PoolStats
-from ec_daemon.spawn import free_port
+from ec_daemon.tools.spawn import free_port
 
 TOKENS = {
     "engine": "engine-0123456789abcdef",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ec_daemon.allocator import Extent, ExtentAllocator
+from ec_daemon.core.allocator import Extent, ExtentAllocator
 
 
 def test_a_fresh_allocator_has_one_free_run_of_every_block() -> None:

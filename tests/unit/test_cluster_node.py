@@ -20,8 +20,8 @@ from ec_client.types import PoolInfo, Status, TensorSpec
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings
 from ec_daemon.cluster.node import ClusterNode
-from ec_daemon.pools import PoolSettings
-from ec_daemon.store import Store, StoreConfig
+from ec_daemon.core.pools import PoolSettings
+from ec_daemon.core.store import Store, StoreConfig
 
 BLOCK = 4096  # one row of 2048 bf16
 ROWS = 4

@@ -14,14 +14,14 @@ from core_testing import session
 from ecd_testing import wait_until
 
 from ec_client.types import Status, TensorSpec
-from ec_daemon import config
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.cluster.pending import Claims, Marker, RemoteWaits, marker_key
-from ec_daemon.events import EventHub
-from ec_daemon.server import build_store
-from ec_daemon.store import Store
+from ec_daemon.core.store import Store
+from ec_daemon.server import config
+from ec_daemon.server.events import EventHub
+from ec_daemon.server.server import build_store
 
 BLOCK = 4096
 SPEC = TensorSpec((1, 2048), "bfloat16", BLOCK)

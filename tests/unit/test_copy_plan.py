@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ec_client.mapping import Span, chunk_bytes, register_chunks, split_at
-from ec_client.mover import Transfer, cuda_device, wait_all
+from ec_client.data.mapping import Span, chunk_bytes, register_chunks, split_at
+from ec_client.data.mover import Transfer, cuda_device, wait_all
 
 
 def test_a_chunk_is_the_most_whole_blocks_and_whole_2_mib_under_the_limit() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from ec_client.types import EventType, WatchEvent
-from ec_daemon.events import EventHub, StreamEnd
+from ec_daemon.server.events import EventHub, StreamEnd
 
 
 def event(type: EventType, key: bytes = b"k", engine_id: str = "p") -> WatchEvent:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ec_daemon.eviction import POLICIES, FIFOPolicy, LRUPolicy
+from ec_daemon.core.eviction import POLICIES, FIFOPolicy, LRUPolicy
 
 
 def test_fifo_proposes_in_commit_order_whatever_was_hit() -> None:

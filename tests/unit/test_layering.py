@@ -1,6 +1,7 @@
-"""The packages' one arrow of imports (docs/design.md §2): the daemon uses the client library's
+"""The packages' arrows of imports (docs/design.md §2). The daemon uses the client library's
 public modules and the generated protobuf modules, never a private one; the client library never
-imports the daemon."""
+imports the daemon. Inside each package, layers import one way only: a module imports its own
+layer and the layers below it, never one above."""
 
 from __future__ import annotations
 
@@ -9,18 +10,81 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Layers top to bottom. A module's layer is that of the longest of these names its own name starts
+# with: the daemon's loose modules (`cli`, `__main__`) are its top.
+DAEMON_LAYERS = [
+    ("ec_daemon",),
+    ("ec_daemon.tools",),
+    ("ec_daemon.server",),
+    ("ec_daemon.cluster",),
+    ("ec_daemon.core",),
+]
+# The client library's loose modules (the API's values, its errors, ...) and the pool file's
+# format and locks are its base, which the daemon shares; the public names (`ec_client`) sit on
+# top, beside the vLLM connector and the benches.
+CLIENT_LAYERS = [
+    ("ec_client", "ec_client.vllm", "ec_client.bench"),
+    ("ec_client.data",),
+    ("ec_client.control",),
+    (
+        "ec_client.pool",
+        "ec_client.types",
+        "ec_client.errors",
+        "ec_client.units",
+        "ec_client.address",
+        "ec_client.token_file",
+        "ec_client._proto",
+    ),
+]
 
-def imported(package: str) -> set[str]:
-    """Every module the package's files import, by its full name."""
-    names: set[str] = set()
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: str) -> dict[str, set[str]]:
+    """Each module of the package (the generated protobuf modules aside) and every name it
+    imports, by its full name, wherever in the module the import is."""
+    found: dict[str, set[str]] = {}
     for path in (REPO / package).rglob("*.py"):
+        if "_proto" in path.parts:
+            continue
+        names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module)
+                # `from P import X` takes P.X: a module of P, or a name P holds.
                 names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+            elif isinstance(node, ast.ImportFrom):
+                raise AssertionError(f"{path}: a relative import hides its layer")
+        found[module_name(path)] = names
+    return found
+
+
+def imported(package: str) -> set[str]:
+    return set().union(*modules(package).values())
+
+
+def layer(name: str, layers: list[tuple[str, ...]]) -> int:
+    """The rank of the layer a module (or a name it holds) belongs to, 0 at the top: that of the
+    longest prefix it starts with."""
+    return max(
+        (len(prefix), rank)
+        for rank, prefixes in enumerate(layers)
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".")
+    )[1]
+
+
+def upward_imports(package: str, layers: list[tuple[str, ...]]) -> list[str]:
+    return [
+        f"{module} imports {name}, a layer above its own"
+        for module, names in sorted(modules(package).items())
+        for name in sorted(names)
+        if name.split(".")[0] == package and layer(name, layers) < layer(module, layers)
+    ]
 
 
 def test_the_daemon_imports_no_private_module_of_the_client_library() -> None:
@@ -37,3 +101,41 @@ def test_the_daemon_imports_no_private_module_of_the_client_library() -> None:
 
 def test_the_client_library_never_imports_the_daemon() -> None:
     assert not {name for name in imported("ec_client") if name.split(".")[0] == "ec_daemon"}
+
+
+def test_each_daemon_layer_imports_only_itself_and_the_layers_below() -> None:
+    """cli -> tools -> server -> cluster -> core."""
+    assert not upward_imports("ec_daemon", DAEMON_LAYERS)
+
+
+def test_the_daemon_core_imports_no_grpc_protobuf_or_asyncio() -> None:
+    """The core is synchronous pure Python: the server translates and waits, the core decides."""
+    banned = ("grpc", "google.protobuf", "ec_client._proto", "asyncio", "uvloop")
+    core = layer("ec_daemon.core", DAEMON_LAYERS)
+    found = {
+        f"{module} imports {name}"
+        for module, names in modules("ec_daemon").items()
+        if layer(module, DAEMON_LAYERS) == core
+        for name in names
+        if any(name == root or name.startswith(root + ".") for root in banned)
+    }
+    assert not found
+
+
+def test_each_client_layer_imports_only_itself_and_the_layers_below() -> None:
+    """vllm, benches, the public names -> data path -> control client -> base."""
+    assert not upward_imports("ec_client", CLIENT_LAYERS)
+
+
+def test_the_client_library_imports_torch_only_in_its_data_path_and_above() -> None:
+    """The daemon and the control clients never pay for importing torch (the public names load
+    the data path on first use)."""
+    found = {
+        f"{module} imports {name}"
+        for module, names in modules("ec_client").items()
+        if layer(module, CLIENT_LAYERS) >= layer("ec_client.control", CLIENT_LAYERS)
+        or module == "ec_client"
+        for name in names
+        if name.split(".")[0] == "torch"
+    }
+    assert not found

@@ -1,5 +1,5 @@
-"""Outbox: what a client owes the daemon with nobody waiting (ec_client/outbox.py), with fake copies
-and a fake sender; no daemon.
+"""Outbox: what a client owes the daemon with nobody waiting (ec_client/control/outbox.py), with
+fake copies and a fake sender; no daemon.
 
 Proves: an op goes only once its copy landed (or, when flushing, after waiting for it); a commit
 whose copy failed leaves as an abort and its owner hears why; each op gets its own answer and
@@ -28,8 +28,8 @@ import grpc
 import pytest
 from ecd_testing import wait_until
 
+from ec_client.control.outbox import Answered, DeferredOp, Outbox, OutboxBatch
 from ec_client.errors import EcdError
-from ec_client.outbox import Answered, DeferredOp, Outbox, OutboxBatch
 from ec_client.types import (
     MAX_HITS_PER_STEP,
     MAX_MISSES_PER_STEP,
@@ -510,7 +510,7 @@ def test_hits_read_under_lock_pins_ride_on_the_pools_next_step() -> None:
 def test_a_step_carries_at_most_the_protocols_hits_and_the_rest_go_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)
     o, sender = owed(linger_s=60.0)
     keys = [b"k%d" % i for i in range(MAX_HITS_PER_STEP + 10)]
     o.hits(POOL, keys)  # a busy engine's hits, more than one Step may carry
@@ -523,7 +523,7 @@ def test_a_step_carries_at_most_the_protocols_hits_and_the_rest_go_at_once(
 def test_a_step_carries_at_most_the_protocols_misses_and_the_rest_go_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)
     o, sender = owed(linger_s=60.0)
     o.misses(POOL, MAX_MISSES_PER_STEP + 10)  # more than one Step may carry
     wait_until(lambda: len(sender.batches) == 1)  # due at once, not after the linger
@@ -597,7 +597,7 @@ def test_a_step_of_nothing_but_misses_the_daemon_refused_drops_them_and_says_so(
 def test_the_background_sends_a_quiet_pools_misses_after_the_misses_linger(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 0.2)
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 0.2)
     o, sender = owed(linger_s=0.01)
     o.misses(POOL, 5)
     assert not sender.sent.wait(0.1)  # a count waits longer than a pin for a Step to ride on
@@ -616,7 +616,7 @@ def test_flush_sends_the_misses_owed() -> None:
 
 
 def test_a_new_pools_misses_wait_the_misses_linger_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ec_client.outbox.ANSWERED_LINGER_S", 60.0)
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)
     sender = Sender()
     o = Outbox(sender, 0.01)  # no Step to the pool yet
     o.misses(POOL, 1)

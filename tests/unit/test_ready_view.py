@@ -14,8 +14,8 @@ from typing import Any, cast
 import grpc
 import pytest
 
+from ec_client.control.ready_view import ReadyView
 from ec_client.errors import EcdError
-from ec_client.ready_view import ReadyView
 from ec_client.types import EventType, WatchEvent
 
 BROKEN = object()

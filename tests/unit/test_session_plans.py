@@ -1,6 +1,6 @@
-"""The decisions every client call makes (ec_client/_session.py), driven by a scripted daemon: no
-gRPC, no sockets. The same plans run under Client and AsyncClient, so this is where their rules
-are pinned down.
+"""The decisions every client call makes (ec_client/control/_session.py), driven by a scripted
+daemon: no gRPC, no sockets. The same plans run under Client and AsyncClient, so this is where their
+rules are pinned down.
 
 Proves: UNAVAILABLE is retried with growing pauses until the connect deadline; a call that finds
 no daemon fails at once by default, or waits wait_for_daemon_s for it and then says for how long
@@ -20,12 +20,12 @@ from typing import Any
 import grpc
 import pytest
 
-from ec_client import _wire
-from ec_client._connection import Options
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
+from ec_client.control import _wire
+from ec_client.control._connection import Options
+from ec_client.control._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
+from ec_client.control.outbox import Answered, DeferredOp, OutboxBatch
 from ec_client.errors import EcdError
-from ec_client.outbox import Answered, DeferredOp, OutboxBatch
 from ec_client.types import AllocateItem, Role, Status
 
 UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")

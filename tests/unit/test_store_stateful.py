@@ -35,8 +35,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_client.layout import SLOT_DOOMED_MARK, SLOT_READY_MARK, SLOT_SIZE, slot_offset
-from ec_client.slot_locks import PinnedEntry, SlotPins, lock_shared, unlock
+from ec_client.pool.layout import SLOT_DOOMED_MARK, SLOT_READY_MARK, SLOT_SIZE, slot_offset
+from ec_client.pool.slot_locks import PinnedEntry, SlotPins, lock_shared, unlock
 from ec_client.types import EntryState, EventType, Extent, Role, Status
 
 BLOCK = 512

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ec_client import _wire
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
+from ec_client.control import _wire
 from ec_client.types import (
     EntryInfo,
     EntryState,
@@ -18,7 +18,7 @@ from ec_client.types import (
     Status,
     WatchEvent,
 )
-from ec_daemon import wire
+from ec_daemon.server import wire
 
 
 def fields(value: type) -> set[str]:

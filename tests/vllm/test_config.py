@@ -127,7 +127,7 @@ def test_vllm_finds_the_connector_by_name_and_module_path() -> None:
 
 def test_importing_ec_client_does_not_import_vllm() -> None:
     done = run_python(
-        "import sys, ec_client, ec_client.mover; assert 'vllm' not in sys.modules, 'imported'"
+        "import sys, ec_client, ec_client.data.mover; assert 'vllm' not in sys.modules, 'imported'"
     )
     assert done.returncode == 0, done.stderr
 

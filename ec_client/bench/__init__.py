@@ -1,0 +1,1 @@
+"""`ecd bench`: its suites (`bench`) and the cluster suite (`bench_cluster`)."""

@@ -1,0 +1,131 @@
+"""A Mooncake master on loopback and daemons joined to its store, as child processes, for
+`ecd bench --spawn --suite cluster` (ec_client.bench.bench_cluster). The cluster tests' harness
+(tests/cluster_testing.py) starts its master with the same command line and readiness wait."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ec_daemon.tools.spawn import SpawnedDaemon, free_port, restartable_daemon
+
+# The mooncake extra installs it beside the interpreter (the venv's bin), on PATH or not.
+MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
+
+
+def master_command(
+    rpc_port: int, http_port: int, metrics_port: int, binary: str = MASTER_BINARY
+) -> list[str]:
+    """`mooncake_master` (`binary`) on loopback with its own HTTP metadata server."""
+    return [
+        binary,
+        f"--rpc_port={rpc_port}",
+        "--rpc_address=127.0.0.1",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http_port}",
+        f"--metrics_port={metrics_port}",
+    ]
+
+
+def wait_listening(
+    proc: subprocess.Popen[bytes], ports: Sequence[int], timeout_s: float, log: Path
+) -> None:
+    """Return once every loopback port accepts a connection; RuntimeError (with the process's
+    log) if it exits first or a port is not listening within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"exited with {proc.returncode}: {log.read_text(errors='replace')}"
+                )
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"not listening on {port}: {log.read_text(errors='replace')}"
+                    ) from None
+                time.sleep(0.05)
+
+
+def _text(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+@dataclass
+class MasterAddress:
+    """Where a `mooncake_master` on loopback answers."""
+
+    rpc_port: int
+    http_port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def store_flags(self, segment: str) -> list[str]:
+        """`ecd serve` flags that join this master, lending it `segment` (a size)."""
+        return [
+            "--store-master", self.address, "--store-metadata", self.metadata,
+            "--store-segment-bytes", segment, "--transfer-host", "127.0.0.1",
+        ]  # fmt: skip
+
+
+@dataclass
+class SpawnedMaster(MasterAddress):
+    """A `mooncake_master` child process on loopback."""
+
+    pid: int
+
+
+@contextmanager
+def spawned_master(prefix: str = "ecd-") -> Iterator[SpawnedMaster]:
+    """A Mooncake master on free loopback ports; killed and cleaned up on exit."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    log = workdir / "master.log"
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            master_command(rpc, http, metrics), stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_listening(proc, (rpc, http), 20.0, log)
+        yield SpawnedMaster(rpc, http, proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextmanager
+def spawned_store_daemons(
+    master: SpawnedMaster, segments: Sequence[str], *args: str, prefix: str = "ecd-"
+) -> Iterator[list[SpawnedDaemon]]:
+    """A daemon joined to `master` for each of `segments`, lending it that much ("0": none);
+    serving when yielded."""
+    with contextlib.ExitStack() as stack:
+        daemons = []
+        for segment in segments:
+            daemon = stack.enter_context(
+                restartable_daemon(*master.store_flags(segment), *args, prefix=prefix)
+            )
+            daemon.start()
+            daemon.wait_serving(30.0)
+            daemons.append(daemon)
+        yield daemons
