@@ -30,9 +30,10 @@ The steps:
 
 A missed key (evicted between the view's READY and the pin: the lock found another record, or
 the Acquire nothing) is encoded by its request instead, and that request is not held back for
-that key again, so nothing waits forever. Nor is a request held back for a key already scheduled
-for it (loaded or encoded): a request whose prefill spans several steps is asked about again
-every step, and its encoder output is on the GPU by then.
+that key again, so nothing waits forever (with `wait_s`, not past that wait: see `admit`). Nor
+is a request held back for a key already scheduled for it (loaded or encoded): a request whose
+prefill spans several steps is asked about again every step, and its encoder output is on the
+GPU by then.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class LoadBook:
         self._wanted: dict[str, set[str]] = {}  # key -> requests waiting for its pin
         self._acquiring: dict[str, set[str]] = {}  # the same, its Acquire on its way
         self._no_wait: set[tuple[str, str]] = set()  # (request, key): missed, or scheduled
+        self._asked: set[tuple[str, str]] = set()  # (request, key): an Acquire found nothing
         self._absent_since: dict[tuple[str, str], float] = {}  # (request, key) -> first seen
         self._by_request: defaultdict[str, set[str]] = defaultdict(set)  # for forget()
         self._releases: list[int] = []  # lease pins owed back to the daemon
@@ -119,11 +121,13 @@ class LoadBook:
         is wanted (pinned at the next flush); a key `pending` in the pool (a producer is
         writing it) is waited for until its fate is known, however long: committed, it is READY
         (then pinned and loaded); aborted (by its producer, at its process's death, or at the
-        daemon's pending timeout), it is absent (then encoded). With `elsewhere` (the pool is
-        shared through the cluster's store) a key the pool lacks is wanted too: its Acquire asks
-        the store (a remote hit, or PENDING while another node writes it, or a miss: then
-        encoded). With wait_s a key the pool lacks is waited for up to that long (another engine
-        may be about to encode it). Any of these holds the request back this step."""
+        daemon's pending timeout), it is absent (then encoded). With `elsewhere` a key the view
+        lacks is wanted too, once per request: its Acquire asks the daemon, which may know more
+        than the view (the pool is shared through the cluster's store: a remote hit, or PENDING
+        while another node writes it; or the view has not heard yet of an entry another engine
+        allocated or committed a moment ago); its miss is encoded. With wait_s a key the pool
+        lacks (asked first, with `elsewhere`) is waited for up to that long (another engine may
+        be about to encode it). Any of these holds the request back this step."""
         admitted = True
         for key in keys:
             self._by_request[request_id].add(key)
@@ -144,15 +148,18 @@ class LoadBook:
                     locked.holders = waiting
                 locked.holders.add(request_id)
                 self._pins[key] = locked
-            elif locked is not None:  # missed: encoded, like a missed Acquire
+                continue
+            if locked is not None:  # missed: encoded, like a missed Acquire
                 self._no_wait.add((request_id, key))
-            elif key in self._wanted or ready(key):
+                continue
+            asked = (request_id, key) in self._asked  # and found absent: not asked again
+            if not asked and (key in self._wanted or ready(key)):
                 self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
             elif pending(key):  # single flight: its producer's commit, or abort, decides
                 self._absent_since.pop((request_id, key), None)
                 admitted = False
-            elif elsewhere:  # the store may have it, or another node be writing it: asked
+            elif elsewhere and not asked:  # the daemon may know more than the view
                 self._wanted.setdefault(key, set()).add(request_id)
                 admitted = False
             elif wait_s > 0:
@@ -214,7 +221,9 @@ class LoadBook:
     ) -> list[str]:
         """Record one Acquire of `keys`; returns the keys that were not pinned (gone meanwhile,
         or of a shape this engine cannot use). A pin that is not usable is released. A key
-        answered PENDING keeps its requests held, without a pin: admit decides again."""
+        answered PENDING keeps its requests held, without a pin: admit decides again. A key
+        found absent is not asked again for its requests (admit encodes it, or waits `wait_s`);
+        one of a shape this engine cannot use is not waited for either."""
         missing = []
         for key, result in zip(keys, results, strict=True):
             requests = self._wanted.pop(key, set()) | self._acquiring.pop(key, set())
@@ -227,11 +236,13 @@ class LoadBook:
                 self._pins[key] = pin
                 self._release_if_unused(key)  # its requests may have gone meanwhile
                 continue
-            if result.status is Status.HIT:
-                self._releases.append(result.lease_id)
             if result.status is Status.PENDING:  # being written (here, or on another node):
                 continue  # held on, as admit holds a key the view says PENDING
-            self._no_wait.update((request_id, key) for request_id in requests)
+            if result.status is Status.HIT:  # not usable here
+                self._releases.append(result.lease_id)
+                self._no_wait.update((request_id, key) for request_id in requests)
+            else:
+                self._asked.update((request_id, key) for request_id in requests)
             missing.append(key)
         return missing
 
@@ -276,6 +287,7 @@ class LoadBook:
         for key in self._by_request.pop(request_id, ()):
             self.drop_holder(request_id, key)
             self._no_wait.discard((request_id, key))
+            self._asked.discard((request_id, key))
             self._absent_since.pop((request_id, key), None)
 
     def take_releases(self) -> list[int]:

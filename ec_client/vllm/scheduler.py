@@ -19,10 +19,11 @@ saves.py) are touched on the scheduler thread alone. Per step:
         request admitted in the same call; the hit goes to the daemon with the next Step (its
         counters and LRU order). The items a lock pin cannot take are pinned in the background
         and their request waits one step (see loads.py): those committed a moment ago whose
-        slot the view has not heard yet, and, in a pool shared through the daemon's store, an
-        item the pool lacks: its Acquire is a remote hit, PENDING while another node's engine
-        encodes it (then held as for an item PENDING here), or a miss (then encoded): single
-        flight across nodes.
+        slot the view has not heard yet, and an item the view lacks where misses are asked (in
+        an engine that only consumes, and in a pool shared through the daemon's store): its
+        Acquire is a hit the view had not heard of yet, or a remote hit, PENDING while another
+        engine (here, or on another node) encodes it (then held as for an item PENDING in the
+        view), or a miss (then encoded): single flight across engines and nodes.
     has_cache_item, update_state_after_alloc   bookkeeping.
     build_connector_meta     one background Step (step_soon): releases owed, aborts of failed
         copies, pins for the wanted items, entries for this step's new outputs. The metadata
@@ -54,7 +55,9 @@ yet) until that entry is committed (then it loads it: single flight, docs/design
 aborted (then it encodes it); the daemon bounds how long that can take (its producer's death
 ends it at once, its --pending-timeout in any case). In the disaggregated flow the request
 reaches this engine as soon as the encoder engine answered, a step or two before that engine
-commits.
+commits, and sometimes before this process heard of the entry at all (the Watch event is on
+its way): so an engine that only consumes asks the daemon about an item its view lacks (see
+`_ask_misses`) instead of encoding it at once.
 
 While requests are held so, vLLM would step the engine empty as fast as it can (its busy loop
 steps while any request is unfinished, and offers a connector no way to park a request, nor to
@@ -312,9 +315,16 @@ class SchedulerSide:
         self.client: SchedulerClient | None = None
         self._generation = ("", "")
         self._slot_pins: SlotPins | None = None  # the lock pins on the current pool file
-        # Whether the pool is shared through the daemon's store: then a key it lacks is asked
-        # of the daemon, in the background (docs/design.md §13, single flight across nodes).
-        self._shared = False
+        # Whether a key the view lacks is asked of the daemon, in the background, its request
+        # held one step, rather than encoded at once: in a pool shared through the daemon's
+        # store (docs/design.md §13, single flight across nodes), and in an engine that only
+        # consumes. There a request comes after its encoder engine answered (the disaggregated
+        # flow), and a view that lacks the image has most likely not heard yet of the entry
+        # that engine allocated or committed a moment ago: its Watch events reach this process
+        # a few ms to tens of ms later under load, and a miss would encode again what is being
+        # saved (docs/design.md §4). An engine that encodes and saves answers its misses from
+        # the view alone, with no round trip.
+        self._ask_misses = not self.config.is_producer
         self.view: PoolView = NothingReady()
         try:
             self._connect()
@@ -359,7 +369,8 @@ class SchedulerSide:
                 ) from None
             raise
         self.client = client
-        self._shared = shared
+        if shared:  # the store may have what this node lacks, or another node be writing it
+            self._ask_misses = True
         self._generation = self._current_generation(client)
         self._slot_pins = self._open_slot_pins(client)
         view = client.view(c.pool)  # reattaches by reopening the pool
@@ -409,7 +420,7 @@ class SchedulerSide:
             wait_s,
             pending=self._pending,
             lock=self._lock_pin,
-            elsewhere=self._shared and self.view.synced,
+            elsewhere=self._ask_misses and self.view.synced,
         )
         self._held = self._held or not admitted
         return admitted
@@ -427,10 +438,10 @@ class SchedulerSide:
         self.loads.scheduled(request.request_id, key)
         if self._ready(key):
             return
-        if self.config.is_consumer and self.view.synced and not self._shared:
+        if self.config.is_consumer and self.view.synced and not self._ask_misses:
             # A miss the view answered (nothing was asked of the daemon): its count rides on
-            # the next Step, for the daemon's miss counters (see _step_soon). In a shared pool
-            # the miss was asked (admit's `elsewhere`), and the daemon counted it then.
+            # the next Step, for the daemon's miss counters (see _step_soon). Where misses are
+            # asked (admit's `elsewhere`), the daemon counted it then.
             self._misses += 1
         if self.config.is_producer:
             spec = self._save_spec(feature)

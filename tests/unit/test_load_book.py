@@ -341,6 +341,23 @@ def test_in_a_shared_pool_an_absent_key_is_asked_of_the_daemon_and_its_miss_enco
     assert book.admit("r1", ["k"], ready(), 0.1, 0.0, elsewhere=True)
 
 
+def test_an_absent_key_the_daemon_lacks_too_is_not_asked_again_for_its_request() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready(), 0.0, 0.0, elsewhere=True)
+    book.acquired(book.take_wanted(), [miss("k")], lambda spec: True)
+    book.admit("r1", ["k"], ready(), 0.1, 0.0, elsewhere=True)
+    assert book.wanted() == []
+
+
+def test_with_a_wait_an_absent_key_the_daemon_lacks_is_waited_for_before_it_is_encoded() -> None:
+    book = LoadBook(1)
+    book.admit("r1", ["k"], ready(), 0.0, 1.0, elsewhere=True)
+    book.acquired(book.take_wanted(), [miss("k")], lambda spec: True)
+    assert not book.admit("r1", ["k"], ready(), 0.1, 1.0, elsewhere=True)  # its wait begins
+    assert not book.admit("r1", ["k"], ready(), 0.9, 1.0, elsewhere=True)
+    assert book.admit("r1", ["k"], ready(), 1.2, 1.0, elsewhere=True)
+
+
 def test_a_key_another_node_writes_holds_its_request_until_its_fate_is_known() -> None:
     book = LoadBook(1)
     book.admit("r1", ["k"], ready(), 0.0, 0.0, elsewhere=True)

@@ -3,7 +3,10 @@ the real Outbox whose Steps a fake daemon answers, and a ready view the test fil
 vLLM's own (ec_client.vllm.offline), as vLLM tests ECCPUScheduler with stand-in requests; the
 end-to-end tests (tests/vllm) drive the same calls against a real daemon and real workers.
 
-Proves: a miss the view answered is owed, not sent; an item READY whose slot is not known is
+Proves: in an engine that saves, a miss the view answered is not asked (its count rides on the
+next Step); in one that only
+consumes, an item its view lacks is asked in one background Step (loaded, held while PENDING, or
+encoded); an item READY whose slot is not known is
 pinned by one background Step and its request admitted at the next call; a lease pin is released
 once every loading rank reported; a landed save is committed at once and READY in the view, and
 its commit on its way keeps the engine stepping no longer; what a
@@ -117,9 +120,10 @@ class Sent:
 
 class FakeClient:
     """A client of a fake daemon: the real Outbox (its thread sends every Step), each Step recorded
-    and answered here: releases, commits, aborts OK; an acquire a HIT with the next lease ID if
-    the test put its key in `cached`, else a MISS; an allocate ALLOCATED, as allocation 1000,
-    1001, ... in the order asked (`allocations`). With `error` set, every Step fails with it."""
+    and answered here: releases, commits, aborts OK; an acquire PENDING if the test put its key
+    in `writing`, a HIT with the next lease ID if in `cached`, else a MISS; an allocate
+    ALLOCATED, as allocation 1000, 1001, ... in the order asked (`allocations`). With `error`
+    set, every Step fails with it."""
 
     def __init__(self) -> None:
         self.session_id = "session-1"
@@ -129,6 +133,7 @@ class FakeClient:
         )
         self.fake_view = FakeView()
         self.cached: dict[str, TensorSpec] = {}
+        self.writing: set[str] = set()  # keys an acquire finds PENDING (another engine's)
         self.error: EcdError | None = None
         self.sent: list[Sent] = []
         self.closed = False
@@ -181,6 +186,8 @@ class FakeClient:
         )
 
     def _acquire(self, key: str) -> AcquireResult:
+        if key in self.writing:
+            return AcquireResult(key.encode(), Status.PENDING, "", 0, (), None, 0)
         spec = self.cached.get(key)
         if spec is None:
             return AcquireResult(key.encode(), Status.MISS, "", 0, (), None, 0)
@@ -358,16 +365,66 @@ def test_a_cluster_namespace_given_is_asked_as_it_is_with_no_stats(client: FakeC
     assert (client.namespace, client.stats_asked) == ("team-a@embedding", 0)
 
 
-def test_a_miss_the_view_answers_is_owed_to_the_daemon_with_the_next_step_and_nothing_is_sent(
+def test_in_an_engine_that_saves_a_miss_the_view_answered_is_not_asked_and_rides_on_the_next_step(
     client: FakeClient,
 ) -> None:
-    side = scheduler(client, role="ec_consumer")
+    side = scheduler(client, role="ec_both")
     request = image_request("r1", ["img-new"], ROWS)
     assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-new")
     side.update_state_after_alloc(request, 0)
+    assert client.sent == []
     side.build_connector_meta()
-    assert not side.rpcs and client.sent == [] and not side.has_pending_push_work()
-    assert client.outbox.take(side.config.pool).answered.misses == 1  # for the next Step
+    client.flush(5)
+    assert [s.acquires for s in client.sent if s.acquires] == []  # nothing was asked
+    assert sum(s.misses for s in client.sent) == 1  # the miss's count, with the save's Allocate
+
+
+def consume(side: SchedulerSide, client: FakeClient, key: str) -> bool:
+    """One step of a request (r1) for `key` in an engine whose view lacks it: its first pass is
+    held, its Step answered; whether the next pass admits it."""
+    request = image_request("r1", [key], ROWS)
+    assert not side.ensure_cache_available(request, 0)  # held: the daemon is asked
+    assert client.sent == [] or client.sent[-1].acquires != [key]  # not on this call
+    side.build_connector_meta()
+    client.flush(5)
+    assert client.sent[-1].acquires == [key]
+    return side.ensure_cache_available(request, 0)
+
+
+def test_an_engine_that_only_consumes_loads_an_item_committed_before_its_view_heard_of_it(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer")
+    client.cached["img-a"] = spec(side)  # the encoder engine's commit; no Watch event yet
+    assert consume(side, client, "img-a") and side.has_cache_item("img-a")
+
+
+def test_an_engine_that_only_consumes_holds_an_item_being_written_before_its_view_heard_of_it(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer")
+    client.writing.add("img-a")  # the encoder engine's Allocate; no Watch event yet
+    assert not consume(side, client, "img-a")  # PENDING: held on
+    client.fake_view.writing.add(b"img-a")  # the view hears of it
+    request = image_request("r1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)
+    client.fake_view.writing.discard(b"img-a")  # committed
+    client.fake_view.ready[b"img-a"] = None
+    client.writing.discard("img-a")
+    client.cached["img-a"] = spec(side)
+    side.build_connector_meta()
+    client.flush(5)
+    assert side.ensure_cache_available(request, 0) and side.has_cache_item("img-a")
+
+
+def test_an_engine_that_only_consumes_encodes_an_item_the_daemon_lacks_too_and_owes_no_miss(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer")
+    assert consume(side, client, "img-new")  # a miss: encoded
+    side.update_state_after_alloc(image_request("r1", ["img-new"], ROWS), 0)
+    assert not side.has_cache_item("img-new")
+    assert client.outbox.take(side.config.pool).answered.misses == 0  # the Acquire counted it
 
 
 def test_an_item_ready_with_no_known_slot_is_acquired_in_one_background_step_and_its_request_admitted_at_the_next_call(  # noqa: E501
@@ -638,7 +695,7 @@ def test_an_answer_that_comes_during_a_pass_is_taken_when_the_pass_ends(
 ) -> None:
     # Answers are taken once a pass, at its first request: its later requests would find
     # nothing new, at a cost each. What comes meanwhile waits for build_connector_meta.
-    side = scheduler(client, role="ec_consumer")
+    side = scheduler(client, role="ec_both")  # its miss of img-new answered by the view
     client.fake_view.ready[b"img-a"] = None  # pinned by an Acquire
     client.cached["img-a"] = spec(side)
     waiting = image_request("r1", ["img-a"], ROWS)
