@@ -57,6 +57,14 @@ def new_shm_dir(prefix: str = "ecd-") -> Path:
     return path
 
 
+def daemon_environ() -> dict[str, str]:
+    """What a test's daemon inherits of this process's environment: all but the ECD_ variables.
+    A daemon reads every ECD_ variable as a setting (and warns of one it does not know), so a
+    developer's own settings, or the suites' knobs (ECD_E2E_JSON, ECD_FAULT_SEED, ...), would
+    change what a test sees; a test gives its daemon settings by its flags and `env` alone."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ECD_")}
+
+
 @dataclass
 class Daemon:
     """One daemon; start/stop/kill/restart keep its socket path and shm directory."""
@@ -88,7 +96,10 @@ class Daemon:
         self.starts += 1
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**daemon_environ(), **self.env},
             )
         if wait:
             self.wait_serving(timeout_s)

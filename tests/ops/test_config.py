@@ -212,6 +212,17 @@ def test_an_unknown_ecd_variable_is_warned_about_naming_the_nearest_setting() ->
     assert "ECD_MAX_BYTE (did you mean ECD_MAX_BYTES?)" in log
 
 
+def test_a_test_daemon_takes_no_setting_from_the_environment_the_suite_runs_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ECD_LOG_FORMAT", "json")  # a developer's shell
+    monkeypatch.setenv("ECD_E2E_JSON", "/tmp/figures.json")  # a suite's knob
+    with running_daemon(*DEFAULT_ARGS) as daemon:
+        log = daemon.log()
+    assert log.startswith("ts=")  # text, the default
+    assert "unknown environment variable" not in log
+
+
 def test_help_says_which_size_units_are_powers_of_1000() -> None:
     result = run_ecd("serve", "--help")
     assert "GB or G, MB or M: powers of 1000, so 8G is 8 * 10^9 bytes" in " ".join(
