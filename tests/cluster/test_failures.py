@@ -12,7 +12,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from cluster_testing import NAMESPACE, POOL, pool_stats, published, running_master, store_daemon
+from cluster_testing import (
+    NAMESPACE,
+    POOL,
+    cluster_stats,
+    pool_stats,
+    published,
+    running_master,
+    store_daemon,
+)
 from ecd_testing import Daemon, assert_blocks_accounted, run_ecd, running_daemon, wait_until
 
 from ec_client import Client, Consumer, Producer, Status, check_health
@@ -20,12 +28,6 @@ from ec_client.types import ClusterStats
 
 PULL_TIMEOUT_S = 1.0  # the daemons' default --pull-timeout
 SLACK_S = 3.0  # a loaded machine's scheduling delays, below the ~4 s a store call waits
-
-
-def cluster(client: Client) -> ClusterStats:
-    stats = client.stats().cluster
-    assert stats is not None, "the daemon has no store"
-    return stats
 
 
 def settled(stats: ClusterStats) -> int:
@@ -119,16 +121,16 @@ def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store
         # the calls that find it gone may each wait the store client's RPC timeout (~4 s)
         producer.put("finds-it-gone", old)
         cb.step("shared", acquires=[b"finds-it-gone-too"])
-        wait_until(lambda: not cluster(ca).connected and not cluster(cb).connected, 20)
+        wait_until(lambda: not cluster_stats(ca).connected and not cluster_stats(cb).connected, 20)
         for i in range(3):  # from then on each publish fails fast, counted
-            failed = cluster(ca).publish_failures
+            failed = cluster_stats(ca).publish_failures
             producer.put(f"down-{i}", old)
-            wait_until(lambda n=failed + 1: cluster(ca).publish_failures == n, SLACK_S)
-        lookups_failed = cluster(cb).lookup_failures
+            wait_until(lambda n=failed + 1: cluster_stats(ca).publish_failures == n, SLACK_S)
+        lookups_failed = cluster_stats(cb).lookup_failures
         started = time.monotonic()
         [miss] = cb.step("shared", acquires=[b"never-published"]).acquires  # no lookup made
         assert miss.status is Status.MISS and time.monotonic() - started < SLACK_S
-        assert cluster(cb).lookup_failures > lookups_failed
+        assert cluster_stats(cb).lookup_failures > lookups_failed
         local = Consumer(cb, "shared").get("read-before")  # a local hit: no store call
         assert local is not None and torch.equal(local, old)
         assert pool_stats(cb, "shared").remote_reads == reads
@@ -143,9 +145,9 @@ def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store
         # the master has no room for a value (a publish fails, counted)
         deadline = time.monotonic() + 20
         for i in itertools.count():
-            key, before = f"after-{i}", cluster(ca)
+            key, before = f"after-{i}", cluster_stats(ca)
             producer.put(key, new)
-            wait_until(lambda b=before: settled(cluster(ca)) > settled(b), 5)
+            wait_until(lambda b=before: settled(cluster_stats(ca)) > settled(b), 5)
             if published(ca) > before.published:
                 break
             assert time.monotonic() < deadline, "no publish lands after the restart"
@@ -173,14 +175,14 @@ def test_a_full_store_evicts_and_a_node_whose_segment_is_full_serves_locally() -
         # One at a time, a store filling up, until it took more than its segment holds: the
         # master evicts on a thread of its own, after the puts that found it full failed (a
         # loaded machine has seen 7 in a row fail first), so the count of puts is not fixed.
-        while cluster(client).published * value <= segment and len(tensors) < most:
+        while cluster_stats(client).published * value <= segment and len(tensors) < most:
             i = len(tensors)
             tensors.append(torch.full((2048, 2048), i, dtype=torch.bfloat16))
             producer.put(f"full-{i}", tensors[i])
-            wait_until(lambda n=i + 1: settled(cluster(client)) == n, 20)
+            wait_until(lambda n=i + 1: settled(cluster_stats(client)) == n, 20)
         producer.put("too-big", too_big)
-        wait_until(lambda: settled(cluster(client)) == len(tensors) + 1, 20)
-        stats = cluster(client)
+        wait_until(lambda: settled(cluster_stats(client)) == len(tensors) + 1, 20)
+        stats = cluster_stats(client)
         served = [Consumer(client, "shared").get(f"full-{i}") for i in range(len(tensors))]
         big = Consumer(client, "shared").get("too-big")
         assert check_health(daemon.address) == "SERVING"

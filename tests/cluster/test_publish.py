@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from cluster_testing import NAMESPACE, POOL, Master, published, store_daemon, vllm_store_client
+from cluster_testing import (
+    NAMESPACE,
+    POOL,
+    Master,
+    cluster_stats,
+    published,
+    store_daemon,
+    vllm_store_client,
+)
 from ecd_testing import wait_until
 
 from ec_client import Client, Consumer, Producer
@@ -25,15 +33,9 @@ def vllm_client(master: Master) -> Iterator[Any]:
     client.close()
 
 
-def cluster(client: Client) -> ClusterStats:
-    stats = client.stats().cluster
-    assert stats is not None
-    return stats
-
-
 def wait_published(client: Client, count: int, timeout_s: float = 20.0) -> ClusterStats:
     wait_until(lambda: published(client) >= count, timeout_s)
-    return cluster(client)
+    return cluster_stats(client)
 
 
 def vllm_spec(tensor: torch.Tensor) -> Any:
@@ -74,8 +76,8 @@ def test_a_key_the_store_has_is_not_written_again(master: Master, vllm_client: A
         wait_published(client, 1)
         client.delete("again", [b"written-once"])
         producer.put("written-once", second)
-        wait_until(lambda: cluster(client).already_stored == 1, 20)
-        assert cluster(client).published == 1
+        wait_until(lambda: cluster_stats(client).already_stored == 1, 20)
+        assert cluster_stats(client).published == 1
         key = codec.store_key(NAMESPACE, b"written-once")
         # read while the daemon lives: the store may have put the replica in its segment
         loaded = vllm_client.load_tensors({key: vllm_spec(first)}, "cpu")
@@ -118,10 +120,10 @@ def test_a_daemon_whose_master_is_unreachable_serves_locally_and_joins_once_it_i
             client.open_pool("early", **POOL, cluster_namespace=NAMESPACE)
             Producer(client, "early").put("before", rows)
             assert torch.equal(Consumer(client, "early").get("before"), rows)
-            stats = cluster(client)
+            stats = cluster_stats(client)
             assert not stats.connected and master.address in stats.error
             master.start()
-            wait_until(lambda: cluster(client).connected, 30)
+            wait_until(lambda: cluster_stats(client).connected, 30)
             wait_published(client, 1)  # the commit made while the master was away
     finally:
         master.stop()
