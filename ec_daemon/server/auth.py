@@ -17,6 +17,9 @@
   certificates (the Unix socket alone) every caller is the same identity: whoever may connect
   may do anything, sessions included (docs/security.md).
 
+Without an access list every token may do anything (evict, delete, drop every pool): the daemon
+refuses a token file without one unless `--trust-all-tokens` says so, and warns when it does.
+
 Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); a word that
 starts with `#` starts a comment, a `#` inside a token is part of it (ec_client.token_file, which
 clients read too).
@@ -165,11 +168,26 @@ def load_rules(path: Path) -> list[Rule]:
     return rules
 
 
-def guard_from_files(token_file: Path | None, acl_file: Path | None) -> Guard:
+def guard_from_files(
+    token_file: Path | None, acl_file: Path | None, trust_all_tokens: bool = False
+) -> Guard:
+    """The guard of these files; AuthConfigError naming the file and what is wrong with it."""
     try:
         tokens = load_tokens(token_file) if token_file else None
     except OSError as exc:
         raise AuthConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+    if tokens is not None and acl_file is None and not trust_all_tokens:
+        raise AuthConfigError(
+            f"token file {token_file} without an access list makes every token an admin (any "
+            "token could evict, delete and drop every pool): add --acl-file with the grants of "
+            "each token name (docs/security.md), or --trust-all-tokens if every token holder is "
+            "trusted with everything"
+        )
+    if acl_file is not None and trust_all_tokens:
+        raise AuthConfigError(
+            "--trust-all-tokens lets every token do anything, --acl-file grants each its own: "
+            "give one of them"
+        )
     return Guard(tokens, load_rules(acl_file) if acl_file else None)
 
 
@@ -185,6 +203,10 @@ class Guard:
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
+
+    @property
+    def rules(self) -> int | None:
+        return len(self._rules) if self._rules is not None else None
 
     def check(
         self,

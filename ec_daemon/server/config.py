@@ -292,6 +292,14 @@ SETTINGS: tuple[Setting, ...] = (
         "FILE",
     ),
     Setting(
+        "trust_all_tokens",
+        _bool,
+        False,
+        "serve a --token-file without an --acl-file, every token an admin (it may evict, "
+        "delete and drop every pool); without this the daemon refuses to start so",
+        "BOOL",
+    ),
+    Setting(
         "pool_check_interval",
         _seconds(0.1),
         5.0,
@@ -408,6 +416,7 @@ class Config:
     metrics_host: str
     token_file: Path | None
     acl_file: Path | None
+    trust_all_tokens: bool
     pool_check_interval: float
     log_format: str
     log_level: str

@@ -141,9 +141,15 @@ def build_store(
 
 async def start(config: Config) -> Daemon:
     try:
-        guard = auth.guard_from_files(config.token_file, config.acl_file)
+        guard = auth.guard_from_files(config.token_file, config.acl_file, config.trust_all_tokens)
     except auth.AuthConfigError as exc:
         raise checks.StartupError(str(exc)) from exc
+    if guard.enabled and guard.rules is None:
+        log.warning(
+            "every token is an admin (--trust-all-tokens, no --acl-file): any token may evict, "
+            "delete and drop every pool",
+            extra={"token_file": str(config.token_file)},
+        )
     tls = tcp_credentials(config)
     checks.check_shm_dir(config.shm_dir)
     if config.hugepages:
