@@ -113,13 +113,19 @@ class AuthConfigError(ValueError):
 
 def load_tokens(path: Path) -> dict[str, str]:
     """token -> name. Warns when others may read the file: the tokens are secrets."""
-    if path.stat().st_mode & stat.S_IROTH:
+    try:
+        others_read = path.stat().st_mode & stat.S_IROTH
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise AuthConfigError(f"cannot read token file {path}: {why}") from exc
+    if others_read:
         log.warning(
             "token file is readable by every user of this machine: chmod o-r it",
             extra={"path": str(path)},
         )
     try:
-        entries = token_file.parse(path.read_text(), str(path))
+        entries = token_file.parse(text, str(path))
     except ValueError as exc:
         raise AuthConfigError(str(exc)) from exc
     tokens: dict[str, str] = {}
@@ -150,7 +156,7 @@ class Rule:
 def load_rules(path: Path) -> list[Rule]:
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise AuthConfigError(f"cannot read access list {path}: {exc}") from exc
     rules = []
     for i, raw in enumerate(data.get("rule", [])):
@@ -172,10 +178,7 @@ def guard_from_files(
     token_file: Path | None, acl_file: Path | None, trust_all_tokens: bool = False
 ) -> Guard:
     """The guard of these files; AuthConfigError naming the file and what is wrong with it."""
-    try:
-        tokens = load_tokens(token_file) if token_file else None
-    except OSError as exc:
-        raise AuthConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+    tokens = load_tokens(token_file) if token_file else None
     if tokens is not None and acl_file is None and not trust_all_tokens:
         raise AuthConfigError(
             f"token file {token_file} without an access list makes every token an admin (any "
@@ -189,6 +192,20 @@ def guard_from_files(
             "give one of them"
         )
     return Guard(tokens, load_rules(acl_file) if acl_file else None)
+
+
+def bearer(header: str) -> str:
+    """The token of an `authorization: Bearer <token>` header; "" for any other header."""
+    scheme, _, token = header.partition(" ")
+    return token if scheme.lower() == "bearer" else ""
+
+
+def match(known: Iterable[str], token: str) -> str | None:
+    """The known token equal to `token`, compared in constant time; None if none is."""
+    for candidate in known:
+        if hmac.compare_digest(candidate.encode(), token.encode()):
+            return candidate
+    return None
 
 
 class Guard:
@@ -249,15 +266,14 @@ class Guard:
             )
 
     def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> Caller:
-        header = next((str(v) for k, v in metadata if k == "authorization"), "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer(next((str(v) for k, v in metadata if k == "authorization"), ""))
+        if not token:
             raise CoreError(
                 Code.UNAUTHENTICATED,
                 "missing bearer token: send `authorization: Bearer <token>` "
                 "(ec_client: token= or ECD_TOKEN / ECD_TOKEN_FILE)",
             )
-        for known, name in self._tokens.items():
-            if hmac.compare_digest(known.encode(), token.encode()):
-                return Caller(name, known)
-        raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")
+        known = match(self._tokens, token)
+        if known is None:
+            raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")
+        return Caller(self._tokens[known], known)

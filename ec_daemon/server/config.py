@@ -272,10 +272,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "metrics_host",
         str,
-        "0.0.0.0",
-        "address the metrics port binds; all interfaces so that Prometheus can scrape a pod or "
-        "node, 127.0.0.1 to keep it local",
+        "127.0.0.1",
+        "address the metrics port binds; 0.0.0.0 (all interfaces) for a Prometheus on another "
+        "host to scrape it, best with --metrics-token-file: the page names every pool",
         "HOST",
+    ),
+    Setting(
+        "metrics_token_file",
+        _optional_path,
+        None,
+        "answer the metrics page only to `Authorization: Bearer <token>` with a token of this "
+        "file (lines `TOKEN` or `NAME TOKEN`; Prometheus: authorization.credentials_file)",
+        "FILE",
     ),
     Setting(
         "token_file",
@@ -414,6 +422,7 @@ class Config:
     pool_group: str
     metrics_port: int
     metrics_host: str
+    metrics_token_file: Path | None
     token_file: Path | None
     acl_file: Path | None
     trust_all_tokens: bool

@@ -142,6 +142,7 @@ def build_store(
 async def start(config: Config) -> Daemon:
     try:
         guard = auth.guard_from_files(config.token_file, config.acl_file, config.trust_all_tokens)
+        page_tokens = metrics_tokens(config)
     except auth.AuthConfigError as exc:
         raise checks.StartupError(str(exc)) from exc
     if guard.enabled and guard.rules is None:
@@ -186,6 +187,7 @@ async def start(config: Config) -> Daemon:
             extra={"check": check, "problem": problem},
         )
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
+    metrics.page_tokens = page_tokens
     metrics_server = (
         metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None
     )
@@ -262,6 +264,13 @@ async def start(config: Config) -> Daemon:
         },
     )
     return daemon
+
+
+def metrics_tokens(config: Config) -> frozenset[str] | None:
+    """The tokens of --metrics-token-file; None without one."""
+    if config.metrics_token_file is None:
+        return None
+    return frozenset(auth.load_tokens(config.metrics_token_file))
 
 
 def adopt_pools(store: Store) -> None:
