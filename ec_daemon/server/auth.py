@@ -19,6 +19,7 @@
 
 Without an access list every token may do anything (evict, delete, drop every pool): the daemon
 refuses a token file without one unless `--trust-all-tokens` says so, and warns when it does.
+SIGHUP reads both files again (Guard.update): tokens removed are refused from their next call on.
 
 Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); a word that
 starts with `#` starts a comment, a `#` inside a token is part of it (ec_client.token_file, which
@@ -97,7 +98,8 @@ def identity(caller: Caller, auth_context: Mapping[str, Iterable[bytes]]) -> byt
     session table holds no secret. b"" with neither: every caller is then the same one.
 
     The token rather than its name: two lines of the token file may share a name, and a token
-    revoked (the daemon restarted without it) should not leave its sessions to another."""
+    revoked (removed from the file, then SIGHUP or a restart) should not leave its sessions to
+    another."""
     parts = []
     if caller.token:
         parts.append(b"token:" + hashlib.sha256(caller.token.encode()).digest())
@@ -194,6 +196,16 @@ def guard_from_files(
     return Guard(tokens, load_rules(acl_file) if acl_file else None)
 
 
+@dataclass(frozen=True)
+class Changes:
+    """What a reload changed, by token name (a log may show names, never tokens)."""
+
+    added: tuple[str, ...]  # names that had no token before
+    removed: tuple[str, ...]  # names that have no token now
+    rotated: tuple[str, ...]  # names kept whose tokens changed
+    rules: int | None  # rules of the access list now; None without one
+
+
 def bearer(header: str) -> str:
     """The token of an `authorization: Bearer <token>` header; "" for any other header."""
     scheme, _, token = header.partition(" ")
@@ -224,6 +236,19 @@ class Guard:
     @property
     def rules(self) -> int | None:
         return len(self._rules) if self._rules is not None else None
+
+    def update(self, new: Guard) -> Changes:
+        """Take the tokens and rules of `new` (a reload). A token removed is unknown from its
+        next call on; a session opened with it is bound to it (`identity`), so no other token
+        takes it over: its calls are refused until its lease runs out."""
+        before, after = _tokens_by_name(self._tokens), _tokens_by_name(new._tokens)
+        self._tokens, self._rules = new._tokens, new._rules
+        return Changes(
+            added=tuple(sorted(after.keys() - before.keys())),
+            removed=tuple(sorted(before.keys() - after.keys())),
+            rotated=tuple(sorted(n for n in before.keys() & after.keys() if before[n] != after[n])),
+            rules=self.rules,
+        )
 
     def check(
         self,
@@ -277,3 +302,11 @@ class Guard:
         if known is None:
             raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")
         return Caller(self._tokens[known], known)
+
+
+def _tokens_by_name(tokens: Mapping[str, str]) -> dict[str, set[str]]:
+    """name -> its tokens (several lines may share a name)."""
+    names: dict[str, set[str]] = {}
+    for token, name in tokens.items():
+        names.setdefault(name, set()).add(token)
+    return names
