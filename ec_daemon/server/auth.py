@@ -17,6 +17,10 @@
   certificates (the Unix socket alone) every caller is the same identity: whoever may connect
   may do anything, sessions included (docs/security.md).
 
+Without an access list every token may do anything (evict, delete, drop every pool): the daemon
+refuses a token file without one unless `--trust-all-tokens` says so, and warns when it does.
+SIGHUP reads both files again (Guard.update): tokens removed are refused from their next call on.
+
 Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); a word that
 starts with `#` starts a comment, a `#` inside a token is part of it (ec_client.token_file, which
 clients read too).
@@ -94,7 +98,8 @@ def identity(caller: Caller, auth_context: Mapping[str, Iterable[bytes]]) -> byt
     session table holds no secret. b"" with neither: every caller is then the same one.
 
     The token rather than its name: two lines of the token file may share a name, and a token
-    revoked (the daemon restarted without it) should not leave its sessions to another."""
+    revoked (removed from the file, then SIGHUP or a restart) should not leave its sessions to
+    another."""
     parts = []
     if caller.token:
         parts.append(b"token:" + hashlib.sha256(caller.token.encode()).digest())
@@ -110,13 +115,19 @@ class AuthConfigError(ValueError):
 
 def load_tokens(path: Path) -> dict[str, str]:
     """token -> name. Warns when others may read the file: the tokens are secrets."""
-    if path.stat().st_mode & stat.S_IROTH:
+    try:
+        others_read = path.stat().st_mode & stat.S_IROTH
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise AuthConfigError(f"cannot read token file {path}: {why}") from exc
+    if others_read:
         log.warning(
             "token file is readable by every user of this machine: chmod o-r it",
             extra={"path": str(path)},
         )
     try:
-        entries = token_file.parse(path.read_text(), str(path))
+        entries = token_file.parse(text, str(path))
     except ValueError as exc:
         raise AuthConfigError(str(exc)) from exc
     tokens: dict[str, str] = {}
@@ -147,7 +158,7 @@ class Rule:
 def load_rules(path: Path) -> list[Rule]:
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise AuthConfigError(f"cannot read access list {path}: {exc}") from exc
     rules = []
     for i, raw in enumerate(data.get("rule", [])):
@@ -165,12 +176,48 @@ def load_rules(path: Path) -> list[Rule]:
     return rules
 
 
-def guard_from_files(token_file: Path | None, acl_file: Path | None) -> Guard:
-    try:
-        tokens = load_tokens(token_file) if token_file else None
-    except OSError as exc:
-        raise AuthConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+def guard_from_files(
+    token_file: Path | None, acl_file: Path | None, trust_all_tokens: bool = False
+) -> Guard:
+    """The guard of these files; AuthConfigError naming the file and what is wrong with it."""
+    tokens = load_tokens(token_file) if token_file else None
+    if tokens is not None and acl_file is None and not trust_all_tokens:
+        raise AuthConfigError(
+            f"token file {token_file} without an access list makes every token an admin (any "
+            "token could evict, delete and drop every pool): add --acl-file with the grants of "
+            "each token name (docs/security.md), or --trust-all-tokens if every token holder is "
+            "trusted with everything"
+        )
+    if acl_file is not None and trust_all_tokens:
+        raise AuthConfigError(
+            "--trust-all-tokens lets every token do anything, --acl-file grants each its own: "
+            "give one of them"
+        )
     return Guard(tokens, load_rules(acl_file) if acl_file else None)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a reload changed, by token name (a log may show names, never tokens)."""
+
+    added: tuple[str, ...]  # names that had no token before
+    removed: tuple[str, ...]  # names that have no token now
+    rotated: tuple[str, ...]  # names kept whose tokens changed
+    rules: int | None  # rules of the access list now; None without one
+
+
+def bearer(header: str) -> str:
+    """The token of an `authorization: Bearer <token>` header; "" for any other header."""
+    scheme, _, token = header.partition(" ")
+    return token if scheme.lower() == "bearer" else ""
+
+
+def match(known: Iterable[str], token: str) -> str | None:
+    """The known token equal to `token`, compared in constant time; None if none is."""
+    for candidate in known:
+        if hmac.compare_digest(candidate.encode(), token.encode()):
+            return candidate
+    return None
 
 
 class Guard:
@@ -185,6 +232,23 @@ class Guard:
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
+
+    @property
+    def rules(self) -> int | None:
+        return len(self._rules) if self._rules is not None else None
+
+    def update(self, new: Guard) -> Changes:
+        """Take the tokens and rules of `new` (a reload). A token removed is unknown from its
+        next call on; a session opened with it is bound to it (`identity`), so no other token
+        takes it over: its calls are refused until its lease runs out."""
+        before, after = _tokens_by_name(self._tokens), _tokens_by_name(new._tokens)
+        self._tokens, self._rules = new._tokens, new._rules
+        return Changes(
+            added=tuple(sorted(after.keys() - before.keys())),
+            removed=tuple(sorted(before.keys() - after.keys())),
+            rotated=tuple(sorted(n for n in before.keys() & after.keys() if before[n] != after[n])),
+            rules=self.rules,
+        )
 
     def check(
         self,
@@ -227,15 +291,22 @@ class Guard:
             )
 
     def _identify(self, metadata: Sequence[tuple[str, str | bytes]]) -> Caller:
-        header = next((str(v) for k, v in metadata if k == "authorization"), "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer(next((str(v) for k, v in metadata if k == "authorization"), ""))
+        if not token:
             raise CoreError(
                 Code.UNAUTHENTICATED,
                 "missing bearer token: send `authorization: Bearer <token>` "
                 "(ec_client: token= or ECD_TOKEN / ECD_TOKEN_FILE)",
             )
-        for known, name in self._tokens.items():
-            if hmac.compare_digest(known.encode(), token.encode()):
-                return Caller(name, known)
-        raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")
+        known = match(self._tokens, token)
+        if known is None:
+            raise CoreError(Code.UNAUTHENTICATED, "unknown bearer token")
+        return Caller(self._tokens[known], known)
+
+
+def _tokens_by_name(tokens: Mapping[str, str]) -> dict[str, set[str]]:
+    """name -> its tokens (several lines may share a name)."""
+    names: dict[str, set[str]] = {}
+    for token, name in tokens.items():
+        names.setdefault(name, set()).add(token)
+    return names

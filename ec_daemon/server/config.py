@@ -272,10 +272,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "metrics_host",
         str,
-        "0.0.0.0",
-        "address the metrics port binds; all interfaces so that Prometheus can scrape a pod or "
-        "node, 127.0.0.1 to keep it local",
+        "127.0.0.1",
+        "address the metrics port binds; 0.0.0.0 (all interfaces) for a Prometheus on another "
+        "host to scrape it, best with --metrics-token-file: the page names every pool",
         "HOST",
+    ),
+    Setting(
+        "metrics_token_file",
+        _optional_path,
+        None,
+        "answer the metrics page only to `Authorization: Bearer <token>` with a token of this "
+        "file (lines `TOKEN` or `NAME TOKEN`; Prometheus: authorization.credentials_file)",
+        "FILE",
     ),
     Setting(
         "token_file",
@@ -290,6 +298,14 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "per-pool access list (TOML: which token names may produce, consume, admin where)",
         "FILE",
+    ),
+    Setting(
+        "trust_all_tokens",
+        _bool,
+        False,
+        "serve a --token-file without an --acl-file, every token an admin (it may evict, "
+        "delete and drop every pool); without this the daemon refuses to start so",
+        "BOOL",
     ),
     Setting(
         "pool_check_interval",
@@ -406,8 +422,10 @@ class Config:
     pool_group: str
     metrics_port: int
     metrics_host: str
+    metrics_token_file: Path | None
     token_file: Path | None
     acl_file: Path | None
+    trust_all_tokens: bool
     pool_check_interval: float
     log_format: str
     log_level: str

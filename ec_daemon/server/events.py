@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ec_client.types import EventType, WatchEvent
+from ec_daemon.core.errors import CoreError
 
 
 class StreamEnd(enum.Enum):
@@ -26,12 +27,13 @@ class StreamEnd(enum.Enum):
 @dataclass(eq=False)
 class Subscription:
     """A Watch stream's queue. A subscriber that falls `limit` events behind is cut off rather
-    than let the daemon's memory grow without bound."""
+    than let the daemon's memory grow without bound. A stream ended by a CoreError ends with
+    that error (its caller is no longer allowed to watch: a reload of the token file)."""
 
     engine_id: str
     limit: int
     include_pending: bool = False  # also PENDING events (entries allocated, being written)
-    queue: asyncio.Queue[WatchEvent | StreamEnd] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[WatchEvent | StreamEnd | CoreError] = field(default_factory=asyncio.Queue)
     ended: bool = False
     # The Watch call's task: done once the stream's end (its final status) has been written to
     # the client's connection (grpc.aio sends it from the task that ran the handler).
@@ -47,7 +49,7 @@ class Subscription:
         else:
             self.queue.put_nowait(event)
 
-    def end(self, why: StreamEnd) -> None:
+    def end(self, why: StreamEnd | CoreError) -> None:
         if not self.ended:
             self.ended = True
             self.queue.put_nowait(why)

@@ -4,24 +4,31 @@ Pool and daemon figures are not kept twice: a collector turns Store.stats() into
 at scrape time, so a scrape shows exactly what the Stats RPC and `ecd stats` report. Only the RPC
 latency histograms are recorded as calls happen (through the service's `observe` hook).
 
-The HTTP endpoint runs on prometheus_client's own thread, but the store belongs to the event loop
+The HTTP endpoint runs on a thread of its own, but the store belongs to the event loop
 (it is not thread-safe: a snapshot taken while a handler mutates a pool could fail mid-iteration or
 mix two moments), so the collector hands the snapshot over to the loop and waits for it.
+
+The page names every pool, with its size and hits: with --metrics-token-file it is answered only
+to `Authorization: Bearer <token>` with one of that file's tokens (what Prometheus sends with
+`authorization: {credentials_file: FILE}`), 401 otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterable, Iterator
-from wsgiref.simple_server import WSGIServer
+import socket
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -30,10 +37,12 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from ec_client.types import ClusterStats, PoolStats, Stats
 from ec_daemon.core.store import Store
+from ec_daemon.server.auth import bearer, match
 from ec_daemon.server.checks import StartupError
 
 # From a cached Lookup (a fraction of a millisecond over the socket) to an Acquire that waited for
@@ -253,18 +262,65 @@ class Metrics:
             ["method", "code"],
             registry=self.registry,
         )
+        # The tokens of --metrics-token-file, set before serve; None: the page is open to all.
+        self.page_tokens: Collection[str] | None = None
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self._rpc_seconds.labels(method).observe(seconds)
         self._rpcs.labels(method, code).inc()
 
     def serve(self, host: str, port: int) -> WSGIServer:
-        """Start the /metrics endpoint on its own thread; stop it with shutdown()."""
+        """Start the /metrics endpoint on its own thread; stop it with shutdown(). With
+        `page_tokens` set, the page is answered only to a bearer of one of them (as they are at
+        each request: the daemon's SIGHUP replaces them)."""
+        app = make_wsgi_app(self.registry)
+        if self.page_tokens is not None:
+            app = bearer_only(app, lambda: self.page_tokens or ())
         try:
-            server, _thread = start_http_server(port, host, self.registry)
+            family, _, _, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+
+            class MetricsServer(ThreadingWSGIServer):
+                address_family = family  # IPv4 or IPv6, as the host is
+
+            server = make_server(str(address[0]), port, app, MetricsServer, QuietHandler)
         except OSError as exc:
             raise StartupError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror}; choose another "
                 "--metrics-port (or 0 to turn metrics off) or stop what listens there"
             ) from exc
+        threading.Thread(target=server.serve_forever, name="ecd-metrics", daemon=True).start()
         return server
+
+
+class QuietHandler(WSGIRequestHandler):
+    """No line on stderr per request (the daemon's log is for events, not scrapes)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+UNAUTHORIZED = (
+    b"401 Unauthorized: send `Authorization: Bearer <token>` with a token of the daemon's "
+    b"--metrics-token-file (Prometheus: authorization: {credentials_file: FILE})\n"
+)
+
+
+def bearer_only(app: WSGIApplication, tokens: Callable[[], Collection[str]]) -> WSGIApplication:
+    """`app` for requests bearing one of `tokens()`; 401 for any other."""
+
+    def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        token = bearer(environ.get("HTTP_AUTHORIZATION", ""))
+        if token and match(tokens(), token) is not None:
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", 'Bearer realm="ecd metrics"'),
+            ],
+        )
+        return [UNAUTHORIZED]
+
+    return guarded

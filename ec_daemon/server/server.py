@@ -70,6 +70,8 @@ class Daemon:
     server: grpc.aio.Server
     health: health_aio.HealthServicer
     locks: list[checks.DirectoryLock]
+    service: EncoderCacheService
+    metrics: Metrics
     metrics_server: WSGIServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -141,9 +143,16 @@ def build_store(
 
 async def start(config: Config) -> Daemon:
     try:
-        guard = auth.guard_from_files(config.token_file, config.acl_file)
+        guard = auth.guard_from_files(config.token_file, config.acl_file, config.trust_all_tokens)
+        page_tokens = metrics_tokens(config)
     except auth.AuthConfigError as exc:
         raise checks.StartupError(str(exc)) from exc
+    if guard.enabled and guard.rules is None:
+        log.warning(
+            "every token is an admin (--trust-all-tokens, no --acl-file): any token may evict, "
+            "delete and drop every pool",
+            extra={"token_file": str(config.token_file)},
+        )
     tls = tcp_credentials(config)
     checks.check_shm_dir(config.shm_dir)
     if config.hugepages:
@@ -180,6 +189,7 @@ async def start(config: Config) -> Daemon:
             extra={"check": check, "problem": problem},
         )
     metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
+    metrics.page_tokens = page_tokens
     metrics_server = (
         metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None
     )
@@ -224,6 +234,8 @@ async def start(config: Config) -> Daemon:
         server,
         health_servicer,
         locks,
+        service,
+        metrics,
         metrics_server,
         cluster=cluster,
     )
@@ -256,6 +268,44 @@ async def start(config: Config) -> Daemon:
         },
     )
     return daemon
+
+
+def metrics_tokens(config: Config) -> frozenset[str] | None:
+    """The tokens of --metrics-token-file; None without one."""
+    if config.metrics_token_file is None:
+        return None
+    return frozenset(auth.load_tokens(config.metrics_token_file))
+
+
+def reload_credentials(daemon: Daemon) -> None:
+    """SIGHUP: read the token file, the access list and the metrics token file again, all or
+    nothing: one that cannot be used leaves those in use as they were (an error names the file
+    and why). The log says what changed by token name, never a token."""
+    config = daemon.config
+    if config.token_file is None and config.metrics_token_file is None:
+        log.info("SIGHUP: nothing to reload (no --token-file nor --metrics-token-file)")
+        return
+    try:
+        guard = auth.guard_from_files(config.token_file, config.acl_file, config.trust_all_tokens)
+        page_tokens = metrics_tokens(config)
+    except auth.AuthConfigError as exc:
+        log.error(
+            "SIGHUP: not reloaded, the token files and access list in use are kept",
+            extra={"reason": str(exc)},
+        )
+        return
+    changes = daemon.service.update_guard(guard)
+    daemon.metrics.page_tokens = page_tokens
+    log.info(
+        "SIGHUP: token files and access list reloaded",
+        extra={
+            "added": ",".join(changes.added),
+            "removed": ",".join(changes.removed),
+            "rotated": ",".join(changes.rotated),
+            "rules": "off" if changes.rules is None else changes.rules,
+            "metrics_tokens": "off" if page_tokens is None else len(page_tokens),
+        },
+    )
 
 
 def adopt_pools(store: Store) -> None:
@@ -430,6 +480,7 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.stopping.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_credentials, daemon)
     # grpc.aio's server can end by itself (one call whose :path is not UTF-8 makes its loop raise
     # and shut down): a daemon alive but deaf would be the worst outcome, so that ends it too.
     terminated = asyncio.ensure_future(daemon.server.wait_for_termination())

@@ -28,8 +28,8 @@ from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.sessions import tag
 from ec_daemon.core.store import Store
 from ec_daemon.server import validate, wire
-from ec_daemon.server.auth import Action, Guard, identity
-from ec_daemon.server.events import EventHub, StreamEnd
+from ec_daemon.server.auth import Action, Changes, Guard, identity
+from ec_daemon.server.events import EventHub, StreamEnd, Subscription
 
 log = logging.getLogger("ecd.service")
 
@@ -38,6 +38,7 @@ R = TypeVar("R")
 Request = TypeVar("Request")
 Reply = TypeVar("Reply")
 Handler = Callable[[Any, Request, grpc.aio.ServicerContext[Any, Any]], Awaitable[Reply]]
+Metadata = tuple[tuple[str, str | bytes], ...]
 
 # The identity of the caller of the RPC being handled (ec_daemon.server.auth.identity), set by `rpc`
 # before the handler runs, in the handler's own task: what OpenSession binds its session to.
@@ -73,6 +74,10 @@ def rpc(method: Handler[Request, Reply]) -> Handler[Request, Reply]:
             self.observe(method.__name__, code, time.perf_counter() - started)
 
     return handle
+
+
+def metadata_of(context: grpc.aio.ServicerContext[Any, Any]) -> Metadata:
+    return tuple(context.invocation_metadata() or ())
 
 
 def valid(checked: Sequence[T | str]) -> list[T]:
@@ -133,6 +138,21 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         self.observe = observe
         self.guard = guard or Guard(None, None)
         self.cluster = cluster
+        # The open Watch streams: each one's pool and its caller's metadata, checked again when
+        # the token file and access list are reloaded (update_guard).
+        self._watches: dict[Subscription, tuple[str, Metadata]] = {}
+
+    def update_guard(self, new: Guard) -> Changes:
+        """Take a reloaded token file and access list. Each later call is checked against them;
+        a Watch stream, checked only when it began, is ended now when they no longer allow its
+        caller, with the error its next call would get (UNAUTHENTICATED for a token removed)."""
+        changes = self.guard.update(new)
+        for subscription, (engine_id, metadata) in self._watches.items():
+            try:
+                self.guard.check("Watch", engine_id, metadata)
+            except CoreError as exc:
+                subscription.end(exc)
+        return changes
 
     def authorize(
         self, rpc: str, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -147,8 +167,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             actions = step_actions(request)
         elif isinstance(request, pb.OpenPoolRequest) and self.creates(request):
             actions = (Action.PRODUCE,)
-        metadata = tuple(context.invocation_metadata() or ())
-        caller = self.guard.check(rpc, engine_id, metadata, actions)
+        caller = self.guard.check(rpc, engine_id, metadata_of(context), actions)
         who = identity(caller, context.auth_context())
         session_id = getattr(request, "session_id", None)  # None: a request without the field
         if isinstance(session_id, str):
@@ -511,6 +530,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         except CoreError as exc:
             await wire.abort(self.store, context, exc)
             return
+        self._watches[subscription] = (request.engine_id, metadata_of(context))
         try:
             if request.snapshot and not subscription.ended:  # none for a stream the stop ended
                 for ready in snapshot:
@@ -521,6 +541,9 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             while True:
                 event = await subscription.queue.get()
                 if event is StreamEnd.SHUTDOWN:
+                    return
+                if isinstance(event, CoreError):
+                    await wire.abort(self.store, context, event)
                     return
                 if event is StreamEnd.OVERFLOW:
                     await wire.abort(
@@ -535,4 +558,5 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
                     return
                 yield wire.watch_event_pb(event)
         finally:
+            del self._watches[subscription]
             self.hub.unsubscribe(subscription)

@@ -260,3 +260,18 @@ def test_daemonset_with_a_store_joins_the_master_service_and_its_memory_covers_t
     [plain] = load("daemonset.yaml")
     assert volumes(pod_spec(daemonset)) == volumes(pod_spec(plain))
     assert mounts(ecd) == mounts(container(pod_spec(plain), "ecd"))
+
+
+@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml", "daemonset-store.yaml"])
+def test_a_daemon_whose_pod_is_scraped_serves_metrics_on_the_pod_ip(
+    name: str, serve_config: Callable[..., Config]
+) -> None:
+    """The pod is annotated for Prometheus at the container's metrics port: the daemon serves
+    there on every address (its default, 127.0.0.1, would answer no scrape from outside)."""
+    [doc] = [d for d in load(name) if d["kind"] in ("Deployment", "DaemonSet")]
+    annotations = doc["spec"]["template"]["metadata"]["annotations"]
+    ecd = container(pod_spec(doc), "ecd")
+    config = serve_config(ecd["args"])
+    ports = {p["name"]: p["containerPort"] for p in ecd["ports"]}
+    assert annotations["prometheus.io/port"] == str(ports["metrics"]) == str(config.metrics_port)
+    assert config.metrics_host == "0.0.0.0"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,6 +233,51 @@ def test_metrics_port_in_use_stops_the_daemon_at_startup(tmp_path: Path, shm_dir
         result = run_ecd("serve", *args)
     assert result.returncode == 2
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the IPv4 and IPv6 sockets listening on `port`, as the kernel lists
+    them (/proc/net/tcp: hex, "0100007F" for 127.0.0.1, zeros for every address)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            address, _, hex_port = local.partition(":")
+            if int(hex_port, 16) == port and state == "0A":  # LISTEN
+                found.add(address)
+    return found
+
+
+def test_metrics_listen_on_the_loopback_alone_by_default() -> None:
+    port = free_port()
+    with running_daemon("--max-bytes", "64MiB", "--metrics-port", str(port)) as daemon:
+        assert listening_addresses(port) == {"0100007F"}
+        assert f"metrics=127.0.0.1:{port}" in daemon.log()
+        assert ("ecd_sessions", frozenset()) in scrape(port)
+
+
+def test_the_metrics_page_needs_a_bearer_token_of_its_token_file(tmp_path: Path) -> None:
+    token = "metrics-0123456789abcdef"
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text(token + "\n")  # a bare token: the file Prometheus' credentials_file reads
+    token_file.chmod(0o600)
+    port = free_port()
+    args = ("--max-bytes", "64MiB", "--metrics-port", str(port))
+    with running_daemon(*args, "--metrics-token-file", str(token_file)):
+        wrong = {"Authorization": "Bearer not-the-token-at-all"}
+        for header in ({}, wrong, {"Authorization": token}):  # none, another, not as a bearer
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(metrics_request(port, header), timeout=5)
+            assert refused.value.code == 401, header
+            assert b"--metrics-token-file" in refused.value.read()
+        granted = metrics_request(port, {"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(granted, timeout=5) as reply:
+            assert reply.status == 200
+            assert b"ecd_sessions 0.0" in reply.read()
+
+
+def metrics_request(port: int, headers: dict[str, str]) -> urllib.request.Request:
+    return urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
 
 
 @needs_mooncake

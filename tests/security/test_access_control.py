@@ -132,6 +132,50 @@ def test_stats_of_every_pool_is_for_admins(secured: Daemon) -> None:
         assert ops.stats().max_bytes == 64 << 20
 
 
+def trusted(tokens: Path) -> tuple[str, ...]:
+    """A token file with no access list: every token an admin, as the daemon is told."""
+    return ("--token-file", str(tokens), "--trust-all-tokens", "true")
+
+
+def test_a_token_file_without_an_access_list_is_refused_at_startup(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"encoder {TOKENS['encoder']}\n")
+    tokens.chmod(0o600)
+    daemon = Daemon(tmp_path, shm_dir, ("--token-file", str(tokens)))
+    with pytest.raises(RuntimeError) as info:
+        daemon.start()
+    assert f"token file {tokens} without an access list makes every token an admin" in str(
+        info.value
+    )
+    assert "add --acl-file" in str(info.value) and "--trust-all-tokens" in str(info.value)
+    assert daemon.proc is not None and daemon.proc.returncode == 2
+
+
+def test_trust_all_tokens_makes_every_token_an_admin_and_says_so(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"encoder {TOKENS['encoder']}\ndecoder {TOKENS['decoder']}\n")
+    tokens.chmod(0o600)
+    with running_daemon("--max-bytes", "64MiB", *trusted(tokens)) as daemon:
+        [warning] = [ln for ln in daemon.log().splitlines() if "every token is an admin" in ln]
+        assert "level=warning" in warning and str(tokens) in warning
+        with Client(daemon.address, token=TOKENS["encoder"], keepalive=False) as encoder:
+            encoder.open_pool("secret", BLOCK, 64 * BLOCK)
+        with Client(daemon.address, token=TOKENS["decoder"], keepalive=False) as decoder:
+            decoder.drop_pool("secret")
+            assert decoder.stats().pools == ()
+
+
+def test_trust_all_tokens_with_an_access_list_is_refused_as_a_contradiction(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    auth = auth_args(tmp_path, TOKENS, ACL)
+    daemon = Daemon(tmp_path, shm_dir, (*auth, "--trust-all-tokens", "true"))
+    with pytest.raises(RuntimeError, match="give one of them"):
+        daemon.start()
+
+
 def test_a_bad_token_file_stops_the_daemon_at_startup(tmp_path: Path, shm_dir: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("encoder short\n")
@@ -146,7 +190,7 @@ def test_a_hash_inside_a_token_is_part_of_the_token(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# comment\nweak {token}\n")
     tokens.chmod(0o600)
-    with running_daemon("--max-bytes", "64MiB", "--token-file", str(tokens)) as daemon:
+    with running_daemon("--max-bytes", "64MiB", *trusted(tokens)) as daemon:
         with Client(daemon.address, token=token, keepalive=False) as c:
             assert c.health() == "SERVING"
         with pytest.raises(EcdError) as info:
@@ -168,7 +212,7 @@ def test_a_token_file_others_may_read_is_warned_about(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"encoder {TOKENS['encoder']}\n")
     tokens.chmod(0o644)
-    with running_daemon("--max-bytes", "64MiB", "--token-file", str(tokens)) as daemon:
+    with running_daemon("--max-bytes", "64MiB", *trusted(tokens)) as daemon:
         assert "token file is readable by every user" in daemon.log()
 
 
