@@ -113,6 +113,23 @@ def test_a_value_not_in_the_format_under_the_key_is_a_miss_never_committed(
     assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
 
 
+def test_a_get_with_no_wait_ms_that_asks_the_daemon_is_answered_by_this_node_alone(
+    master: Master,
+) -> None:
+    # watch=False: every get asks the daemon (a Step), as a get does while its view has not
+    # synced; without wait_ms it is still a miss for a key only another node has.
+    tensor = torch.randn(16, 2048, dtype=torch.bfloat16)
+    with published_elsewhere(master, {"img-1": tensor}) as far, far.client() as consumer:
+        consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        unwatched = Consumer(consumer, "shared", watch=False)
+        local = unwatched.get("img-1")
+        stats = pool_stats(consumer, "shared")
+        waited = unwatched.get("img-1", wait_ms=5000)  # the store has it: read with a wait_ms
+    assert local is None
+    assert (stats.remote_reads, stats.misses) == (0, 1)
+    assert waited is not None and torch.equal(waited, tensor)
+
+
 def test_a_steps_acquire_of_a_key_the_store_has_is_answered_by_a_remote_hit(master: Master) -> None:
     rows = torch.randn(16, 2048, dtype=torch.bfloat16)
     with published_elsewhere(master, {"by-step": rows}) as far, far.client() as consumer:
