@@ -115,11 +115,13 @@ def pool_stats(client: Client, engine_id: str) -> PoolStats:
 
 
 @contextmanager
-def published_elsewhere(master: Master, tensors: dict[str, torch.Tensor]) -> Iterator[Daemon]:
-    """Two daemons in the store: `tensors` put into the shared pool "shared" on one of them and
-    published; yields the other one, which holds none of them."""
+def published_elsewhere(
+    master: Master, tensors: dict[str, torch.Tensor], pool: dict[str, Any] = POOL
+) -> Iterator[Daemon]:
+    """Two daemons in the store: `tensors` put into the shared pool "shared" (opened with
+    `pool`) on one of them and published; yields the other one, which holds none of them."""
     with store_daemon(master) as near, store_daemon(master) as far, near.client() as producer:
-        producer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        producer.open_pool("shared", **pool, cluster_namespace=NAMESPACE)
         Producer(producer, "shared").put_many(tensors)
         wait_until(lambda: published(producer) == len(tensors), 20)
         yield far

@@ -376,9 +376,11 @@ def step(
     allocates: Sequence[api.AllocateItem] = (),
     misses: int = 0,
     hits: Sequence[bytes] = (),
+    local_only: bool = False,
 ) -> Call[api.StepResult]:
     """A Step; `commits` as CommitItems (commit_items); `misses` and `hits`, those the
-    client answered itself since its last Step to the pool (StepRequest.misses, .hits).
+    client answered itself since its last Step to the pool (StepRequest.misses, .hits);
+    `local_only`: its acquires answered by the node's pools alone (StepRequest.local_only).
 
     Built here, not when sent (only its session is filled in then): items that cannot be
     encoded raise now, before anything was sent, so that what the Step was to carry for the
@@ -390,6 +392,7 @@ def step(
         acquires=keys(acquires),
         misses=misses,
         hits=hits,
+        local_only=local_only,
     )
     add_commits(request.commits, commits)
     add_allocates(request.allocates, allocates)
@@ -414,8 +417,13 @@ def step_call(request: pb.StepRequest, largest: int) -> Call[api.StepResult]:
         fails, they never went, and are owed again whole)."""
         if largest <= limit:
             return None
-        first = pb.StepRequest(engine_id=request.engine_id)
-        rest = pb.StepRequest(engine_id=request.engine_id, misses=request.misses, hits=request.hits)
+        first = pb.StepRequest(engine_id=request.engine_id, local_only=request.local_only)
+        rest = pb.StepRequest(
+            engine_id=request.engine_id,
+            misses=request.misses,
+            hits=request.hits,
+            local_only=request.local_only,
+        )
         for part in STEP_PARTS:
             items = getattr(request, part)
             getattr(first, part).extend(items[:limit])

@@ -214,13 +214,14 @@ class AsyncClient(BaseClient):
         aborts: Sequence[Key] = (),
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
+        local_only: bool = False,
     ) -> StepResult:
         own_commits = _wire.commit_items(commits, checksums)  # refused before anything is taken
         reading, writing = acquires, [item.key for item in allocates]
         batch = self.outbox.try_take(engine_id, reading, writing)
         if batch is None:  # a Commit or Abort of its keys is on its way: heard first
             batch = await self._take_off_loop(engine_id, reading, writing)
-        call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates)
+        call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates, local_only)
         return await self._send_batch(batch, call)
 
     async def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:

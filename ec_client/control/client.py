@@ -306,6 +306,7 @@ class Client(BaseClient):
         aborts: Sequence[Key] = (),
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
+        local_only: bool = False,
     ) -> StepResult:
         """Release, Commit, Abort, Acquire (without waiting) and Allocate in one round trip, in
         that order (releases and aborts free space first; commits are visible to the acquires;
@@ -313,10 +314,12 @@ class Client(BaseClient):
         results are what its own call answers. It also carries what this client owes the pool
         (see `outbox`; a Commit of a key it acquires or allocates, or an Abort of one it
         allocates, that another Step carries is answered first); the results returned are those
-        of the parts given here."""
+        of the parts given here. In a pool shared through a cluster store, an acquire of a key
+        the node lacks is read from the store (a remote hit, docs/design.md §13), unless
+        `local_only` (then it is a miss, as for a get with no wait_ms)."""
         own_commits = _wire.commit_items(commits, checksums)  # refused before anything is taken
         batch = self.outbox.take(engine_id, reading=acquires, writing=[i.key for i in allocates])
-        call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates)
+        call = batch.step(engine_id, releases, own_commits, aborts, acquires, allocates, local_only)
         return self._send_batch(batch, call)
 
     def lookup(self, engine_id: str, keys: Sequence[Key]) -> list[LookupResult]:

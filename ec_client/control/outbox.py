@@ -235,6 +235,7 @@ class OutboxBatch:
         aborts: Sequence[Key] = (),
         acquires: Sequence[Key] = (),
         allocates: Sequence[AllocateItem] = (),
+        local_only: bool = False,
     ) -> _wire.Call[StepResult]:
         """A Step carrying this batch, each part ahead of the caller's own items. If the
         caller's items cannot make a Step (a key, shape or dtype that cannot be encoded), that
@@ -260,6 +261,7 @@ class OutboxBatch:
                 allocates,
                 self.answered.misses,
                 self.answered.hits,
+                local_only,
             )
         except BaseException:
             self.give_back(self)

@@ -16,7 +16,10 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
    first, or waits for the Step of the outbox's thread that carries it now: a client reads its
    own writes),
    and every key while the view is not synced (starting, or the daemon away) or with wait_ms
-   (the daemon is what waits, for a key PENDING or not there yet).
+   (the daemon is what waits, for a key PENDING or not there yet). Without wait_ms the Step
+   is local_only: the daemon answers from the node's pools, as the view does, and never reads
+   a key from a cluster's store (only a get with wait_ms does), so a get answers the same
+   whether or not the view has synced.
 3. The copies out of the pool are launched, each batch's together (the lock-pinned ones, then
    the daemon's: TensorMover.load_many checks them all, then copies back to back). Pins are
    given back only once their copies landed:
@@ -231,8 +234,8 @@ class Consumer:
         before = self.endpoint.file_at_path()  # which file the Step is answered of: see below
         if wait_ms:  # the daemon waits: an Acquire of its own, what is owed goes its own way
             results = self.client.acquire(engine_id, asked, wait_ms)
-        else:
-            results = self.client.step(engine_id, acquires=asked).acquires
+        else:  # answered as the view would: no read from a cluster's store, synced view or not
+            results = self.client.step(engine_id, acquires=asked, local_only=True).acquires
         unread.extend(r.lease_id for r in results if r.status is Status.HIT)
         error = item_errors("Acquire", results)
         if error is not None:

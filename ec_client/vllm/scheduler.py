@@ -843,8 +843,15 @@ class SchedulerSide:
         return self.view.pending(key.encode())
 
     def _loadable(self, spec: TensorSpec) -> bool:
-        """Encoder outputs are (rows, width) in the model dtype; anything else is not ours."""
-        return len(spec.shape) == 2 and spec.dtype == self.config.dtype
+        """Encoder outputs are (rows, width) in the model dtype, a row as wide as a block (the
+        model's width); anything else is not ours. The daemon reads a value of any width from
+        its store (it does not know the model's): another model's, under a namespace that
+        names this model, is never loaded here."""
+        return (
+            len(spec.shape) == 2
+            and spec.dtype == self.config.dtype
+            and spec.nbytes == spec.shape[0] * self.config.block_size_bytes
+        )
 
     def _save_spec(self, feature: MultiModalFeatureSpec) -> TensorSpec | None:
         rows = feature.mm_position.get_num_embeds()

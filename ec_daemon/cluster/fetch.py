@@ -12,10 +12,11 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
 3. one read for the batch (`batch_get_into_multi_buffers`): each value's header into a buffer
    of the node's thread, its bytes straight into the entry's extents in the pool's mapped,
    registered data region;
-4. a value whose header is the format's, holds the entry's size and whose rows are as wide as
-   the pool's blocks is committed with the header's shape and dtype; anything else (not read
-   whole, another model's value under the key, a read not over within the longer of the first
-   asker's wait_ms and the fetch timeout) aborts the entry: a miss, nothing partial.
+4. a value whose header is the format's and holds the entry's size is committed with the
+   header's shape and dtype, whatever the pool's block size (its bytes fill the entry's blocks
+   in order, the last in part); anything else (not read whole, a value not in the format, a
+   read not over within the longer of the first asker's wait_ms and the fetch timeout) aborts
+   the entry: a miss, nothing partial.
 
 A fetch is bounded by the longer of its first asker's wait_ms and the fetch timeout: a lookup
 still queued for the node's thread then never runs, a read still running is given up on (its

@@ -234,8 +234,8 @@ class ClusterNode:
     ) -> Callable[[StoreClient], list[TensorSpec | None]]:
         """Work for `ask`: read each value, its header into a buffer of the thread's and its
         bytes straight into the extents (of the pool `info`), with one call; per read the spec
-        its header gives, or None (not read whole, a header not the format's, or one that does
-        not fit: another size, or rows of another width than the pool's blocks)."""
+        its header gives, or None (not read whole, a header not the format's, or one that gives
+        another size)."""
 
         def work(store: StoreClient) -> list[TensorSpec | None]:
             mounted = self._mount(info)
@@ -264,7 +264,7 @@ class ClusterNode:
         )
         self._answered(results, "read")
         return [
-            _fitting(ctypes.string_at(base + i * size, size), r.nbytes, block_size)
+            _fitting(ctypes.string_at(base + i * size, size), r.nbytes)
             if result == size + r.nbytes
             else None
             for i, (r, result) in enumerate(zip(reads, results, strict=True))
@@ -538,12 +538,14 @@ def _memory_size(replicas: list[Any]) -> int:
     return 0
 
 
-def _fitting(raw: bytes, nbytes: int, block_size: int) -> TensorSpec | None:
-    """The spec a value's header gives, if it is the format's, holds `nbytes` and its rows are
-    as wide as the pool's blocks (the same model's width); else None."""
+def _fitting(raw: bytes, nbytes: int) -> TensorSpec | None:
+    """The spec a value's header gives, if it is the format's and holds `nbytes`; else None.
+
+    Whatever the pool's block size: the bytes fill the entry's blocks in order, its last block
+    in part, as a local put's do. A row need not be a block: the pool does not know the model's
+    width (the namespace names the model; the vLLM connector checks the width it loads)."""
     try:
         spec = codec.parse_header(raw)
     except ValueError:
         return None
-    width = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
-    return spec if spec.nbytes == nbytes and width == block_size else None
+    return spec if spec.nbytes == nbytes else None

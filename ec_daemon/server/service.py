@@ -444,6 +444,8 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             wire.checked_keys(request.acquires),
             wire.checked_specs(request.allocates),
         )
+        # A local_only Step's acquires are answered by this node alone (a get with no wait_ms).
+        cluster = None if request.local_only else self.cluster
         result = self.store.step(
             request.session_id,
             engine_id,
@@ -452,13 +454,13 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(aborts),
             valid(acquires),
             valid(allocates),
-            count_misses=self.cluster is None,  # else once the store had its say
+            count_misses=cluster is None,  # else once the store had its say
         )
-        if self.cluster is not None:  # acquires the store can answer: fetched, and waited for
-            result = await self.cluster.step(request.session_id, engine_id, valid(acquires), result)
+        if cluster is not None:  # acquires the store can answer: fetched, and waited for
+            result = await cluster.step(request.session_id, engine_id, valid(acquires), result)
             missed = sum(r.status is api.Status.MISS for r in result.acquires)
             self.store.count_misses(engine_id, missed)
-        if self.cluster is not None and (
+        if cluster is not None and (
             not self.store.has_pool(engine_id)
             or self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
         ):  # recreated during the fetches: the answers may name either file

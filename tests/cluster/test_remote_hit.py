@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -41,35 +42,65 @@ def test_a_key_another_node_published_is_read_from_the_store_bit_identical(maste
     assert (stats.remote_hits, stats.remote_reads, stats.entries_ready) == (1, 1, 1)
 
 
-def test_a_key_vllms_store_client_published_is_read_bit_identical(master: Master) -> None:
+# A pool whose blocks are not one row: 1 MiB blocks, rows of 8 KiB (4096 bf16).
+MIB_BLOCKS: dict[str, Any] = dict(POOL, block_size_bytes=1 << 20)
+WHOLE_OR_PART = pytest.mark.parametrize(
+    "rows", [1024, 1000], ids=["whole blocks", "its last block in part"]
+)
+
+
+@WHOLE_OR_PART
+def test_a_key_another_node_published_is_read_whatever_the_pools_block_size(
+    master: Master, rows: int
+) -> None:
+    tensors = {f"img-{i}": torch.randn(rows, 4096, dtype=torch.bfloat16) for i in range(2)}
+    with (
+        published_elsewhere(master, tensors, MIB_BLOCKS) as far,
+        far.client() as consumer,
+    ):
+        consumer.open_pool("shared", **MIB_BLOCKS, cluster_namespace=NAMESPACE)
+        got = Consumer(consumer, "shared").get_many(list(tensors), wait_ms=5000)
+        stats = pool_stats(consumer, "shared")
+    assert all(got[k] is not None and torch.equal(got[k], t) for k, t in tensors.items())
+    assert (stats.remote_hits, stats.remote_misses) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("pool", "shape"),
+    [(POOL, (64, 2048)), (MIB_BLOCKS, (1024, 4096)), (MIB_BLOCKS, (1000, 4096))],
+    ids=["blocks of one row", "blocks of 1 MiB, whole", "blocks of 1 MiB, the last in part"],
+)
+def test_a_key_vllms_store_client_published_is_read_bit_identical(
+    master: Master, pool: dict[str, Any], shape: tuple[int, int]
+) -> None:
     from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
         make_embedding_key,
     )
 
-    tensor = torch.randn(64, 2048, dtype=torch.bfloat16)
+    tensor = torch.randn(shape, dtype=torch.bfloat16)
     vllm = vllm_store_client(master)
     try:
         vllm.put_tensor(make_embedding_key(NAMESPACE, "from-vllm"), tensor)
         with store_daemon(master) as daemon, daemon.client() as client:
-            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+            client.open_pool("shared", **pool, cluster_namespace=NAMESPACE)
             got = Consumer(client, "shared").get("from-vllm", wait_ms=5000)
+            stats = pool_stats(client, "shared")
     finally:
         vllm.close()
     assert got is not None and torch.equal(got, tensor)
+    assert (stats.remote_hits, stats.remote_misses) == (1, 0)
 
 
-@pytest.mark.parametrize("value", ["rows of another width", "a header not the format's"])
-def test_another_models_value_under_the_key_is_a_miss_never_committed(
+@pytest.mark.parametrize("value", ["a header not the format's", "a size not its header's"])
+def test_a_value_not_in_the_format_under_the_key_is_a_miss_never_committed(
     master: Master, value: str
 ) -> None:
-    key = f"other-model-{value.split()[-2]}"
+    magic, rows = (0x46524E47, 2) if value == "a header not the format's" else (codec.MAGIC, 3)
+    key = f"not-the-format-{rows}"
+    raw = codec.HEADER.pack(magic, 12, rows, 2048) + bytes(2 * BLOCK)  # 2 rows of bf16
     vllm = vllm_store_client(master)
     try:
-        if value == "rows of another width":  # rows of 2048 bytes, in a pool of 4096
-            vllm.put_tensor(codec.store_key(NAMESPACE, key.encode()), torch.ones(8, 512))
-        else:  # the size of 2 rows of the pool's, but not the format's magic
-            raw = codec.HEADER.pack(0x46524E47, 12, 2, 2048) + bytes(2 * BLOCK)
-            assert vllm.store.put(codec.store_key(NAMESPACE, key.encode()), raw) == 0
+        assert vllm.store.put(codec.store_key(NAMESPACE, key.encode()), raw) == 0
         with store_daemon(master) as daemon, daemon.client() as client:
             client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
             got = Consumer(client, "shared").get(key, wait_ms=200)
@@ -80,6 +111,23 @@ def test_another_models_value_under_the_key_is_a_miss_never_committed(
     assert (stats.remote_reads, stats.remote_misses) == (1, 1)
     assert (stats.remote_hits, stats.entries_ready, stats.entries_pending) == (0, 0, 0)
     assert stats.held_blocks == 0 and stats.free_blocks == stats.num_blocks
+
+
+def test_a_get_with_no_wait_ms_that_asks_the_daemon_is_answered_by_this_node_alone(
+    master: Master,
+) -> None:
+    # watch=False: every get asks the daemon (a Step), as a get does while its view has not
+    # synced; without wait_ms it is still a miss for a key only another node has.
+    tensor = torch.randn(16, 2048, dtype=torch.bfloat16)
+    with published_elsewhere(master, {"img-1": tensor}) as far, far.client() as consumer:
+        consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        unwatched = Consumer(consumer, "shared", watch=False)
+        local = unwatched.get("img-1")
+        stats = pool_stats(consumer, "shared")
+        waited = unwatched.get("img-1", wait_ms=5000)  # the store has it: read with a wait_ms
+    assert local is None
+    assert (stats.remote_reads, stats.misses) == (0, 1)
+    assert waited is not None and torch.equal(waited, tensor)
 
 
 def test_a_steps_acquire_of_a_key_the_store_has_is_answered_by_a_remote_hit(master: Master) -> None:

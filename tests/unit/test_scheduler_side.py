@@ -399,6 +399,15 @@ def test_an_engine_that_only_consumes_loads_an_item_committed_before_its_view_he
     assert consume(side, client, "img-a") and side.has_cache_item("img-a")
 
 
+def test_an_item_whose_rows_are_not_the_models_width_is_encoded_never_loaded(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_consumer")
+    rows = spec(side)  # another model's output under the key: the same bytes, half as wide
+    client.cached["img-a"] = dataclasses.replace(rows, shape=(ROWS * 2, WIDTH // 2))
+    assert consume(side, client, "img-a") and not side.has_cache_item("img-a")
+
+
 def test_an_engine_that_only_consumes_holds_an_item_being_written_before_its_view_heard_of_it(
     client: FakeClient,
 ) -> None:

@@ -387,3 +387,11 @@ def test_a_step_over_the_limit_splits_each_part_and_carries_the_counts_on_its_la
     assert (list(rest.acquires), len(rest.allocates), rest.misses) == ([b"c"], 0, 5)
     assert list(rest.hits) == [b"h"] and not first.hits
     assert cut[1].split is not None and cut[1].split(2) is None  # the rest fits
+
+
+def test_a_local_only_step_over_the_limit_is_local_only_in_each_part() -> None:
+    call = _wire.step("p", acquires=[b"a", b"b", b"c"], local_only=True)
+    assert call.split is not None
+    cut = call.split(2)
+    assert cut is not None
+    assert [part.build("s").local_only for part in cut] == [True, True]

@@ -390,7 +390,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, boot_epoch: _Optional[str] = ..., results: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates", "misses", "hits")
+    __slots__ = ("session_id", "engine_id", "releases", "commits", "aborts", "acquires", "allocates", "misses", "hits", "local_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,7 @@ class StepRequest(_message.Message):
     ALLOCATES_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     engine_id: str
     releases: _containers.RepeatedScalarFieldContainer[int]
@@ -409,7 +410,8 @@ class StepRequest(_message.Message):
     allocates: _containers.RepeatedCompositeFieldContainer[AllocateItem]
     misses: int
     hits: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., misses: _Optional[int] = ..., hits: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., releases: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., aborts: _Optional[_Iterable[bytes]] = ..., acquires: _Optional[_Iterable[bytes]] = ..., allocates: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., misses: _Optional[int] = ..., hits: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("boot_epoch", "releases", "commits", "aborts", "acquires", "allocates", "pool_uuid")
