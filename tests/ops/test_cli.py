@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ecd_testing import REPO, Daemon, run_ecd, running_daemon
+from ecd_testing import REPO, Daemon, auth_args, run_ecd, running_daemon
 from pki_testing import make_pki, tls_args
 
 from ec_client import AllocateItem, EntryState, Status, __version__
@@ -211,10 +211,10 @@ def test_a_command_on_a_pool_names_it_pool_and_says_what_it_is(command: str) -> 
 
 def test_client_commands_take_the_daemons_token_as_a_flag(tmp_path: Path) -> None:
     token = "a-token-of-thirty-two-characters!"
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"operator {token}\n")
-    tokens.chmod(0o600)
-    with running_daemon("--max-bytes", "64MiB", "--token-file", str(tokens)) as daemon:
+    auth = auth_args(
+        tmp_path, {"operator": token}, '[[rule]]\npools = ["*"]\nadmin = ["operator"]\n'
+    )
+    with running_daemon("--max-bytes", "64MiB", *auth) as daemon:
         status, _, err = ecd(daemon, "stats")
         assert status == 1 and "UNAUTHENTICATED" in err, err
         status, out, err = ecd(daemon, "stats", "--token", token)
