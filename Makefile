@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml requirements-vllm.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	# A venv made before the distribution's rename holds the project as `ecd`: removed first, so
+	# that no two distributions claim its packages and the ecd command.
+	if $(PY) -m pip show --quiet ecd >/dev/null 2>&1; then $(PY) -m pip uninstall --quiet --yes ecd; fi
 	$(PY) -m pip install --quiet -e '.[dev,mooncake]'
 	$(PY) -m pip install --quiet --no-deps vllm==0.33.0
 	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt

@@ -60,6 +60,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ec_client' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The public names, those loaded on first use included, and the module's own dunders; not
+    the typing helpers this module imports, nor the submodules loaded beside it."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
 __all__ = [
     "AcquireResult",
     "AllocateItem",

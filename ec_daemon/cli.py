@@ -1,10 +1,12 @@
 """The `ecd` command: `ecd serve` runs the daemon; the others are client tools for operators.
 
     ecd serve --socket /run/ecd/ecd.sock --shm-dir /dev/shm --max-bytes 8GiB
-    ecd health | ecd stats [ENGINE] | ecd ls [ENGINE] | ecd evict|delete ENGINE KEY...
-    ecd drop ENGINE [--force] | ecd --version
+    ecd health [--service S] | ecd stats [POOL] | ecd ls [POOL] | ecd evict|delete POOL KEY...
+    ecd drop POOL [--force] | ecd --version
 
-Client commands take --address (default: ECD_ADDRESS, else the default socket) and --json.
+Client commands take --address (default: ECD_ADDRESS, else the default socket), --token and
+--tls-ca/--tls-cert/--tls-key (defaults: ECD_TOKEN or ECD_TOKEN_FILE, ECD_TLS_*), --timeout and
+--json.
 Exit status: 0 success, 1 the daemon answered with an error or is not SERVING, 2 bad usage or
 configuration.
 """
@@ -21,7 +23,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ec_client import Client, EcdError, ItemResult, Role, __version__, check_health
+import grpc
+
+from ec_client import Client, EcdError, ItemResult, Role, TLSFiles, __version__, check_health
 from ec_client.address import default_target
 from ec_client.types import ClusterStats
 from ec_client.units import format_size, parse_size
@@ -85,17 +89,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except config_module.ConfigError as exc:
         print(f"ecd: {exc}", file=sys.stderr)
         return 2
-    if args.print_config:
-        print(
-            config_module.reference() if args.markdown else config_module.describe(config, sources)
-        )
-        return 0
     logs.configure(config.log_format, config.log_level)
+    # Before --print-config too: a typo'd variable is why a setting shows its default there.
     for variable in config_module.unknown_env(os.environ):
         logging.getLogger("ecd.config").warning(
             "unknown environment variable, ignored: no setting has this name",
             extra={"variable": variable},
         )
+    if args.print_config:
+        print(
+            config_module.reference() if args.markdown else config_module.describe(config, sources)
+        )
+        return 0
     try:
         server.run(config)
     except StartupError as exc:
@@ -110,23 +115,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     target = args.address or default_target()
     try:
-        status = check_health(target, timeout_s=args.timeout)
+        status = check_health(target, service=args.service, **connection(args))
     except EcdError as exc:
-        status = f"UNREACHABLE ({exc.message})"
+        if exc.code == grpc.StatusCode.NOT_FOUND:  # Health.Check's answer for a service it lacks
+            status = f"SERVICE_UNKNOWN (ecd at {target} has no health service {args.service!r})"
+        else:
+            status = f"UNREACHABLE ({exc.message})"
     emit(args, {"status": status, "target": target}, lambda: status)
     return 0 if status == "SERVING" else 1
+
+
+def connection(args: argparse.Namespace) -> dict[str, Any]:
+    """How a client command reaches the daemon (`client_arguments`): its timeout, token and TLS
+    files; what is not given comes from the environment, as for every client (a --tls-* flag
+    over its own ECD_TLS_* variable)."""
+    flags = (args.tls_ca, args.tls_cert, args.tls_key)
+    tls = None
+    if any(flags):
+        env = [os.environ.get(f"ECD_TLS_{name}") for name in ("CA", "CERT", "KEY")]
+        tls = TLSFiles(
+            *(flag or variable or None for flag, variable in zip(flags, env, strict=True))
+        )
+    return {"timeout_s": args.timeout, "token": args.token, "tls": tls}
 
 
 def admin_client(args: argparse.Namespace) -> Client:
     """A session for an operator command; a daemon that cannot be reached fails it at once when
     a connection shows why (no socket there, TLS refused), naming the address."""
-    check_health(args.address, timeout_s=args.timeout)
+    reach = connection(args)
+    check_health(args.address, **reach)
     return Client(
         args.address,
         name="ecd-cli",
         role=Role.ADMIN,
         keepalive=False,
-        connect_timeout_s=args.timeout,
+        connect_timeout_s=reach.pop("timeout_s"),
+        **reach,
     )
 
 
@@ -307,6 +331,8 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 
+# A pool is named by its engine_id (`ecd ls` lists them).
+POOL_HELP = "the pool's name, its engine_id (ecd ls lists them)"
 SUITES = ("costs", "latency", "control", "data", "load", "handoff", "all", "restart", "cluster")
 
 
@@ -399,7 +425,23 @@ def client_arguments(parser: argparse.ArgumentParser) -> None:
         "[default: ECD_ADDRESS, else the default socket]",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to reach the daemon")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to reach the daemon [default: 5]"
+    )
+    parser.add_argument(
+        "--token",
+        help="bearer token the daemon requires (its --token-file) [default: ECD_TOKEN, else "
+        "the line of ECD_TOKEN_FILE, named by ECD_TOKEN_NAME]; other users can read a flag in "
+        "ps: prefer the variables",
+    )
+    for name, what in (
+        ("ca", "CA that signed the daemon's certificate (TLS over --tcp)"),
+        ("cert", "this client's certificate, for mutual TLS"),
+        ("key", "the key of --tls-cert"),
+    ):
+        parser.add_argument(
+            f"--tls-{name}", metavar="PEM", help=f"{what} [default: ECD_TLS_{name.upper()}]"
+        )
 
 
 def add_command(
@@ -436,19 +478,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_module.add_arguments(serve)
 
-    add_command(
+    health = add_command(
         commands, "health", cmd_health, client=True, help="check the daemon (exit 0 if SERVING)"
+    )
+    health.add_argument(
+        "--service",
+        default="",
+        help="a health service of the daemon's: ecd.v1.EncoderCache, or ecd.cluster (SERVING "
+        "while the Mooncake Store's master answers) [default: the daemon as a whole]",
     )
 
     stats = add_command(
         commands, "stats", cmd_stats, client=True, help="daemon and pool statistics"
     )
-    stats.add_argument("engine", nargs="?", help="only this pool")
+    stats.add_argument("engine", nargs="?", metavar="POOL", help="only this pool")
 
     ls = add_command(
         commands, "ls", cmd_ls, client=True, help="list the entries of a pool, or the pools"
     )
-    ls.add_argument("engine", nargs="?", help="this pool's entries [default: list the pools]")
+    ls.add_argument(
+        "engine", nargs="?", metavar="POOL", help="this pool's entries [default: list the pools]"
+    )
 
     for name, run, what in (
         ("evict", cmd_evict, "evict READY unpinned entries of a pool, as eviction would"),
@@ -456,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
          "last release)"),
     ):  # fmt: skip
         drop = add_command(commands, name, run, client=True, help=what)
-        drop.add_argument("engine")
+        drop.add_argument("engine", metavar="POOL", help=POOL_HELP)
         drop.add_argument(
             "keys", nargs="+", type=parse_key, metavar="KEY", help="key as text, or 0x-prefixed hex"
         )
@@ -469,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete a pool and its file, giving its capacity back to the budget",
         description="Refused while entries of the pool are PENDING or pinned, unless --force.",
     )
-    drop_pool.add_argument("engine")
+    drop_pool.add_argument("engine", metavar="POOL", help=POOL_HELP)
     drop_pool.add_argument(
         "--force", action="store_true", help="drop it even with entries PENDING or pinned"
     )

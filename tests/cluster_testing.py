@@ -19,6 +19,7 @@ from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import Client, Producer
 from ec_client.types import ClusterStats, PoolStats
+from ec_daemon.cluster.mooncake import INSTALL_HINT
 from ec_daemon.tools.spawn import free_port
 from ec_daemon.tools.spawn_store import (
     MASTER_BINARY as MASTER_BINARY,  # where the tests look for it
@@ -36,7 +37,7 @@ def mooncake_missing() -> str:
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
-        return f"the Mooncake Store client cannot be loaded ({exc}): pip install 'ecd[mooncake]'"
+        return f"the Mooncake Store client cannot be loaded ({exc}): {INSTALL_HINT}"
     return ""
 
 

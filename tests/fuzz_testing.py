@@ -64,12 +64,41 @@ CASES: Counter[str] = Counter()
 ANSWERS: Counter[str] = Counter()
 
 
-def assert_still_observable(stats: Callable[[], object], metrics_port: int) -> None:
-    """Stats (`stats`, a call of it) and the metrics page still answer: a daemon can stay up
-    and SERVING while what a client did makes every Stats fail for everyone (a Step's misses of
-    2**64-1 once did: its counter no longer fit StatsReply)."""
-    stats()
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:  # an error page raises
-        families = list(text_string_to_metric_families(reply.read().decode()))
-    assert any(family.name == "ecd_pool_misses" for family in families)
+# Cases between two reads of the metrics page. Stats is a call of a few ms, read after every
+# case; the page is tens of ms to fetch and parse, growing with the pools the fuzzers open (at
+# 650 examples, read after every case, the sequence test ran past its 300 s timeout on its own).
+METRICS_EVERY = 50
+
+
+class Observer:
+    """Checks that Stats and the metrics page still answer: a daemon can stay up and SERVING
+    while what a client did makes every Stats fail for everyone (a Step's misses of 2**64-1
+    once did: its counter no longer fit StatsReply). `stats` is a call of Stats.
+
+    Stats is read after every case, the page after every METRICS_EVERY cases and at `finish`;
+    a page that fails lists the cases sent since it last answered."""
+
+    def __init__(self, stats: Callable[[], object], metrics_port: int) -> None:
+        self.stats = stats
+        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.since: list[object] = []  # the cases sent since the page last answered
+
+    def after(self, case: object) -> None:
+        """Checks after one case: `case` is what was sent (formatted only if the page fails)."""
+        self.stats()
+        self.since.append(case)
+        if len(self.since) >= METRICS_EVERY:
+            self.finish()
+
+    def finish(self) -> None:
+        """Reads the metrics page now."""
+        try:
+            with urllib.request.urlopen(self.url, timeout=10) as reply:  # an error page raises
+                families = list(text_string_to_metric_families(reply.read().decode()))
+        except Exception as exc:
+            raise AssertionError(f"the metrics page failed ({exc}) after:\n{self.sent()}") from exc
+        assert any(family.name == "ecd_pool_misses" for family in families), self.sent()
+        self.since.clear()
+
+    def sent(self) -> str:
+        return "\n".join(map(str, self.since)) or "(none)"

@@ -312,9 +312,11 @@ class Consumer:
                 continue
             found = read.mover.checksum(read.extents, read.spec.nbytes)
             if found != read.checksum:
+                # Both are CRC-32s with bit 32 set (mover.checksum): shown without that bit.
+                crc, stored = found & 0xFFFF_FFFF, read.checksum & 0xFFFF_FFFF
                 raise EcdError(
                     grpc.StatusCode.DATA_LOSS,
-                    f"entry {read.key!r}: checksum {found:#x} != stored {read.checksum:#x}",
+                    f"entry {read.key!r}: checksum (CRC-32) {crc:#010x} != stored {stored:#010x}",
                 )
 
 

@@ -71,9 +71,10 @@ def spec_of(tensor: torch.Tensor) -> TensorSpec:
             "entry of its own, or a padded dense one (t.to_padded_tensor(0))"
         )
     if not 1 <= tensor.dim() <= MAX_NDIM:
+        hint = " (a 0-dim tensor: store t.reshape(1))" if tensor.dim() == 0 else ""
         raise ValueError(
             f"a tensor of {tensor.dim()} dimensions (shape {tuple(tensor.shape)}) cannot be "
-            f"stored: expected 1 to {MAX_NDIM} (a 0-dim tensor: store t.reshape(1))"
+            f"stored: expected 1 to {MAX_NDIM}{hint}"
         )
     if tensor.layout is not torch.strided:
         raise ValueError(f"a {tensor.layout} tensor cannot be stored: convert it to dense first")

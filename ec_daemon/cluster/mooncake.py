@@ -24,6 +24,12 @@ REACH_TIMEOUT_S = 1.0
 LOCAL_BUFFER_BYTES = 16 << 20
 # Mooncake's error codes that mean the master did not answer (types.h, ErrorCode).
 RPC_FAIL, RPC_TIMEOUT = -900, -901
+# What installs the store client and mooncake_master into a daemon's environment: the wheel the
+# mooncake extra of pyproject.toml pins (tests/ops/test_docs.py keeps the two equal). The
+# project itself installs from its checkout (pip install '.[mooncake]'), never by a name from the
+# package index, where `ecd` is another project.
+MOONCAKE_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+INSTALL_HINT = f"pip install '{MOONCAKE_WHEEL}' (the mooncake extra of encoder-cache-daemon)"
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
         from mooncake.store import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
     except ImportError as exc:
         raise Unreachable(
-            f"the Mooncake Store client cannot be loaded ({exc}): pip install 'ecd[mooncake]'"
+            f"the Mooncake Store client cannot be loaded ({exc}): {INSTALL_HINT}"
         ) from None
     store = MooncakeDistributedStore()
     ret = store.setup(

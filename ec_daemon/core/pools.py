@@ -274,11 +274,13 @@ class PoolRegistry:
     def _create(self, engine_id: str, geometry: Geometry, compat_key: str) -> Pool:
         used, budget = self.capacity_bytes(), self.settings.max_bytes
         if used + geometry.capacity_bytes > budget:
+            n = len(self._pools)
+            pools, hold = ("1 pool", "holds") if n == 1 else (f"{n} pools", "hold")
             left = (
                 f"only {format_size(budget - used)} of the daemon's {format_size(budget)} budget "
-                f"(--max-bytes) are left ({len(self._pools)} pools hold the rest)"
+                f"(--max-bytes) are left ({pools} {hold} the rest)"
                 if used <= budget
-                else f"the {len(self._pools)} pools it serves hold {format_size(used)}, "
+                else f"the {pools} it serves {hold} {format_size(used)}, "
                 f"{format_size(used - budget)} over the daemon's {format_size(budget)} budget "
                 "(--max-bytes): pools adopted at start that a smaller budget does not cover"
             )

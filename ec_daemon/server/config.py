@@ -518,9 +518,11 @@ def load(
         if (found := given(gone.name, gone.flag, gone.env)) is not None:
             raise ConfigError(f"{gone.name} from {found[0]} is no longer a setting: {gone.instead}")
     if config_file is not None:
-        unknown = set(file_values) - {s.name for s in SETTINGS}
+        names = [s.name for s in SETTINGS]
+        unknown = sorted(set(file_values) - set(names))
         if unknown:
-            raise ConfigError(f"unknown settings in {config_file}: {', '.join(sorted(unknown))}")
+            listed = ", ".join(_with_nearest(name, names) for name in unknown)
+            raise ConfigError(f"unknown settings in {config_file}: {listed}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for setting in SETTINGS:
@@ -591,9 +593,14 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
             or name.startswith(OTHER_ENV_PREFIXES)
         ):
             continue
-        near = difflib.get_close_matches(name, known, n=1)
-        lines.append(f"{name}" + (f" (did you mean {near[0]}?)" if near else ""))
+        lines.append(_with_nearest(name, known))
     return lines
+
+
+def _with_nearest(name: str, known: list[str]) -> str:
+    """An unknown name, with the known one nearest to it if one is near (a typo, most likely)."""
+    near = difflib.get_close_matches(name, known, n=1)
+    return name + (f" (did you mean {near[0]}?)" if near else "")
 
 
 def _modes_as_written(text: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from cluster_testing import Master, running_master, store_daemon
 from e2e_testing import Engine, Engines
 from ecd_testing import REPO, Daemon, wait_until
 
+from ec_daemon.cluster.mooncake import INSTALL_HINT
+
 pytestmark = pytest.mark.timeout(900)
 
 STORE_PYTHON = os.environ.get("ECD_E2E_STORE_PYTHON", str(REPO / ".venv" / "bin" / "python"))
@@ -43,7 +45,7 @@ def store_missing() -> str:
     if not Path(STORE_PYTHON).exists():
         return f"no {STORE_PYTHON} (make test builds it; ECD_E2E_STORE_PYTHON names another)"
     if not Path(MASTER).exists():
-        return f"no {MASTER}: pip install 'ecd[mooncake]' into {STORE_PYTHON}'s environment"
+        return f"no {MASTER}: {INSTALL_HINT} into {STORE_PYTHON}'s environment"
     loads = subprocess.run(
         [STORE_PYTHON, "-c", "import mooncake.store"], capture_output=True, text=True
     )

@@ -7,8 +7,9 @@ so that real state is reached: entries get allocated, committed, pinned, evicted
 and dropped. Whatever is sent, the daemon must
 - answer every request with success or a documented status code (never INTERNAL or UNKNOWN),
   with one result per item, in order;
-- stay up (same process, same boot epoch) and SERVING, and still answer Stats and the metrics
-  page after every case (a daemon can be up while what a client did fails every Stats);
+- stay up (same process, same boot epoch) and SERVING, and still answer Stats after every case
+  and the metrics page every fuzz_testing.METRICS_EVERY cases and at the end of each test (a
+  daemon can be up while what a client did fails every Stats);
 - leak no block: once every session is closed and a lease has passed, every pool's free blocks
   plus the blocks of its READY entries make up the pool, with nothing PENDING or pinned.
 """
@@ -32,7 +33,7 @@ from fuzz_testing import (
     MALFORMED,
     PER_RPC,
     PROFILE,
-    assert_still_observable,
+    Observer,
     fuzz_settings,
 )
 from google.protobuf import message_factory
@@ -66,10 +67,13 @@ class World:
 
     def __init__(self, daemon: Daemon, metrics_port: int) -> None:
         self.daemon = daemon
-        self.metrics_port = metrics_port
         self.pid = daemon.proc.pid if daemon.proc else 0
         self.channel = grpc.insecure_channel(daemon.address)
         self.stub = pb_grpc.EncoderCacheStub(self.channel)
+        stats = self.stub.Stats
+        self.observer = Observer(
+            lambda: stats(pb.StatsRequest(), timeout=CALL_TIMEOUT), metrics_port
+        )
         self.lock = threading.Lock()
         self.anchors: list[str] = []
         self.sessions: list[str] = []
@@ -121,12 +125,6 @@ class World:
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:  # a fuzzed CloseSession
                         self.anchors[i] = self.open_session()
-
-    def assert_observable(self) -> None:
-        stats = self.stub.Stats
-        assert_still_observable(
-            lambda: stats(pb.StatsRequest(), timeout=CALL_TIMEOUT), self.metrics_port
-        )
 
     def close(self) -> None:
         if not self._stop.is_set():
@@ -472,7 +470,7 @@ def send(world: World, rpc: str, request: Message) -> None:
         check_reply(world, rpc, request, reply)
         world.learn(rpc, request, reply)
     assert world.daemon.running, world.daemon.log()[-3000:]
-    world.assert_observable()
+    world.observer.after((rpc, request))
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -487,6 +485,15 @@ def world() -> Iterator[World]:
         w = World(daemon, port)
         yield w
         w.close()
+
+
+@pytest.fixture(autouse=True)
+def metrics_read_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The metrics page is read at the end of each test that fuzzed the world, whatever the
+    count of cases since it was last read."""
+    yield
+    if "world" in request.fixturenames:
+        request.getfixturevalue("world").observer.finish()
 
 
 def test_every_rpc_of_the_service_is_fuzzed() -> None:
@@ -531,7 +538,7 @@ def test_any_watch_streams_events_or_ends_with_a_documented_error(
         else:
             check_error("Watch", request, error)
     assert world.daemon.running
-    world.assert_observable()
+    world.observer.after(("Watch", request))
 
 
 @fuzz_settings(PER_RPC)
@@ -570,7 +577,7 @@ def test_a_body_that_is_not_a_request_never_harms_the_daemon(
         if rpc not in STREAMING:
             assert error.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
     assert world.daemon.running, world.daemon.log()[-3000:]
-    world.assert_observable()
+    world.observer.after((rpc, body))
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from ecd_testing import Daemon, running_daemon
-from fuzz_testing import CASES, RAW, assert_still_observable, fuzz_settings
+from fuzz_testing import CASES, RAW, Observer, fuzz_settings
 from http2_testing import DATA, PREFACE, SETTINGS, frame, grpc_call
 from hypothesis import given
 from hypothesis import strategies as st
@@ -129,6 +129,7 @@ def test_hostile_bytes_never_harm_the_daemon(target: Daemon, metrics_port: int, 
     with target.client(name="observer") as c:
         c.open_pool("bystander", 4096, 64 * 4096)
         baseline = daemon_fds(target.proc.pid)  # type: ignore[union-attr]
+        observer = Observer(c.stats, metrics_port)
 
         @fuzz_settings(RAW)
         @given(payload=HOSTILE[kind])
@@ -137,9 +138,10 @@ def test_hostile_bytes_never_harm_the_daemon(target: Daemon, metrics_port: int, 
             until = b"grpc-status" if kind == "socket mangled gRPC call" else b""
             send_raw(target, payload, read_s=0.15, until=until)
             assert target.running, target.log()[-3000:]
-            assert_still_observable(c.stats, metrics_port)
+            observer.after(payload)
 
         attack()
+        observer.finish()
         assert c.health() == "SERVING"
         assert c.lookup("bystander", ["k"])[0].nbytes == 0  # a real client is served as before
 

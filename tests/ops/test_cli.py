@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from ecd_testing import REPO, Daemon, run_ecd
+from ecd_testing import REPO, Daemon, auth_args, run_ecd, running_daemon
+from pki_testing import make_pki, tls_args
 
 from ec_client import AllocateItem, EntryState, Status, __version__
+from ec_daemon.tools.spawn import free_port
 
 POOL = "cli-pool"
 BLOCK = 7168
@@ -184,3 +186,54 @@ def test_ecd_ls_with_no_pool_lists_the_pools(daemon: Daemon) -> None:
         listed = {p["engine_id"]: p for p in json.loads(out)}
         assert listed[POOL]["bytes_ready"] == 2 * BLOCK
         assert listed["empty"]["capacity_bytes"] == 4 * MiB
+
+
+CLIENT_COMMANDS = ["health", "stats", "ls", "evict", "delete", "drop"]
+
+
+@pytest.mark.parametrize("command", CLIENT_COMMANDS)
+def test_every_client_commands_help_names_the_variables_it_reads_and_its_timeouts_default(
+    command: str,
+) -> None:
+    text = " ".join(run_ecd(command, "--help", check=True).stdout.split())
+    for variable in ("ECD_ADDRESS", "ECD_TOKEN", "ECD_TLS_CA", "ECD_TLS_CERT", "ECD_TLS_KEY"):
+        assert variable in text, variable
+    assert "--timeout TIMEOUT seconds to reach the daemon [default: 5]" in text
+
+
+@pytest.mark.parametrize("command", ["stats", "ls", "evict", "delete", "drop"])
+def test_a_command_on_a_pool_names_it_pool_and_says_what_it_is(command: str) -> None:
+    usage, _, arguments = run_ecd(command, "--help", check=True).stdout.partition("positional")
+    assert "POOL" in usage and "engine" not in usage
+    [pool] = [line.split() for line in arguments.splitlines() if line.split()[:1] == ["POOL"]]
+    assert len(pool) > 1, "POOL without a help line"
+
+
+def test_client_commands_take_the_daemons_token_as_a_flag(tmp_path: Path) -> None:
+    token = "a-token-of-thirty-two-characters!"
+    auth = auth_args(
+        tmp_path, {"operator": token}, '[[rule]]\npools = ["*"]\nadmin = ["operator"]\n'
+    )
+    with running_daemon("--max-bytes", "64MiB", *auth) as daemon:
+        status, _, err = ecd(daemon, "stats")
+        assert status == 1 and "UNAUTHENTICATED" in err, err
+        status, out, err = ecd(daemon, "stats", "--token", token)
+        assert status == 0 and "sessions 0" in out, err
+
+
+def test_client_commands_take_the_tls_files_as_flags(tmp_path: Path) -> None:
+    ca, server, client = make_pki(tmp_path)
+    port = free_port()
+    files = ("--tls-ca", str(ca), "--tls-cert", str(client.cert), "--tls-key", str(client.key))
+    with running_daemon(*tls_args(port, server, client_ca=ca)):
+        for command in ("health", "stats"):
+            result = run_ecd(command, "--address", f"127.0.0.1:{port}", *files)
+            assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ecd_health_checks_one_health_service_of_the_daemon(daemon: Daemon) -> None:
+    status, out, _ = ecd(daemon, "health", "--service", "ecd.v1.EncoderCache")
+    assert (status, out) == (0, "SERVING\n")
+    status, out, _ = ecd(daemon, "health", "--service", "ecd.cluster")  # a daemon with no store
+    assert status == 1
+    assert out.startswith("SERVICE_UNKNOWN") and "no health service 'ecd.cluster'" in out

@@ -212,6 +212,22 @@ def test_an_unknown_ecd_variable_is_warned_about_naming_the_nearest_setting() ->
     assert "ECD_MAX_BYTE (did you mean ECD_MAX_BYTES?)" in log
 
 
+def test_print_config_warns_of_an_unknown_ecd_variable_too(tmp_path: Path) -> None:
+    """The variable meant to set max_bytes is why --print-config shows its default."""
+    result = print_config(tmp_path, env={"ECD_MAX_BYTE": "1GiB"})
+    assert table(result)["max_bytes"] == ("auto", "default")
+    assert "ECD_MAX_BYTE (did you mean ECD_MAX_BYTES?)" in result.stderr, result.stderr
+
+
+def test_an_unknown_setting_in_the_file_is_refused_naming_the_nearest_setting(
+    tmp_path: Path,
+) -> None:
+    result = print_config(tmp_path, toml='max_byte = "1GiB"\ncolour = "blue"\n')
+    assert result.returncode == 2
+    assert "unknown settings in" in result.stderr
+    assert "colour, max_byte (did you mean max_bytes?)" in result.stderr, result.stderr
+
+
 def test_a_test_daemon_takes_no_setting_from_the_environment_the_suite_runs_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,16 +1,19 @@
 """The docs: generated parts current, citations inside the repository, a README that stays short
-and names every module."""
+and names every module, install hints that install what they say."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from ecd_testing import REPO
+
+from ec_daemon.cluster import mooncake
 
 DOCS = REPO / "docs"
 README = REPO / "README.md"
@@ -93,3 +96,64 @@ def test_the_readme_is_short_and_its_code_map_names_every_module_under_its_folde
             # A sub-package's __init__.py only says what the folder holds, as the map does.
             if module.name != "__init__.py" or len(package.parts) == 1:
                 assert f"`{module.name}`" in part, f"the README's code map lacks {module}"
+
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+# pip's options that take a value (an index's URL, a requirements file, a folder).
+VALUED = {"-r", "--requirement", "-c", "--constraint", "--index-url", "--target", "-d"}
+
+
+def install_hints() -> list[tuple[str, str]]:
+    """Each `pip install` argument in the checkout that names something to install (options and
+    their values aside), with where it is; quotes stripped."""
+    found = []
+    for path in project_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for match in re.finditer(r"pip install ([^`#&|;\n]*)", line):
+                words = [w.strip("'\"") for w in match.group(1).split()]
+                skip = False
+                for word in words:
+                    if skip or word.startswith("-"):
+                        skip = not skip and word in VALUED
+                        continue
+                    found.append((word, f"{path.relative_to(REPO)}:{number}"))
+    return found
+
+
+def test_an_install_hint_with_an_extra_installs_the_checkout_never_a_name_from_the_index() -> None:
+    """The project is installed from its checkout (`pip install '.[mooncake]'`): a hint naming
+    it, or a distribution with an extra, by a name (`ecd[mooncake]`) has pip fetch whatever the
+    package index holds under that name, and `ecd` there is another project."""
+    ours = {PYPROJECT["name"], "ecd"}  # the distribution's name, and its old one
+    offenders = [
+        f"{where}: {word}"
+        for word, where in install_hints()
+        if (requirement := re.fullmatch(r"([A-Za-z0-9][\w.-]*)(\[[\w,]+\])?(==\S+)?", word))
+        and (requirement.group(2) or requirement.group(1) in ours)
+    ]
+    assert not offenders, "install hints naming a distribution from the index:\n" + "\n".join(
+        offenders
+    )
+    assert PYPROJECT["name"] != "ecd", "`ecd` on the package index is another project"
+
+
+def test_every_install_hint_of_a_pinned_dependency_pins_what_pyproject_pins() -> None:
+    pins = dict(
+        requirement.split("==")
+        for requirements in PYPROJECT["optional-dependencies"].values()
+        for requirement in requirements
+        if "==" in requirement
+    )
+    offenders = [
+        f"{where}: {word} (pyproject.toml pins {pins[name]})"
+        for word, where in install_hints()
+        if "==" in word
+        for name, version in [word.split("==", 1)]
+        if name in pins and version != pins[name]
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_daemons_hint_for_the_store_client_is_the_wheel_the_mooncake_extra_pins() -> None:
+    assert PYPROJECT["optional-dependencies"]["mooncake"] == [mooncake.MOONCAKE_WHEEL]
+    assert f"pip install '{mooncake.MOONCAKE_WHEEL}'" in mooncake.INSTALL_HINT

@@ -110,9 +110,9 @@ def test_validation_rejects_a_misspelled_field() -> None:
         kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
 
 
-def test_every_vllm_container_with_the_connector_uses_the_v2_model_runner() -> None:
-    """The connector works only in vLLM's V2 model runner, which is not vLLM's default."""
-    engines = {
+def vllm_engines() -> dict[tuple[str, str], Doc]:
+    """The vLLM containers with the connector, by (manifest, container name)."""
+    return {
         (path.name, c["name"]): c
         for path in MANIFESTS
         for doc in load(path.name)
@@ -120,9 +120,27 @@ def test_every_vllm_container_with_the_connector_uses_the_v2_model_runner() -> N
         for c in pod_spec(doc)["containers"]
         if "--ec-transfer-config" in c.get("args", [])
     }
+
+
+def test_every_vllm_container_with_the_connector_uses_the_v2_model_runner() -> None:
+    """The connector works only in vLLM's V2 model runner, which is not vLLM's default."""
+    engines = vllm_engines()
     assert set(engines) == {("sidecar.yaml", "vllm"), ("daemonset-client.yaml", "vllm")}
     for where, engine in engines.items():
         assert {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"} in engine["env"], where
+
+
+def test_an_engine_that_only_saves_encodings_runs_the_encoder_only() -> None:
+    """An ec_producer is the encoder engine of a disaggregated pair (docs/vllm.md): without
+    --mm-encoder-only it loads the language model too, for nothing."""
+    producers = {
+        where: engine
+        for where, engine in vllm_engines().items()
+        if ec_transfer_config(engine)["ec_role"] == "ec_producer"
+    }
+    assert producers, "no manifest shows the encoder engine"
+    for where, engine in producers.items():
+        assert "--mm-encoder-only" in engine["args"], where
 
 
 def test_sidecar_pod(serve_config: Callable[..., Config]) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import sys
 import threading
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,11 @@ from typing import Any
 import pytest
 from cluster_testing import BufferlessStore
 from core_testing import FakeClock, session
-from ecd_testing import wait_until
+from ecd_testing import REPO, wait_until
 
 from ec_client.types import PoolInfo, Status, TensorSpec
 from ec_daemon.cluster import codec
-from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings
+from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings, Unreachable, connect
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
@@ -162,3 +164,19 @@ def test_a_node_whose_master_is_gone_calls_the_store_no_more_until_its_port_answ
     wait_until(lambda: node.published == 1, 10)
     assert node.failures == 4
     store.check()
+
+
+def test_a_node_without_the_store_client_is_told_the_wheel_the_mooncake_extra_pins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not the project by name with its extra: `ecd` on the package index is another project."""
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # its import raises ImportError
+    monkeypatch.setenv("MC_LOG_LEVEL", "WARNING")  # connect sets it for the library
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    [wheel] = project["optional-dependencies"]["mooncake"]
+    with socket.create_server(("127.0.0.1", 0)) as master:  # master and metadata both answer
+        port = master.getsockname()[1]
+        where = StoreSettings(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/m", "127.0.0.1", 0)
+        with pytest.raises(Unreachable) as caught:
+            connect(where)
+    assert f"pip install '{wheel}'" in str(caught.value), caught.value

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import ec_client
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Layers top to bottom. A module's layer is that of the longest of these names its own name starts
@@ -125,6 +127,13 @@ def test_the_daemon_core_imports_no_grpc_protobuf_or_asyncio() -> None:
 def test_each_client_layer_imports_only_itself_and_the_layers_below() -> None:
     """vllm, benches, the public names -> data path -> control client -> base."""
     assert not upward_imports("ec_client", CLIENT_LAYERS)
+
+
+def test_dir_of_the_client_library_lists_its_public_names_and_not_its_imports() -> None:
+    """Those loaded on first use (Producer, Consumer, ...) too, for completion in a shell."""
+    public = {name for name in dir(ec_client) if not name.startswith("_")}
+    assert public == set(ec_client.__all__)
+    assert "__version__" in dir(ec_client)
 
 
 def test_the_client_library_imports_torch_only_in_its_data_path_and_above() -> None:

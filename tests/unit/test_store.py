@@ -158,6 +158,18 @@ def test_pools_whose_capacities_fill_the_budget_fit_and_one_more_block_is_refuse
     assert not (shm_dir / pool_file_name("c")).exists()
 
 
+@pytest.mark.parametrize(("pools", "holders"), [(1, "1 pool holds"), (2, "2 pools hold")])
+def test_a_pool_refused_for_the_budget_is_told_how_many_pools_hold_the_rest(
+    shm_dir: Path, clock: FakeClock, pools: int, holders: str
+) -> None:
+    store = make_store(shm_dir, clock, max_bytes=8 << 20)
+    for name in "ab"[:pools]:
+        open_pool(store, name, BLOCK, 4 << 20)
+    with pytest.raises(CoreError) as info:
+        open_pool(store, "c", BLOCK, 5 << 20)
+    assert f"({holders} the rest)" in info.value.message, info.value.message
+
+
 def test_drop_pool_refuses_while_pins_are_held_unless_forced(store: Store, shm_dir: Path) -> None:
     sid = session(store)
     put(store, sid, b"k", 1)
