@@ -211,6 +211,25 @@ def test_a_slot_table_overwritten_before_a_restart_loses_entries_but_never_serve
         assert pool.free_blocks == pool.num_blocks - held
 
 
+def test_an_entry_lost_with_its_slot_record_at_a_restart_is_logged(tampered: Daemon) -> None:
+    with tampered.client() as c:
+        info = fill(c, "victim")
+    tampered.kill()
+    with open(info.path, "r+b") as f:  # one byte of one record (its size): its CRC fails
+        table = f.read(HEADER_SIZE + info.max_entries * SLOT_SIZE)[HEADER_SIZE:]
+        slot = next(i for i in range(info.max_entries) if table[i * SLOT_SIZE :][:4] == b"REDY")
+        f.seek(HEADER_SIZE + slot * SLOT_SIZE + 20)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    tampered.start()
+    with tampered.client() as c:
+        c.open_pool("victim", BLOCK, CAPACITY)
+        assert len(ready_keys(c, "victim")) == len(KEYS) - 1
+    [said] = [line for line in tampered.log().splitlines() if "do not verify" in line]
+    assert "level=warning" in said and "engine_id=victim" in said and "slots=1" in said, said
+
+
 def test_a_pool_whose_header_was_overwritten_is_refused_at_restart_kept_and_removable(
     tampered: Daemon,
 ) -> None:
