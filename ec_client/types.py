@@ -300,6 +300,16 @@ class ClusterStats:
 
 
 @dataclass(frozen=True)
+class RefusedPool:
+    """A pool file the daemon refused to serve (it did not verify at adoption, or changed under
+    the daemon), kept in place for inspection until it is removed (`ecd drop` removes it)."""
+
+    engine_id: str
+    path: str
+    reason: str  # why it was refused
+
+
+@dataclass(frozen=True)
 class Stats:
     boot_epoch: str
     uptime_s: float
@@ -311,6 +321,7 @@ class Stats:
     version: str
     pools: tuple[PoolStats, ...]
     cluster: ClusterStats | None = None  # None without a store
+    refused: tuple[RefusedPool, ...] = ()  # Stats of every pool: the pool files refused
 
 
 @dataclass(frozen=True)

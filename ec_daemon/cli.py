@@ -27,7 +27,7 @@ import grpc
 
 from ec_client import Client, EcdError, ItemResult, Role, TLSFiles, __version__, check_health
 from ec_client.address import default_target
-from ec_client.types import ClusterStats
+from ec_client.types import ClusterStats, RefusedPool
 from ec_client.units import format_size, parse_size
 from ec_daemon.server import config as config_module
 from ec_daemon.server.checks import StartupError
@@ -212,10 +212,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
         pools = table(headers, rows) if rows else "(no pools)"
         store = f"\n{cluster_line(stats.cluster)}" if stats.cluster is not None else ""
-        return f"{head}{store}\n\n{pools}"
+        return f"{head}{store}\n\n{pools}{refused_table(stats.refused)}"
 
     emit(args, stats, human)
     return 0
+
+
+def refused_table(refused: Sequence[RefusedPool]) -> str:
+    """The pool files the daemon refused, after a table of the pools it serves ("" if none)."""
+    if not refused:
+        return ""
+    rows = [(r.engine_id, r.path, r.reason) for r in refused]
+    return "\n\nrefused pool files, kept for inspection (`ecd drop POOL` removes one):\n" + table(
+        ("POOL", "FILE", "REASON"), rows
+    )
 
 
 def cluster_line(c: ClusterStats) -> str:
@@ -257,10 +267,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def list_pools(args: argparse.Namespace) -> int:
-    """ecd ls with no pool: a row per pool, what `ecd ls POOL` would list in it."""
+    """ecd ls with no pool: a row per pool, what `ecd ls POOL` would list in it; then the pool
+    files the daemon refused, with why."""
     with admin_client(args) as client:
-        pools = client.stats().pools
-    listed = [
+        stats = client.stats()
+    pools = stats.pools
+    listed: list[dict[str, object]] = [
         {
             "engine_id": p.engine_id,
             "entries_ready": p.entries_ready,
@@ -271,6 +283,9 @@ def list_pools(args: argparse.Namespace) -> int:
             "ephemeral": p.ephemeral,
         }
         for p in pools
+    ]
+    listed += [
+        {"engine_id": r.engine_id, "refused": r.reason, "path": r.path} for r in stats.refused
     ]
 
     def human() -> str:
@@ -286,7 +301,7 @@ def list_pools(args: argparse.Namespace) -> int:
             for p in pools
         ]
         headers = ("POOL", "READY", "PENDING", "BYTES", "CAPACITY", "BLOCK")
-        return table(headers, rows) if rows else "(no pools)"
+        return (table(headers, rows) if rows else "(no pools)") + refused_table(stats.refused)
 
     emit(args, listed, human)
     return 0
@@ -517,11 +532,15 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_drop,
         client=True,
         help="delete a pool and its file, giving its capacity back to the budget",
-        description="Refused while entries of the pool are PENDING or pinned, unless --force.",
+        description="Refused while entries of the pool are PENDING or pinned, unless --force. "
+        "Of a pool whose file the daemon refused (ecd ls lists them), removes the file; one that "
+        "does not read as the pool's needs --force.",
     )
     drop_pool.add_argument("engine", metavar="POOL", help=POOL_HELP)
     drop_pool.add_argument(
-        "--force", action="store_true", help="drop it even with entries PENDING or pinned"
+        "--force",
+        action="store_true",
+        help="drop it even with entries PENDING or pinned; remove a refused file whatever it holds",
     )
 
     bench = add_command(

@@ -33,6 +33,8 @@ any rule of its own. The rules:
   where it lost it, but never makes anew one dropped while this client held it (an operator's
   `ecd drop` sticks): that is FAILED_PRECONDITION pool_dropped, raised to the caller; only the
   application's own open_pool makes it again.
+- A call after the client's close() is FAILED_PRECONDITION "this client is closed", before
+  anything is sent (whether or not the daemon would need the session to answer it).
 - A reply whose boot epoch differs from the session's: the daemon restarted; do the same.
 - A reopen happens once however many callers noticed: `Reopen` carries the generation the
   caller saw, and the driver skips it when the session moved on meanwhile.
@@ -159,6 +161,17 @@ def not_opened(engine_id: str) -> EcdError:
     )
 
 
+def client_closed() -> EcdError:
+    """What a call on a client after its close() hears: its session is gone (the daemon would
+    name it unknown, and a new session is not this client's to open), and the daemon's answer to
+    a call that needs none would hide that the application uses a client it closed."""
+    return EcdError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "this client is closed (by close() or the end of its `with` block): make a new client "
+        "for more calls",
+    )
+
+
 def session_lost(error: EcdError) -> bool:
     return error.code == grpc.StatusCode.NOT_FOUND and error.reason == "unknown_session"
 
@@ -184,6 +197,12 @@ class SessionState:
     # moment this process dies, rather than one lease later (ec_client/pool/life_marks.py).
     life: LifeMarks = field(default_factory=LifeMarks)
 
+    def check_open(self) -> None:
+        """Raise "this client is closed" once close() began (the calls that open no plan, a
+        Watch and a health check, ask too)."""
+        if self.closed:
+            raise client_closed()
+
     # ---- plans -----------------------------------------------------------------------------
 
     def call(self, call: _wire.Call[T], answered: list[T] | None = None) -> Plan[T]:
@@ -193,6 +212,7 @@ class SessionState:
         answered (those of the parts that went before one that failed).
 
         A batch refused as over the limit after a reopen learnt a smaller one is split anew."""
+        self.check_open()
         parts = [] if answered is None else answered
         limit = self.max_batch
         if not limit or call.split is None or call.split(limit) is None:  # the norm: one part
@@ -229,8 +249,10 @@ class SessionState:
         try:
             reply = yield from self.send(call)
         except EcdError as error:
-            if not session_lost(error) or self.closed:
+            if not session_lost(error):
                 raise
+            if self.closed:  # closed while this call was on its way
+                raise client_closed() from None
             yield Reopen(generation)
             reply = yield from self.send(call)
         if self.restarted(reply.boot_epoch):

@@ -529,6 +529,7 @@ def stats(engine_id: str) -> Call[api.Stats]:
             cluster=(
                 mirror(api.ClusterStats, reply.cluster) if reply.HasField("cluster") else None
             ),
+            refused=tuple(mirror(api.RefusedPool, r) for r in reply.refused),
         )
 
     return Call("Stats", lambda _: pb.StatsRequest(engine_id=engine_id), parse, safe_to_retry=True)

@@ -252,6 +252,7 @@ class AsyncClient(BaseClient):
         return await self._run(_wire.stats(engine_id))
 
     async def health(self, service: str = "") -> str:
+        self._state.check_open()
         try:
             reply = await health_pb2_grpc.HealthStub(self._channel).Check(
                 _wire.health_request(service),
@@ -281,6 +282,7 @@ class AsyncClient(BaseClient):
         snapshot: bool = False,
         include_pending: bool = False,
     ) -> AsyncWatchStream:
+        self._state.check_open()
         return AsyncWatchStream(
             self._stub.Watch(
                 _wire.watch_request(engine_id, snapshot, include_pending),

@@ -359,6 +359,7 @@ class Client(BaseClient):
     def health(self, service: str = "") -> str:
         """The daemon's health status name, e.g. SERVING or NOT_SERVING: one round trip on this
         client's channel (the baseline `ecd bench` measures against)."""
+        self._state.check_open()
         return _health(self._channel, self.options, service)
 
     def watch(
@@ -380,6 +381,7 @@ class Client(BaseClient):
         include_pending: bool = False,
     ) -> WatchStream:
         """Like watch, as a stream that another thread can end with `cancel()`."""
+        self._state.check_open()
         return WatchStream(
             self._stub.Watch(
                 _wire.watch_request(engine_id, snapshot, include_pending),

@@ -326,6 +326,15 @@ def slots_marked(table: SlotBytes, mark: int = SLOT_READY_MARK) -> list[int]:
     return list(itertools.compress(range(len(marks)), map(native.__eq__, marks)))
 
 
+def slots_written(table: SlotBytes) -> int:
+    """How many slots of a slot table are not free (their mark is not SLOT_FREE_MARK): those
+    that hold a READY or doomed record, and any written over by someone else."""
+    if len(table) % SLOT_SIZE:
+        raise LayoutError(f"a slot table of {len(table)} bytes is not whole slots")
+    marks = memoryview(table).cast("I")[:: SLOT_SIZE // _SLOT_MARK.size]
+    return len(marks) - marks.tolist().count(SLOT_FREE_MARK)
+
+
 def read_slot_table(
     table: SlotBytes, first_slot: int = 0, mark: int = SLOT_READY_MARK
 ) -> list[tuple[int, RecordFields]]:

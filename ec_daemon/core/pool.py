@@ -30,6 +30,7 @@ from ec_client.pool.layout import (
     read_slot_table,
     slot_offset,
     slots_marked,
+    slots_written,
 )
 from ec_client.pool.slot_locks import lock_exclusive, locked_slots, unlock
 from ec_client.units import format_size
@@ -49,11 +50,14 @@ MAX_DROPPED_BY = 512  # bytes of who dropped a pool kept in its mark
 _TABLE_CHUNK_SLOTS = 2048
 
 
-def _read_slot_table(fd: int, num_slots: int) -> tuple[SlotRecords, SlotRecords]:
+def _read_slot_table(fd: int, num_slots: int) -> tuple[SlotRecords, SlotRecords, int]:
     """The whole records of the pool file's slot table, by slot (read_slot_table): the READY
-    ones and the doomed ones; LayoutError if the file ends within it."""
+    ones and the doomed ones, and how many slots hold no whole record but are not free either
+    (a record written over or torn by another process: its entry is lost; or garbage over a
+    free slot); LayoutError if the file ends within it."""
     records: SlotRecords = []
     doomed: SlotRecords = []
+    unreadable = 0
     chunk = memoryview(bytearray(min(num_slots, _TABLE_CHUNK_SLOTS) * SLOT_SIZE))
     for first in range(0, num_slots, _TABLE_CHUNK_SLOTS):
         part = chunk[: min(num_slots - first, _TABLE_CHUNK_SLOTS) * SLOT_SIZE]
@@ -62,9 +66,12 @@ def _read_slot_table(fd: int, num_slots: int) -> tuple[SlotRecords, SlotRecords]
             raise LayoutError(
                 f"slot table is {first * SLOT_SIZE + got} bytes, expected {num_slots * SLOT_SIZE}"
             )
-        records += read_slot_table(part, first)
-        doomed += read_slot_table(part, first, SLOT_DOOMED_MARK)
-    return records, doomed
+        ready = read_slot_table(part, first)
+        gone = read_slot_table(part, first, SLOT_DOOMED_MARK)
+        records += ready
+        doomed += gone
+        unreadable += slots_written(part) - len(ready) - len(gone)
+    return records, doomed, unreadable
 
 
 def creation_interrupted(path: Path) -> bool:
@@ -88,6 +95,21 @@ def creation_interrupted(path: Path) -> bool:
     except (OSError, LayoutError):
         return False
     return len(table) == geometry.num_slots * SLOT_SIZE and not slots_marked(table)
+
+
+def not_the_pool_file(path: Path, engine_id: str) -> str | None:
+    """Why the file at `path` does not read as the pool file of `engine_id` (its header does not
+    verify, names another pool, or cannot be read), or None when it does."""
+    try:
+        with open(path, "rb") as file:
+            header = Header.unpack(file.read(HEADER_SIZE))
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror}"
+    except LayoutError as exc:
+        return str(exc)
+    if header.engine_id != engine_id:
+        return f"its header names pool {header.engine_id!r}"
+    return None
 
 
 class PoolFile:
@@ -143,9 +165,10 @@ class PoolFile:
         return cls(path, header, fd)
 
     @classmethod
-    def adopt(cls, path: Path) -> tuple[PoolFile, SlotRecords, SlotRecords]:
-        """Open an existing pool file and read its READY records and its doomed ones, by slot;
-        LayoutError if it does not verify."""
+    def adopt(cls, path: Path) -> tuple[PoolFile, SlotRecords, SlotRecords, int]:
+        """Open an existing pool file and read its READY records and its doomed ones, by slot,
+        and count the slots that hold neither nor are free (_read_slot_table); LayoutError if
+        it does not verify."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             header = Header.unpack(os.pread(fd, HEADER_SIZE, 0))
@@ -156,11 +179,11 @@ class PoolFile:
                 )
             if path.name != pool_file_name(header.engine_id):
                 raise LayoutError(f"header names engine {header.engine_id!r}, not this file")
-            records, doomed = _read_slot_table(fd, header.geometry.num_slots)
+            records, doomed, unreadable = _read_slot_table(fd, header.geometry.num_slots)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, header, fd), records, doomed
+        return cls(path, header, fd), records, doomed, unreadable
 
     def verify(self) -> None:
         """Raise LayoutError if the file on disk no longer matches what the daemon created."""

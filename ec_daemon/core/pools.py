@@ -7,7 +7,9 @@ pins, PENDING allocations of sessions) is the store's business: it tells the reg
 pool goes, after undoing what sessions held in it.
 
 A refused pool file (one that did not verify at adoption, or changed under the daemon) is left
-in place for inspection; OpenPool of its engine_id fails until an operator removes the file.
+in place for inspection, listed by Stats; OpenPool of its engine_id fails until an operator
+removes the file, by hand or with DropPool (with force for a file that does not read as the
+pool's).
 
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
@@ -38,7 +40,7 @@ from ec_client.pool.layout import (
     LayoutError,
     pool_file_name,
 )
-from ec_client.types import EventType, PoolInfo, PoolStats, WatchEvent
+from ec_client.types import EventType, PoolInfo, PoolStats, RefusedPool, WatchEvent
 from ec_client.units import format_size
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.eviction import POLICIES
@@ -49,6 +51,7 @@ from ec_daemon.core.pool import (
     creation_interrupted,
     dropped_mark,
     mark_dropped,
+    not_the_pool_file,
     read_dropped_mark,
 )
 
@@ -162,7 +165,7 @@ class PoolRegistry:
                 )
                 continue
             try:
-                file, records, doomed = PoolFile.adopt(path)
+                file, records, doomed, unreadable = PoolFile.adopt(path)
             except (LayoutError, OSError) as exc:
                 self.refuse(engine_id, path, str(exc))
                 continue
@@ -178,6 +181,13 @@ class PoolRegistry:
                 "pool adopted",
                 extra={"engine_id": engine_id, "entries": len(records), "path": str(path)},
             )
+            if unreadable:
+                log.warning(
+                    "pool adopted without the entries of slot records that do not verify (written "
+                    "over, or torn, by another process): those entries are lost, their blocks "
+                    "free; the others are served",
+                    extra={"engine_id": engine_id, "slots": unreadable, "path": str(path)},
+                )
         self._warn_over_budget()
 
     def _warn_over_budget(self) -> None:
@@ -398,11 +408,51 @@ class PoolRegistry:
         path = self.settings.shm_dir / pool_file_name(engine_id)
         return (
             f"pool {engine_id!r} was refused ({why}): its file {path} is kept for inspection; "
-            "remove it, then open the pool again"
+            f"remove it (ecd drop {engine_id}), then open the pool again"
         )
 
     def _file_in_place(self, engine_id: str) -> bool:
         return os.path.lexists(self.settings.shm_dir / pool_file_name(engine_id))
+
+    def refused(self) -> list[RefusedPool]:
+        """The refused pools whose file is still in place, by engine_id (a refusal whose file
+        is gone is only remembered, for OpenPool's answer)."""
+        return [
+            RefusedPool(engine_id, str(self.settings.shm_dir / pool_file_name(engine_id)), why)
+            for engine_id, why in sorted(self._refused.items())
+            if self._file_in_place(engine_id)
+        ]
+
+    def remove_refused(self, engine_id: str, force: bool) -> None:
+        """Remove a refused pool's file (DropPool of a pool not served): NOT_FOUND, as for any
+        pool not served, when none was refused or its file is gone already. Without force, only
+        a file whose header still reads as this pool's: ecd's own cache, whose entries a drop
+        removes as a served pool's; a file that does not may hold someone else's data."""
+        why = self._refused.get(engine_id)
+        path = self.settings.shm_dir / pool_file_name(engine_id)
+        if why is None or not self._file_in_place(engine_id):
+            raise self._missing(engine_id)
+        problem = None if force else not_the_pool_file(path, engine_id)
+        if problem is not None:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {engine_id!r} was refused, and its file {path} does not read as the "
+                f"pool's ({problem}): it may hold someone else's data; look at it, then drop with "
+                f"force (ecd drop {engine_id} --force) to remove it",
+                Reason.POOL_UNVERIFIED,
+            )
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass  # removed meanwhile: as asked
+        except OSError as exc:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"pool {engine_id!r} was refused ({why}); its file {path} cannot be removed: "
+                f"{exc.strerror}; remove it by hand",
+                Reason.POOL_UNVERIFIED,
+            ) from exc
+        del self._refused[engine_id]
 
     def dropped(self, engine_id: str, by: str, holders: set[str]) -> None:
         """The pool was dropped (DropPool) while these other sessions held it: remember it (see

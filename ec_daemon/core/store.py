@@ -345,8 +345,18 @@ class Store:
         """Delete a pool and its file; refused while entries are PENDING, pinned or locked,
         unless forced (readers keep the pages they mapped). Returns how many entries went.
         session_id: the caller's session, if it named one (for the log, and the error the other
-        sessions that held the pool get: see pools.Dropped)."""
-        pool = self._pools.get(engine_id)
+        sessions that held the pool get: see pools.Dropped). Of a refused pool, removes its
+        file (PoolRegistry.remove_refused): no entry goes, since none was served."""
+        caller = self._sessions.find(session_id) if session_id else None
+        client, pid = (caller.name, caller.pid) if caller is not None else ("(no session)", 0)
+        pool = self._pools.find(engine_id)
+        if pool is None:
+            self._pools.remove_refused(engine_id, force)
+            log.info(
+                "refused pool file removed",
+                extra={"engine_id": engine_id, "client": client, "pid": pid, "force": force},
+            )
+            return 0
         stats = pool.stats()
         if (stats.entries_pending or stats.pins or stats.entries_locked) and not force:
             raise CoreError(
@@ -355,10 +365,8 @@ class Store:
                 f"{stats.pins} pins outstanding and {stats.entries_locked} entries being read "
                 "under lock pins; wait, or drop with force",
             )
-        caller = self._sessions.find(session_id) if session_id else None
         holders = {s.id for s in self._sessions.all() if engine_id in s.pools} - {session_id}
         dropped = self._drop(pool)
-        client, pid = (caller.name, caller.pid) if caller is not None else ("(no session)", 0)
         self._pools.dropped(engine_id, f"{client} (pid {pid})", holders)
         log.info(
             "pool dropped",
@@ -766,6 +774,7 @@ class Store:
                 for p in pools
             ),
             cluster=self._cluster(),
+            refused=() if engine_id else tuple(self._pools.refused()),
         )
 
     def check(self) -> None:

@@ -6,6 +6,8 @@ import fcntl
 import grp
 import os
 import resource
+import socket
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,49 @@ def check_shm_dir(shm_dir: Path) -> None:
             f"cannot create files in shm directory {shm_dir}: {exc.strerror}; run the daemon as "
             "a user that may write there, or point --shm-dir elsewhere"
         ) from exc
+
+
+def check_socket_path(path: Path) -> None:
+    """The daemon makes its socket at --socket, replacing only a stale socket there (one a
+    daemon that died left, which nothing answers on): anything else is refused before the daemon
+    creates a thing (its lock file beside the path included), so that a typo (--socket
+    /etc/ecd/ecd.toml) never destroys an operator's file, nor takes over a live socket."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StartupError(
+            f"--socket {path}: cannot look at the path: {exc.strerror}; point --socket at a "
+            "path in a directory the daemon may write (such as /run/ecd/ecd.sock)"
+        ) from exc
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(
+            f"--socket {path}: {_what_is_there(mode)} is there, not a socket; the daemon "
+            "replaces only a stale socket, so point --socket at another path (such as "
+            "/run/ecd/ecd.sock), or move what is there away"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return  # stale: nothing listens on it
+        except OSError as exc:
+            raise StartupError(
+                f"--socket {path}: a socket is there that the daemon cannot tell is stale "
+                f"({exc.strerror or 'no answer'}); remove it if no process uses it, or point "
+                "--socket at another path"
+            ) from exc
+    raise StartupError(
+        f"--socket {path}: a process answers on the socket there (another ecd daemon, or "
+        "another program); stop it first, or point --socket at another path"
+    )
+
+
+def _what_is_there(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symlink"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Running the daemon: startup checks, the store, listeners, the lease reaper, readiness and stop.
 
-Order of startup: check the shm directory (huge pages if asked for) and budget -> take the locks
--> adopt pool files left by a previous daemon -> warn about what will run badly (not tmpfs,
-memlock; the latter only a note on a machine with no GPU) -> metrics endpoint -> bind and start
-the gRPC server -> with a store, start joining it -> health SERVING and READY=1.
+Order of startup: check that nothing but a stale socket is at --socket, the shm directory (huge
+pages if asked for) and budget -> take the locks -> adopt pool files left by a previous daemon ->
+warn about what will run badly (not tmpfs, memlock; the latter only a note on a machine with no
+GPU) -> metrics endpoint -> bind and start the gRPC server -> with a store, start joining it ->
+health SERVING and READY=1.
 Order of shutdown (SIGTERM/SIGINT): end Watch streams, their ends written -> stop accepting and
 health NOT_SERVING (in one step of the loop), STOPPING=1 -> end waiting Acquires, let in-flight
 RPCs finish within shutdown_grace -> stop the metrics endpoint -> abort the fetches from the
@@ -154,6 +155,7 @@ async def start(config: Config) -> Daemon:
             extra={"token_file": str(config.token_file)},
         )
     tls = tcp_credentials(config)
+    checks.check_socket_path(config.socket)
     checks.check_shm_dir(config.shm_dir)
     if config.hugepages:
         checks.check_hugepages(
@@ -347,7 +349,8 @@ def tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
 
 def bind_unix_socket(server: grpc.aio.Server, config: Config) -> None:
     config.socket.parent.mkdir(parents=True, exist_ok=True)
-    # We hold the socket lock, so a file at the path is a stale socket of a dead daemon.
+    # A socket at the path is stale (checks.check_socket_path), and we hold the socket lock, so
+    # no daemon starting meanwhile made it live.
     config.socket.unlink(missing_ok=True)
     server.add_insecure_port(f"unix:{config.socket}")
 

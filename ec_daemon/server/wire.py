@@ -148,9 +148,10 @@ def pool_info_pb(p: api.PoolInfo) -> pb.PoolInfo:
 
 def stats_pb(s: api.Stats) -> pb.StatsReply:
     return pb.StatsReply(
-        **mirrored(s, "pools", "cluster"),
+        **mirrored(s, "pools", "cluster", "refused"),
         pools=[pb.PoolStats(**mirrored(p)) for p in s.pools],
         cluster=pb.ClusterStats(**mirrored(s.cluster)) if s.cluster is not None else None,
+        refused=[pb.RefusedPool(**mirrored(r)) for r in s.refused],
     )
 
 

@@ -75,6 +75,15 @@ def another_process(*command: str) -> None:
     subprocess.run(command, check=True, capture_output=True)
 
 
+def flip_byte(path: str, offset: int) -> None:
+    """Invert one byte of the file, as a stray write would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def answers_documented(client: Client, pool: str) -> None:
     """Every request on a tampered pool is answered, with success or a documented code."""
     for call in (
@@ -196,10 +205,7 @@ def test_a_slot_table_overwritten_before_a_restart_loses_entries_but_never_serve
     with open(info.path, "r+b") as f:
         f.seek(HEADER_SIZE)
         f.write(os.urandom(2 * SLOT_SIZE))
-        f.seek(HEADER_SIZE + 5 * SLOT_SIZE + 300)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(info.path, HEADER_SIZE + 5 * SLOT_SIZE + 300)
     tampered.restart()
     with tampered.client() as c:
         c.open_pool("victim", BLOCK, CAPACITY)
@@ -209,6 +215,22 @@ def test_a_slot_table_overwritten_before_a_restart_loses_entries_but_never_serve
         [pool] = c.stats("victim").pools
         held = sum((n + BLOCK - 1) // BLOCK for n in survivors.values())
         assert pool.free_blocks == pool.num_blocks - held
+
+
+def test_an_entry_lost_with_its_slot_record_at_a_restart_is_logged(tampered: Daemon) -> None:
+    with tampered.client() as c:
+        info = fill(c, "victim")
+    tampered.kill()
+    with open(info.path, "rb") as f:
+        table = f.read(HEADER_SIZE + info.max_entries * SLOT_SIZE)[HEADER_SIZE:]
+    slot = next(i for i in range(info.max_entries) if table[i * SLOT_SIZE :][:4] == b"REDY")
+    flip_byte(info.path, HEADER_SIZE + slot * SLOT_SIZE + 20)  # the record's size: its CRC fails
+    tampered.start()
+    with tampered.client() as c:
+        c.open_pool("victim", BLOCK, CAPACITY)
+        assert len(ready_keys(c, "victim")) == len(KEYS) - 1
+    [said] = [line for line in tampered.log().splitlines() if "do not verify" in line]
+    assert "level=warning" in said and "engine_id=victim" in said and "slots=1" in said, said
 
 
 def test_a_pool_whose_header_was_overwritten_is_refused_at_restart_kept_and_removable(

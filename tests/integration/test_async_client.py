@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from ecd_testing import Daemon
@@ -253,3 +254,21 @@ async def test_an_async_acquire_whose_wait_ends_during_a_daemon_outage_answers_m
         [result] = await waiting
         await asyncio.to_thread(daemon.start)
     assert result.status is Status.MISS and "was away until the wait ran out" in result.message
+
+
+async def test_a_closed_async_client_refuses_every_call_saying_it_is_closed(
+    daemon: Daemon,
+) -> None:
+    async with AsyncClient(daemon.address, name="producer") as c:
+        await c.open_pool(POOL, BLOCK, 64 * BLOCK)
+    for call in (
+        lambda: c.allocate(POOL, [AllocateItem(b"after", (BLOCK,), "uint8")]),
+        c.stats,
+        c.health,
+    ):
+        with pytest.raises(EcdError, match="this client is closed") as refused:
+            await call()
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert c.session_id not in refused.value.message
+    with pytest.raises(EcdError, match="this client is closed"):
+        c.open_watch(POOL)

@@ -7,9 +7,12 @@ import stat
 import threading
 import time
 
+import grpc
+import pytest
+import torch
 from ecd_testing import Daemon, assert_blocks_accounted
 
-from ec_client import AllocateItem, EntryState, EventType, Status
+from ec_client import AllocateItem, EcdError, EntryState, EventType, Producer, Status
 
 POOL = "qwen-vl-node1"
 BLOCK = 7168
@@ -190,3 +193,23 @@ def test_a_bad_item_in_one_part_of_a_step_fails_alone(daemon: Daemon) -> None:
         assert [r.status for r in step.acquires] == [Status.INVALID_ARGUMENT, Status.MISS]
         assert [r.status for r in step.allocates] == [Status.ALLOCATED, Status.INVALID_ARGUMENT]
         assert "too long" in step.allocates[1].message
+
+
+def test_a_closed_client_refuses_every_call_saying_it_is_closed(daemon: Daemon) -> None:
+    """A put after the `with` block names no session (the daemon's unknown-session answer would
+    put its ID in application logs, and advise opening another); a call that needs no session
+    fails too, rather than hide that the application uses a client it closed."""
+    with daemon.client() as c:
+        c.open_pool(POOL, BLOCK, 64 * BLOCK)
+        producer = Producer(c, POOL)
+    for call in (
+        lambda: producer.put("after", torch.ones(16)),
+        c.stats,
+        lambda: c.lookup(POOL, ["after"]),
+        c.health,
+        lambda: c.watch(POOL),
+    ):
+        with pytest.raises(EcdError, match="this client is closed") as refused:
+            call()
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert c.session_id not in refused.value.message

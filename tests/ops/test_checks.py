@@ -7,6 +7,8 @@ import contextlib
 import fcntl
 import os
 import resource
+import socket
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,6 +182,53 @@ def test_daemon_says_a_low_memlock_limit_once_at_the_level_for_this_machine() ->
         said = [line for line in daemon.log().splitlines() if "check=memlock" in line]
     assert len(said) == (1 if low else 0), said
     assert all(f"level={level} " in line for line in said), said
+
+
+# ---- what is at --socket ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_serve_refuses_a_socket_path_where_something_else_is_and_leaves_it_as_it_was(
+    tmp_path: Path, shm_dir: Path, kind: str
+) -> None:
+    """One typo (--socket /etc/ecd/ecd.toml) must not destroy an operator's file: refused before
+    the daemon creates anything (its lock file beside the path either), in one line."""
+    path = tmp_path / ("precious.txt" if kind == "file" else "adir")
+    if kind == "file":
+        path.write_text("the operator's\n")
+    else:
+        path.mkdir()
+        (path / "inside").write_text("kept\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run_ecd("serve", "--socket", str(path), "--shm-dir", str(shm_dir), timeout_s=15)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert "cannot start" in line and str(path) in line and f"a {kind} is there" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no socket, no .lock
+    if kind == "file":
+        assert path.read_text() == "the operator's\n"
+    else:
+        assert (path / "inside").read_text() == "kept\n"
+
+
+def test_serve_refuses_a_socket_a_process_answers_on(tmp_path: Path, shm_dir: Path) -> None:
+    path = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(str(path))
+        live.listen()
+        result = run_ecd("serve", "--socket", str(path), "--shm-dir", str(shm_dir), timeout_s=15)
+        assert result.returncode == 2, result.stderr
+        assert "a process answers on the socket there" in result.stderr
+        assert stat.S_ISSOCK(path.lstat().st_mode)
+        assert not path.with_name("live.sock.lock").exists()
+
+
+def test_a_stale_socket_at_the_path_passes_the_check(tmp_path: Path) -> None:
+    path = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))  # closed, never listened: what a killed daemon leaves
+    checks.check_socket_path(path)
+    checks.check_socket_path(tmp_path / "absent.sock")
 
 
 # ---- the single-daemon locks ---------------------------------------------------------------------

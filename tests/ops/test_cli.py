@@ -4,6 +4,7 @@ status, and errors that name the daemon's address."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,53 @@ def test_ecd_health_checks_one_health_service_of_the_daemon(daemon: Daemon) -> N
     status, out, _ = ecd(daemon, "health", "--service", "ecd.cluster")  # a daemon with no store
     assert status == 1
     assert out.startswith("SERVICE_UNKNOWN") and "no health service 'ecd.cluster'" in out
+
+
+def refuse_at_restart(daemon: Daemon, *pools: str) -> dict[str, Path]:
+    """Pools whose files a restart refuses: each named `hdr` has its header written over (the
+    file no longer reads as an ecd pool file), each other one is cut short (its header intact)."""
+    with daemon.client() as c:
+        paths = {pool: Path(c.open_pool(pool, BLOCK, 64 * BLOCK).path) for pool in pools}
+    daemon.kill()
+    for pool, path in paths.items():
+        if "hdr" in pool:
+            with path.open("r+b") as f:
+                f.write(b"\0" * 64)
+        else:
+            os.truncate(path, path.stat().st_size // 2)
+    daemon.start()
+    return paths
+
+
+def test_ecd_stats_and_ls_list_a_refused_pool_file_with_its_reason(daemon: Daemon) -> None:
+    [path] = refuse_at_restart(daemon, "p-hdr").values()
+    with daemon.client() as c:
+        [refused] = c.stats().refused
+    assert (refused.engine_id, refused.path) == ("p-hdr", str(path))
+    assert "bad magic" in refused.reason
+    for command in ("stats", "ls"):
+        status, out, err = ecd(daemon, command)
+        assert status == 0, err
+        [row] = [line for line in out.splitlines() if line.startswith("p-hdr ")]
+        assert str(path) in row and "bad magic" in row, out
+    status, out, _ = ecd(daemon, "ls", "--json")
+    [listed] = json.loads(out)
+    assert listed["engine_id"] == "p-hdr" and "bad magic" in listed["refused"]
+
+
+def test_ecd_drop_removes_a_refused_pool_file_with_force_for_one_not_the_pools(
+    daemon: Daemon,
+) -> None:
+    paths = refuse_at_restart(daemon, "p-cut", "p-hdr")
+    status, _, err = ecd(daemon, "drop", "p-cut")  # its header still names it: ecd's cache
+    assert status == 0, err
+    assert not paths["p-cut"].exists()
+    status, _, err = ecd(daemon, "drop", "p-hdr")
+    assert status == 1 and "someone else's data" in err and "--force" in err, err
+    assert paths["p-hdr"].exists()
+    status, _, err = ecd(daemon, "drop", "p-hdr", "--force")
+    assert status == 0, err
+    assert not paths["p-hdr"].exists()
+    with daemon.client() as c:
+        assert c.stats().refused == ()
+        assert all(c.open_pool(pool, BLOCK, 64 * BLOCK).created for pool in paths)

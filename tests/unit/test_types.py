@@ -13,6 +13,7 @@ from ec_client.types import (
     EventType,
     PoolInfo,
     PoolStats,
+    RefusedPool,
     Role,
     Stats,
     Status,
@@ -45,6 +46,10 @@ def test_entry_info_has_the_fields_of_its_message_with_spec_for_tensor() -> None
 
 def test_stats_has_the_fields_of_its_reply() -> None:
     assert fields(Stats) == set(pb.StatsReply.DESCRIPTOR.fields_by_name)
+
+
+def test_refused_pool_has_exactly_the_fields_of_its_message() -> None:
+    assert fields(RefusedPool) == set(pb.RefusedPool.DESCRIPTOR.fields_by_name)
 
 
 def test_pool_info_has_the_fields_of_its_message_and_whether_it_was_created() -> None:

@@ -608,7 +608,7 @@ class StatsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "cluster")
+    __slots__ = ("boot_epoch", "uptime_s", "max_bytes", "reserved_bytes", "sessions", "lease_expiries", "pools", "version", "capacity_bytes", "cluster", "refused")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -619,6 +619,7 @@ class StatsReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     uptime_s: float
     max_bytes: int
@@ -629,7 +630,18 @@ class StatsReply(_message.Message):
     version: str
     capacity_bytes: int
     cluster: ClusterStats
-    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedPool]
+    def __init__(self, boot_epoch: _Optional[str] = ..., uptime_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., version: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., refused: _Optional[_Iterable[_Union[RefusedPool, _Mapping]]] = ...) -> None: ...
+
+class RefusedPool(_message.Message):
+    __slots__ = ("engine_id", "path", "reason")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    path: str
+    reason: str
+    def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped", "lookup_failures", "claims", "claims_lost", "waits_hit", "waits_missed")

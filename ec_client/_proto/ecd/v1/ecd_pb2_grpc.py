@@ -189,6 +189,9 @@ class EncoderCacheServicer:
         """Delete a pool and its file. FAILED_PRECONDITION: entries PENDING or pinned, without force.
         The other sessions that had it open are then answered FAILED_PRECONDITION pool_dropped for
         it (their client libraries do not make it again by themselves: OpenPoolRequest.reopen).
+        Of a refused pool (StatsReply.refused), removes its file: without force only a file whose
+        header still reads as that pool's, FAILED_PRECONDITION pool_unverified for one that does not
+        (it may hold someone else's data).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
