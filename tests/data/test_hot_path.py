@@ -243,3 +243,23 @@ def test_hits_answered_under_lock_pins_keep_the_lru_order(daemon: Daemon) -> Non
         producer.flush()
         states = {r.key: r.state for r in c.lookup("lru", ["old", "new"])}
         assert states == {b"old": EntryState.READY, b"new": EntryState.ABSENT}
+
+
+def test_a_hit_owed_by_the_client_protects_its_entry_from_the_eviction_its_next_put_makes(
+    daemon: Daemon,
+) -> None:
+    """The hit rides on the put's Allocate, unflushed: the daemon refreshes it before it
+    allocates, so the least recent entry is the one evicted."""
+    blocks = 10
+    with daemon.client(name="lru") as c:
+        c.open_pool("lru", BLOCK, 3 * blocks * BLOCK)
+        producer, consumer = Producer(c, "lru"), Consumer(c, "lru")
+        for key in ("A", "B", "C"):
+            producer.put(key, torch.ones(blocks * BLOCK, dtype=torch.uint8))
+        producer.flush()
+        wait_until(lambda: c.view("lru").slot(b"A") is not None)
+        assert consumer.get("A") is not None  # a local hit, owed: "B" is now the least recent
+        producer.put("D", torch.ones(blocks * BLOCK, dtype=torch.uint8))
+        producer.flush()
+        states = {r.key: r.state for r in c.lookup("lru", ["A", "B"])}
+        assert states == {b"A": EntryState.READY, b"B": EntryState.ABSENT}
