@@ -5,7 +5,8 @@ step, and committed only after the worker reported its copy; a later request loa
 bit-identical instead of encoding it, admitted in the same call (a lock pin on its slot, taken
 before the scheduler is told "load", with no round trip), or one step later while its slot is
 not known yet (a background Acquire); the pin goes once the load is reported; a step costs at
-most one RPC of each purpose, all from the background thread, and a miss costs none.
+most one RPC of each purpose, all from the background thread, and a miss costs none; the
+connector takes what vLLM's own connector tests pass (no SchedulerOutput).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ecd_testing import Daemon
 from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
 
 from ec_client import EntryState
+from ec_client.vllm.metadata import ECDaemonConnectorMetadata
 
 
 def test_an_encoded_item_is_committed_only_after_the_worker_reported_its_copy(
@@ -66,6 +68,19 @@ def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_afte
     e.answered()
     with daemon.client() as c:
         assert c.stats(e.pool).pools[0].hits == 1  # the lock pin's hit reached the daemon
+
+
+@pytest.mark.parametrize("positional", [True, False], ids=["positional", "keyword"])
+def test_build_connector_meta_takes_no_scheduler_output_as_vllms_own_tests_pass_it(
+    engine: EngineFactory, positional: bool
+) -> None:
+    e = engine(workers=False)
+    req = request("r1", "img-a")
+    assert e.connector.ensure_cache_available(req, 0)
+    e.connector.update_state_after_alloc(req, 0)  # encoded here: to be saved
+    build = e.connector.build_connector_meta
+    meta = build(None) if positional else build(scheduler_output=None)
+    assert isinstance(meta, ECDaemonConnectorMetadata) and meta.save_intents == {"img-a"}
 
 
 def without_slots(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
