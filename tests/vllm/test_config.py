@@ -233,7 +233,7 @@ def test_a_misspelt_setting_of_ours_is_refused_naming_the_one_meant() -> None:
 
 
 def test_an_unknown_setting_of_ours_is_refused_listing_the_settings() -> None:
-    with pytest.raises(ValueError, match="no setting 'ecd_colour'.*settings: ec_cpu_bytes"):
+    with pytest.raises(ValueError, match=r"no setting 'ecd_colour'.*settings: ec_cpu_bytes"):
         config(extra={"ecd_colour": "blue"})
 
 
