@@ -29,7 +29,9 @@ lock pins, as keys (StepRequest.hits), so that the daemon's counters hold every 
 its LRU order every hit. They ride on the next Step to the pool, or go alone once it has been
 quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwhile). Handing
 them over wakes nobody (a wake costs the caller tens of microseconds, on the vLLM scheduler
-thread at every step): the background thread looks at least every ANSWERED_LINGER_S. A Step
+thread at every step): the background thread looks at least every ANSWERED_LINGER_S. So they
+reach the daemon at most max(linger_s, ANSWERED_LINGER_S) after they were handed over, plus
+one Step's trip, with no further call. A Step
 carries at most MAX_HITS_PER_STEP hits and MAX_MISSES_PER_STEP misses, the rest owed to the next
 one; a full Step's worth of either goes at once. A Step that fails gives them back to the next
 one, as the daemon counts them only in a Step that succeeds, unless it carried nothing else and

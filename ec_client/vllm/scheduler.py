@@ -526,11 +526,14 @@ class SchedulerSide:
         return self.view.synced and bool(busy)
 
     def shutdown(self) -> None:
-        """Commit the saves whose copies landed and release what the workers are done with,
-        then close the session: the daemon aborts our other PENDING entries and releases our
-        lease pins; our lock pins go with the pool file's descriptor. A private pool (the
-        default, per-run name) cannot be found by anyone else: drop it. From now on nothing is
-        promised: no pin survives the session."""
+        """vLLM's Scheduler.shutdown calls this (the engine core's shutdown, on SIGTERM too, after
+        its executor's). Everything owed goes first, and is waited for: the commits of saves
+        whose copies landed, the releases of what the workers are done with, and the hits and
+        misses answered here (the daemon's counters and LRU order), within CALL_TIMEOUT_S (a
+        warning says what did not go). Then the session closes: the daemon aborts our other
+        PENDING entries and releases our lease pins; our lock pins go with the pool file's
+        descriptor. A private pool (the default, per-run name) cannot be found by anyone else:
+        drop it. From now on nothing is promised: no pin survives the session."""
         with self._connecting:  # a late connect either finished or will not start
             if self._closed.is_set():
                 return
@@ -542,15 +545,22 @@ class SchedulerSide:
         if self.view.synced:
             self._step_soon("shutdown")
         self._hand_over_answered(client.outbox)  # if the view was not synced
+        try:
+            client.flush(CALL_TIMEOUT_S)
+        except (EcdError, TimeoutError) as error:
+            log.warning(
+                "ecd: what this engine owed pool %s (commits, releases, hit and miss counts) "
+                "did not all reach the daemon at shutdown: %s",
+                self.config.pool,
+                error,
+            )
         self.view.close()
         if self._slot_pins is not None:
             self._slot_pins.close()
         if self.config.pool_is_private:
-            with contextlib.suppress(EcdError, TimeoutError):
-                client.flush(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
-        client.close()  # after the Steps owed and asked are answered (within its flush time)
+        client.close()
 
     # ---- Steps -----------------------------------------------------------------------------------
 
