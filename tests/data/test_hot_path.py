@@ -14,6 +14,7 @@ import torch
 from ecd_testing import Daemon, wait_until
 
 from ec_client import Client, Consumer, EcdError, EntryState, Producer, PutStatus
+from ec_client.control.outbox import ANSWERED_LINGER_S
 from ec_client.data import mover as mover_module
 from ec_client.data.mover import Transfer
 
@@ -208,6 +209,17 @@ def test_a_local_hit_makes_no_round_trip_and_unlocks_once_copied(
     client.flush(10)
     [pool] = client.stats(POOL).pools
     assert (pool.hits, pool.entries_locked, pool.pins) == (1, 0, 0)  # the owed hit arrived
+
+
+def test_a_quiet_clients_owed_hit_reaches_the_daemon_within_the_answered_linger(
+    client: Client, daemon: Daemon
+) -> None:
+    consumer = committed_elsewhere(client, daemon, "theirs", torch.ones(BLOCK, dtype=torch.uint8))
+    assert consumer.get("theirs") is not None  # a local hit, owed; no further call
+    with daemon.client(name="reader") as other:
+        # ANSWERED_LINGER_S after the get at most, plus a Step's trip (the margin is for a
+        # loaded machine)
+        wait_until(lambda: other.stats(POOL).pools[0].hits == 1, ANSWERED_LINGER_S + 4)
 
 
 def test_a_lock_pin_is_held_until_the_copy_landed(
