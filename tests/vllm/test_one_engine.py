@@ -100,6 +100,19 @@ def test_an_engines_hits_reach_the_daemon_when_vllm_shuts_it_down(
         assert c.stats("kept").pools[0].hits == 1
 
 
+def test_the_hits_owed_go_at_once_when_vllm_finds_the_engine_without_requests(
+    engine: EngineFactory, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)  # none go alone
+    e = engine()
+    e.save("r1", "img-a")
+    hit_unflushed(e)
+    # vLLM's Scheduler.has_requests asks this once no request is left, as the engine goes idle
+    assert not e.connector.has_pending_push_work()
+    with daemon.client() as c:
+        wait_until(lambda: c.stats(e.pool).pools[0].hits == 1, timeout_s=10)
+
+
 def test_an_idle_engines_hits_reach_the_daemon_within_the_answered_linger_with_no_step(
     engine: EngineFactory, daemon: Daemon
 ) -> None:
