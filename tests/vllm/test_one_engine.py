@@ -7,8 +7,8 @@ before the scheduler is told "load", with no round trip), or one step later whil
 not known yet (a background Acquire); the pin goes once the load is reported; a step costs at
 most one RPC of each purpose, all from the background thread, and a miss costs none; the
 connector takes what vLLM's own connector tests pass (no SchedulerOutput); the hits it read
-reach the daemon within a second of their step with no further call, and when vLLM shuts the
-engine down.
+reach the daemon within a second of their step with no further call, at once when vLLM finds
+the engine without requests, and when vLLM shuts the engine down.
 """
 
 from __future__ import annotations
