@@ -29,11 +29,14 @@ lock pins, as keys (StepRequest.hits), so that the daemon's counters hold every 
 its LRU order every hit. They ride on the next Step to the pool, or go alone once it has been
 quiet for ANSWERED_LINGER_S (they wait longer than a pin: nothing is held meanwhile). Handing
 them over wakes nobody (a wake costs the caller tens of microseconds, on the vLLM scheduler
-thread at every step): the background thread looks at least every ANSWERED_LINGER_S. A Step
-carries at most MAX_HITS_PER_STEP hits and MAX_MISSES_PER_STEP misses, the rest owed to the next
-one; a full Step's worth of either goes at once. A Step that fails gives them back to the next
-one, as the daemon counts them only in a Step that succeeds, unless it carried nothing else and
-the daemon refused it (they are what it refused, or the pool is gone): those are dropped, logged.
+thread at every step): the background thread looks at least every ANSWERED_LINGER_S. So they
+reach the daemon at most max(linger_s, ANSWERED_LINGER_S) after they were handed over, plus one
+Step's trip, with no further call; `send_answered` sends them sooner (a caller gone quiet). A
+Step carries at most MAX_HITS_PER_STEP hits and MAX_MISSES_PER_STEP misses, the rest owed to the
+next one; a full Step's worth of either goes at once. A Step that fails gives them back to the
+next one, as the daemon counts them only in a Step that succeeds, unless it carried nothing else
+and the daemon refused it (they are what it refused, or the pool is gone): those are dropped,
+logged.
 """
 
 from __future__ import annotations
@@ -291,6 +294,8 @@ class _Pool:
     in_transit: set[bytes] = field(default_factory=set)  # commits taken, not answered yet
     aborting: set[bytes] = field(default_factory=set)  # aborts taken, not answered yet
     answered: Answered = field(default_factory=Answered)  # not sent yet
+    # When the answered go at the latest (`Outbox.send_answered`), until a Step takes them.
+    answered_by: float | None = None
 
     def ops(self) -> bool:
         return bool(self.releases or self.commits or self.aborts or self.unlocks)
@@ -306,7 +311,8 @@ class _Pool:
             return self.last_step + linger_s
         if self.answered.full():
             return self.last_step
-        return self.last_step + max(linger_s, ANSWERED_LINGER_S)
+        due = self.last_step + max(linger_s, ANSWERED_LINGER_S)
+        return due if self.answered_by is None else min(due, self.answered_by)
 
 
 class Outbox:
@@ -369,6 +375,21 @@ class Outbox:
             pool = self._pool(engine_id)
             pool.answered.add(answered)
             self._wake(notify=pool.answered.full())
+
+    def send_answered(self, engine_id: str, within_s: float = 0.0) -> None:
+        """The hits and misses owed to the pool go within `within_s` (from the background
+        thread, unless a Step carries them first), not ANSWERED_LINGER_S later: for a caller
+        that has gone quiet (vLLM's engine with no request left), so that the daemon's counters
+        hold them soon. A look under the lock when none are owed; one wake of the thread when
+        this brings their time forward."""
+        with self._lock:
+            pool = self._pools.get(engine_id)
+            if pool is None or not pool.answered:
+                return
+            at = self._clock() + within_s
+            if pool.answered_by is None or at < pool.answered_by:
+                pool.answered_by = at
+                self._wake(notify=True)
 
     def _returned(self, pool: _Pool, answered: Answered) -> None:
         with self._lock:
@@ -482,6 +503,7 @@ class Outbox:
                         return None
                     self._lock.wait()  # `_batch_done` notifies
             pool.last_step = self._clock()
+            pool.answered_by = None
             batch = OutboxBatch(
                 _split(pool.releases, wait),
                 _split(pool.commits, wait),

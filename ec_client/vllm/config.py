@@ -32,6 +32,11 @@ Keys of `ec_connector_extra_config`:
   `embedding_model_identity`, vLLM's store connector's keys, change the derived namespace as
   they change vLLM's.
 
+A key of the `ecd_` family that is none of these (nor one of those below) stops the engine at
+start, naming the closest setting ("did you mean ..."): a misspelt `ecd_pool` would give a
+private pool, dropped at shutdown, and nobody would know. Any other key this connector does not
+read (a setting of another connector, left in a shared config) is warned about, once.
+
 `ecd_pins` and `ecd_pin_share` (of earlier versions: when cached items were pinned by a round
 trip on the scheduler thread) are ignored, with a warning: cached items are now pinned with no
 round trip (lock pins, see scheduler.py), so there is nothing left to choose. So is
@@ -42,6 +47,7 @@ long that can be (docs/design.md §4, *Single flight*).
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from dataclasses import dataclass
@@ -69,6 +75,23 @@ IGNORED = {
     "ecd_pending_wait_ms": "a request waits for an item being encoded elsewhere until that "
     "encode is committed or aborted (the daemon's --pending-timeout bounds it)",
 }
+
+
+# Every key of ec_connector_extra_config the connector reads (the module docstring says what
+# each does): `ecd_` ones, the capacity (ECCPUConnector's name for it), and the two of vLLM's
+# store connector that change the namespace "auto" derives.
+SETTINGS = (
+    "ec_cpu_bytes",
+    "ecd_address",
+    "ecd_pool",
+    "ecd_wait_ms",
+    "ecd_idle_wait_ms",
+    "ecd_connect_timeout_s",
+    "ecd_cluster_namespace",
+    "embedding_cache_prefix",
+    "embedding_model_identity",
+)
+OURS = "ecd_"  # the prefix of this connector's own keys
 
 
 @dataclass(frozen=True)
@@ -118,6 +141,7 @@ class ConnectorConfig:
         if ec is None:
             raise ValueError("ECDaemonConnector needs an ec_transfer_config")
         extra: dict[str, Any] = dict(ec.ec_connector_extra_config or {})
+        check_keys(extra)
         for key, why in IGNORED.items():
             if key in extra:
                 log.warning(
@@ -233,6 +257,31 @@ def images_are_named_by_request(vllm_config: VllmConfig) -> bool:
         and multimodal.mm_processor_cache_gb == 0
         and not vllm_config.cache_config.enable_prefix_caching
     )
+
+
+def check_keys(extra: dict[str, Any]) -> None:
+    """Refuse a key of ours (`ecd_...`) that is no setting, naming the closest one: a typo
+    there changes the deployment silently (a misspelt ecd_pool gives a private pool). Warn of
+    any other key not read here, once: it may be another connector's, in a config shared."""
+    known = [*SETTINGS, *IGNORED]
+    unknown = [str(key) for key in extra if key not in known]
+    for key in unknown:
+        if key.startswith(OURS):
+            raise ValueError(
+                f"ec_connector_extra_config has no setting {key!r}{_did_you_mean(key, known)}; "
+                f"ECDaemonConnector's settings: {', '.join(SETTINGS)}"
+            )
+    if unknown:
+        log.warning(
+            "ec_connector_extra_config: %s %s not read by ECDaemonConnector and ignored",
+            ", ".join(f"{key!r}{_did_you_mean(key, known)}" for key in unknown),
+            "is" if len(unknown) == 1 else "are",
+        )
+
+
+def _did_you_mean(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _size(extra: dict[str, Any], key: str) -> int:

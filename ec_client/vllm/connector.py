@@ -119,9 +119,12 @@ class ECDaemonConnector(ECConnectorBase):
     def update_state_after_free(self, request: Request, index: int) -> None:
         self.scheduler_side.update_state_after_free(request, index)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None) -> ECConnectorMetadata:
+        # vLLM's own EC connector tests pass None (tests/v1/ec_connector/unit/cpu/): a step of
+        # unknown size, taken as one that ran something, so it never waits (`_idle`).
         return self.scheduler_side.build_connector_meta(
-            scheduled_nothing=scheduler_output.total_num_scheduled_tokens == 0
+            scheduled_nothing=scheduler_output is not None
+            and scheduler_output.total_num_scheduled_tokens == 0
         )
 
     def take_unavailable_requests(self) -> set[str]:

@@ -128,6 +128,10 @@ CALL_TIMEOUT_S = 10.0
 # hits and misses answered here (they wait ANSWERED_LINGER_S anyway) and keeps Outbox's thread from
 # sending an op alone just before the step_soon that would have carried it.
 LINGER_S = 1.0
+# How soon the hits and misses owed go once vLLM finds the engine without requests, rather than
+# ANSWERED_LINGER_S later. Not at once: a burst that follows at once (vLLM steps as soon as a
+# request arrives) would meet a Step of their own, where a Step of its own carries them free.
+IDLE_ANSWERED_S = 0.05
 # The most output sizes whose spec is kept (`_save_spec`): images come in few sizes, but nothing
 # bounds how many.
 MAX_SAVE_SPECS = 4096
@@ -520,17 +524,30 @@ class SchedulerSide:
         and hears its answer alone, and a step kept for it would cost the engine a whole empty
         iteration. An op whose Step fails after the engine went idle is owed again and goes with
         the engine's next step. Not while the daemon is away either: nothing could be sent, and
-        an idle engine would spin; whatever is owed goes with the first step after it is back."""
+        an idle engine would spin; whatever is owed goes with the first step after it is back.
+
+        vLLM asks this only once the engine has no request left (Scheduler.has_requests asks
+        the connectors last), as it may go idle: then the hits and misses owed go within
+        IDLE_ANSWERED_S (one wake of Outbox's thread), not ANSWERED_LINGER_S later, so that the
+        daemon counts an engine's last requests as they end, and an engine stopped right after
+        owes none."""
         self._take_answers()  # ops owed again are in the books from here on
         busy = self.loads.busy() or self.saves.busy() or self._asked
+        if self.view.synced and not busy:
+            outbox = self._reached().outbox
+            self._hand_over_answered(outbox)
+            outbox.send_answered(self.config.pool, IDLE_ANSWERED_S)
         return self.view.synced and bool(busy)
 
     def shutdown(self) -> None:
-        """Commit the saves whose copies landed and release what the workers are done with,
-        then close the session: the daemon aborts our other PENDING entries and releases our
-        lease pins; our lock pins go with the pool file's descriptor. A private pool (the
-        default, per-run name) cannot be found by anyone else: drop it. From now on nothing is
-        promised: no pin survives the session."""
+        """vLLM's Scheduler.shutdown calls this (the engine core's shutdown, on SIGTERM too, after
+        its executor's). Everything owed goes first, and is waited for: the commits of saves
+        whose copies landed, the releases of what the workers are done with, and the hits and
+        misses answered here (the daemon's counters and LRU order), within CALL_TIMEOUT_S (a
+        warning says what did not go). Then the session closes: the daemon aborts our other
+        PENDING entries and releases our lease pins; our lock pins go with the pool file's
+        descriptor. A private pool (the default, per-run name) cannot be found by anyone else:
+        drop it. From now on nothing is promised: no pin survives the session."""
         with self._connecting:  # a late connect either finished or will not start
             if self._closed.is_set():
                 return
@@ -542,15 +559,22 @@ class SchedulerSide:
         if self.view.synced:
             self._step_soon("shutdown")
         self._hand_over_answered(client.outbox)  # if the view was not synced
+        try:
+            client.flush(CALL_TIMEOUT_S)
+        except (EcdError, TimeoutError) as error:
+            log.warning(
+                "ecd: what this engine owed pool %s (commits, releases, hit and miss counts) "
+                "did not all reach the daemon at shutdown: %s",
+                self.config.pool,
+                error,
+            )
         self.view.close()
         if self._slot_pins is not None:
             self._slot_pins.close()
         if self.config.pool_is_private:
-            with contextlib.suppress(EcdError, TimeoutError):
-                client.flush(CALL_TIMEOUT_S)  # what is owed to the pool (hits, misses) first
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
-        client.close()  # after the Steps owed and asked are answered (within its flush time)
+        client.close()
 
     # ---- Steps -----------------------------------------------------------------------------------
 

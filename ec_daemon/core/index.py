@@ -483,14 +483,18 @@ class PoolIndex:
             self._set_evictable(entry, True)
 
     def touch(self, key: bytes) -> None:
-        """A reader hit the entry under a lock pin, with no round trip (StepRequest.hits): a hit,
-        and recency for the policy. Only for a READY entry: a key the pool does not hold counts
-        nothing, so that a client cannot count hits it never had (one read just before its
-        entry went, a moment before the hit was sent, goes uncounted)."""
-        entry = self._entries.get(key)
-        if entry is not None and entry.state is EntryState.READY:
-            self.counters.hits += 1
+        """A reader hit the entry under a lock pin, with no round trip (StepRequest.hits):
+        recency for the policy, for a READY entry. Counted apart (`count_hit`): a Step refreshes
+        its hits before its allocations, and counts them once nothing of it can fail."""
+        if self.state(key) is EntryState.READY:
             self._policy.on_access(key)
+
+    def count_hit(self, key: bytes) -> None:
+        """Count a hit read under a lock pin, for a READY entry: a key the pool does not hold
+        counts nothing, so that a client cannot count hits it never had (one read just before its
+        entry went, a moment before the hit was sent, goes uncounted)."""
+        if self.state(key) is EntryState.READY:
+            self.counters.hits += 1
 
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)

@@ -470,11 +470,19 @@ class Store:
         acquires: Sequence[bytes],
         allocates: Sequence[tuple[bytes, api.TensorSpec]],
         count_misses: bool = True,
+        hits: Sequence[bytes] = (),
     ) -> api.StepResult:
         """Release, Commit, Abort, Acquire and Allocate in this order, in one call. The session,
         the roles its parts need and the pool are checked before any part is applied. Without
         count_misses, the acquires' misses are the caller's to count (`count_misses`), once it
-        knows them: those that the cluster's store then answers are hits, not misses."""
+        knows them: those that the cluster's store then answers are hits, not misses.
+
+        hits: the entries the client read under lock pins since its last Step (StepRequest.hits),
+        refreshed for eviction before the Acquire and Allocate: the client read them before
+        anything this Step asks, so an allocation must not evict an entry just read for one
+        read longer ago. They are the caller's to count (`count_hits`), once nothing of the
+        Step can fail: a Step that fails is sent again, and a refresh twice is harmless, a
+        count twice is not."""
         produces, consumes = bool(commits or aborts or allocates), bool(releases or acquires)
         may = PRODUCE & CONSUME if produces and consumes else PRODUCE if produces else CONSUME
         session = self._sessions.touch(session_id, may if produces or consumes else None)
@@ -482,6 +490,8 @@ class Store:
         released = self._release(session, releases)
         committed = self._commit(session, pool, commits)
         aborted = self._abort(session, pool, aborts)
+        for key in hits:
+            pool.index.touch(key)
         acquired = self._acquire(session, pool, acquires, count_misses)
         allocated = self._allocate(session, pool, allocates)
         return api.StepResult(
@@ -496,14 +506,14 @@ class Store:
         if misses and pool is not None:
             pool.index.counters.misses += misses
 
-    def touch(self, engine_id: str, keys: Sequence[bytes]) -> None:
-        """Hits a client answered under lock pins, with no round trip (StepRequest.hits): each
-        naming a READY entry counts and refreshes it for eviction; the others count nothing
-        (ec_daemon.core.index.PoolIndex.touch). None counted for a pool gone."""
+    def count_hits(self, engine_id: str, keys: Sequence[bytes]) -> None:
+        """Hits a client answered under lock pins, with no round trip (StepRequest.hits; `step`
+        refreshed them): each naming a READY entry counts, the others nothing
+        (ec_daemon.core.index.PoolIndex.count_hit). None counted for a pool gone."""
         pool = self._pools.find(engine_id)
         if pool is not None:
             for key in keys:
-                pool.index.touch(key)
+                pool.index.count_hit(key)
 
     def reclaim(self) -> None:
         """Free the blocks of removed entries whose readers' lock pins are gone."""

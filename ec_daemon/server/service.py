@@ -455,6 +455,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             valid(acquires),
             valid(allocates),
             count_misses=cluster is None,  # else once the store had its say
+            hits=request.hits,
         )
         if cluster is not None:  # acquires the store can answer: fetched, and waited for
             result = await cluster.step(request.session_id, engine_id, valid(acquires), result)
@@ -466,9 +467,10 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         ):  # recreated during the fetches: the answers may name either file
             result = dataclasses.replace(result, pool_uuid="")
         # Counted last, with nothing left to fail or wait for: a Step that raises left them to
-        # the client's next one, so they are counted once.
+        # the client's next one, so they are counted once (the hits were refreshed for eviction
+        # in store.step, ahead of its allocations).
         self.store.count_misses(engine_id, request.misses)
-        self.store.touch(engine_id, request.hits)
+        self.store.count_hits(engine_id, request.hits)
         reply = pb.StepReply(boot_epoch=self.epoch, pool_uuid=result.pool_uuid)
         for lease in result.releases:
             wire.put_lease_result(reply.releases.add(), lease)

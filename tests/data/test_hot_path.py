@@ -14,6 +14,7 @@ import torch
 from ecd_testing import Daemon, wait_until
 
 from ec_client import Client, Consumer, EcdError, EntryState, Producer, PutStatus
+from ec_client.control.outbox import ANSWERED_LINGER_S
 from ec_client.data import mover as mover_module
 from ec_client.data.mover import Transfer
 
@@ -210,6 +211,17 @@ def test_a_local_hit_makes_no_round_trip_and_unlocks_once_copied(
     assert (pool.hits, pool.entries_locked, pool.pins) == (1, 0, 0)  # the owed hit arrived
 
 
+def test_a_quiet_clients_owed_hit_reaches_the_daemon_within_the_answered_linger(
+    client: Client, daemon: Daemon
+) -> None:
+    consumer = committed_elsewhere(client, daemon, "theirs", torch.ones(BLOCK, dtype=torch.uint8))
+    assert consumer.get("theirs") is not None  # a local hit, owed; no further call
+    with daemon.client(name="reader") as other:
+        # ANSWERED_LINGER_S after the get at most, plus a Step's trip (the margin is for a
+        # loaded machine)
+        wait_until(lambda: other.stats(POOL).pools[0].hits == 1, ANSWERED_LINGER_S + 4)
+
+
 def test_a_lock_pin_is_held_until_the_copy_landed(
     client: Client, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -243,3 +255,23 @@ def test_hits_answered_under_lock_pins_keep_the_lru_order(daemon: Daemon) -> Non
         producer.flush()
         states = {r.key: r.state for r in c.lookup("lru", ["old", "new"])}
         assert states == {b"old": EntryState.READY, b"new": EntryState.ABSENT}
+
+
+def test_a_hit_owed_by_the_client_protects_its_entry_from_the_eviction_its_next_put_makes(
+    daemon: Daemon,
+) -> None:
+    """The hit rides on the put's Allocate, unflushed: the daemon refreshes it before it
+    allocates, so the least recent entry is the one evicted."""
+    blocks = 10
+    with daemon.client(name="lru") as c:
+        c.open_pool("lru", BLOCK, 3 * blocks * BLOCK)
+        producer, consumer = Producer(c, "lru"), Consumer(c, "lru")
+        for key in ("A", "B", "C"):
+            producer.put(key, torch.ones(blocks * BLOCK, dtype=torch.uint8))
+        producer.flush()
+        wait_until(lambda: c.view("lru").slot(b"A") is not None)
+        assert consumer.get("A") is not None  # a local hit, owed: "B" is now the least recent
+        producer.put("D", torch.ones(blocks * BLOCK, dtype=torch.uint8))
+        producer.flush()
+        states = {r.key: r.state for r in c.lookup("lru", ["A", "B"])}
+        assert states == {b"A": EntryState.READY, b"B": EntryState.ABSENT}

@@ -520,6 +520,24 @@ def test_a_step_carries_at_most_the_protocols_hits_and_the_rest_go_at_once(
     o.close()
 
 
+def test_send_answered_sends_the_hits_and_misses_owed_at_once_not_after_the_linger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)
+    o, sender = owed(linger_s=60.0)
+    o.send_answered(POOL)  # nothing owed: nothing sent
+    o.hits(POOL, [b"a"])
+    o.misses(POOL, 2)
+    o.send_answered(POOL)  # the caller went quiet
+    wait_until(lambda: len(sender.batches) == 1)
+    [(engine_id, batch)] = sender.batches
+    assert (engine_id, batch.answered.hits, batch.answered.misses) == (POOL, [b"a"], 2)
+    sender.sent.clear()
+    o.hits(POOL, [b"b"])  # owed after that Step: waits the linger again
+    assert not sender.sent.wait(0.2)
+    o.close()
+
+
 def test_a_step_carries_at_most_the_protocols_misses_and_the_rest_go_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,7 +12,8 @@ once every loading rank reported; a landed save is committed at once and READY i
 its commit on its way keeps the engine stepping no longer; what a
 Step that did not reach the daemon carried is owed again, what the daemon refused is not; while
 the daemon was never reached nothing is sent and every request is admitted, and once it is
-reached the cache is used; a new session voids lease pins and fails the loads under them.
+reached the cache is used; a new session voids lease pins and fails the loads under them; at
+shutdown what is owed (the hit and miss counts too) is sent before the client closes.
 """
 
 from __future__ import annotations
@@ -377,6 +378,16 @@ def test_in_an_engine_that_saves_a_miss_the_view_answered_is_not_asked_and_rides
     client.flush(5)
     assert [s.acquires for s in client.sent if s.acquires] == []  # nothing was asked
     assert sum(s.misses for s in client.sent) == 1  # the miss's count, with the save's Allocate
+
+
+def test_shutdown_sends_the_counts_owed_before_the_client_closes(client: FakeClient) -> None:
+    side = scheduler(client, role="ec_both", ecd_pool="kept")  # a pool that stays
+    request = image_request("r1", ["img-new"], ROWS)
+    assert side.ensure_cache_available(request, 0)
+    side.update_state_after_alloc(request, 0)  # a miss the view answered, owed
+    side.shutdown()  # as vLLM's Scheduler.shutdown, the step cut short
+    assert client.closed  # and this fake's close sends nothing
+    assert sum(s.misses for s in client.sent) == 1
 
 
 def consume(side: SchedulerSide, client: FakeClient, key: str) -> bool:

@@ -900,6 +900,18 @@ def test_misses_a_client_answered_from_its_view_add_to_the_pools_misses(store: S
     assert pool_stats(store).misses == 5
 
 
+def test_a_steps_hits_are_refreshed_before_its_allocation_and_counted_apart(store: Store) -> None:
+    sid = session(store, "c")
+    for key in (b"a", b"b", b"c"):
+        put(store, sid, key, 5)  # 15 of the pool's 16 blocks
+    step = store.step(sid, "p", [], [], [], [], [(b"d", spec(5 * BLOCK))], hits=[b"a"])
+    assert statuses(step.allocates) == [Status.ALLOCATED]
+    assert entry(store, b"a") is not None and entry(store, b"b") is None  # b: least recent
+    assert pool_stats(store).hits == 0  # the caller counts them, once the Step cannot fail
+    store.count_hits("p", [b"a", b"b"])  # b went meanwhile: no hit of an entry not held
+    assert pool_stats(store).hits == 1
+
+
 # ---- single flight: a producer's fate is known soon ----------------------------------------------
 
 

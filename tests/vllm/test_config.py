@@ -6,7 +6,8 @@ come from the model; vLLM's factory loads the class by name and module path; imp
 ec_client alone does not import vLLM; settings of earlier versions that mean nothing now are
 ignored with a warning, not refused; the store namespace is vLLM's own store connector's, from
 the same config; an engine that names images by their request (so nothing can ever hit) is
-warned at start.
+warned at start; a misspelt `ecd_` key stops the engine naming the setting meant, any other key
+not read is warned about.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data imp
 )
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-from vllm_testing import WIDTH, EngineSpec
+from vllm_testing import CAPACITY, WIDTH, EngineSpec
 
 from ec_client.vllm import ECDaemonConnector
 from ec_client.vllm.config import ConnectorConfig
@@ -224,3 +225,24 @@ def test_an_engine_that_names_images_by_content_is_not_warned(
     with caplog.at_level("WARNING", logger="ec_client.vllm"):
         ConnectorConfig.from_vllm(naming(prefix_caching, processor_cache_gb))
     assert "names each image by its request" not in caplog.text
+
+
+def test_a_misspelt_setting_of_ours_is_refused_naming_the_one_meant() -> None:
+    with pytest.raises(ValueError, match=r"'ecd_poool' \(did you mean 'ecd_pool'\?\)"):
+        config(extra={"ecd_poool": "shared"})
+
+
+def test_an_unknown_setting_of_ours_is_refused_listing_the_settings() -> None:
+    with pytest.raises(ValueError, match=r"no setting 'ecd_colour'.*settings: ec_cpu_bytes"):
+        config(extra={"ecd_colour": "blue"})
+
+
+def test_a_key_that_is_not_ours_is_warned_about_once_and_the_engine_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="ec_client.vllm"):
+        c = config(extra={"shared_storage_path": "/tmp/ec", "ec_cpu_byte": "1GiB"})
+    assert c.capacity_bytes == CAPACITY  # the engine starts, with what it was given
+    [warning] = [r.getMessage() for r in caplog.records if "not read by" in r.getMessage()]
+    assert "'shared_storage_path'" in warning
+    assert "'ec_cpu_byte' (did you mean 'ec_cpu_bytes'?)" in warning

@@ -5,16 +5,25 @@ step, and committed only after the worker reported its copy; a later request loa
 bit-identical instead of encoding it, admitted in the same call (a lock pin on its slot, taken
 before the scheduler is told "load", with no round trip), or one step later while its slot is
 not known yet (a background Acquire); the pin goes once the load is reported; a step costs at
-most one RPC of each purpose, all from the background thread, and a miss costs none.
+most one RPC of each purpose, all from the background thread, and a miss costs none; the
+connector takes what vLLM's own connector tests pass (no SchedulerOutput); the hits it read
+reach the daemon within a second of their step with no further call, at once when vLLM finds
+the engine without requests, and when vLLM shuts the engine down.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
-from ecd_testing import Daemon
+from ecd_testing import Daemon, wait_until
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_testing import Engine, EngineFactory, digest, encoder_output, request
 
 from ec_client import EntryState
+from ec_client.control.outbox import ANSWERED_LINGER_S
+from ec_client.vllm.metadata import ECDaemonConnectorMetadata
 
 
 def test_an_encoded_item_is_committed_only_after_the_worker_reported_its_copy(
@@ -66,6 +75,67 @@ def test_the_pin_is_taken_before_the_scheduler_is_told_to_load_and_released_afte
     e.answered()
     with daemon.client() as c:
         assert c.stats(e.pool).pools[0].hits == 1  # the lock pin's hit reached the daemon
+
+
+def hit_unflushed(e: Engine) -> None:
+    """A request loads the saved img-a under a lock pin, in one whole step, and nothing sends
+    what the connector owes the daemon (Engine.step would flush it)."""
+    step = e.schedule([request("r2", "img-a")])
+    assert step.load == {"img-a"}
+    e.finish(e.run(step))
+
+
+def test_an_engines_hits_reach_the_daemon_when_vllm_shuts_it_down(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine(pool="kept")  # a pool that outlives the engine, to be read after it
+    e.save("r1", "img-a")
+    hit_unflushed(e)
+    # What vLLM's engine core runs at shutdown (SIGTERM too): its Scheduler.shutdown.
+    vllm_scheduler = SimpleNamespace(
+        kv_event_publisher=None, connector=None, ec_connector=e.connector
+    )
+    Scheduler.shutdown(cast(Scheduler, vllm_scheduler))
+    with daemon.client() as c:
+        assert c.stats("kept").pools[0].hits == 1
+
+
+def test_the_hits_owed_go_at_once_when_vllm_finds_the_engine_without_requests(
+    engine: EngineFactory, daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ec_client.control.outbox.ANSWERED_LINGER_S", 60.0)  # none go alone
+    e = engine()
+    e.save("r1", "img-a")
+    hit_unflushed(e)
+    # vLLM's Scheduler.has_requests asks this once no request is left, as the engine goes idle
+    assert not e.connector.has_pending_push_work()
+    with daemon.client() as c:
+        wait_until(lambda: c.stats(e.pool).pools[0].hits == 1, timeout_s=10)
+
+
+def test_an_idle_engines_hits_reach_the_daemon_within_the_answered_linger_with_no_step(
+    engine: EngineFactory, daemon: Daemon
+) -> None:
+    e = engine()
+    e.save("r1", "img-a")
+    hit_unflushed(e)  # then the engine is idle: vLLM calls the connector no more
+    with daemon.client() as c:
+        # ANSWERED_LINGER_S after the step's hand-over at most, then a Step's trip (the margin
+        # is for a loaded machine)
+        wait_until(lambda: c.stats(e.pool).pools[0].hits == 1, timeout_s=ANSWERED_LINGER_S + 4)
+
+
+@pytest.mark.parametrize("positional", [True, False], ids=["positional", "keyword"])
+def test_build_connector_meta_takes_no_scheduler_output_as_vllms_own_tests_pass_it(
+    engine: EngineFactory, positional: bool
+) -> None:
+    e = engine(workers=False)
+    req = request("r1", "img-a")
+    assert e.connector.ensure_cache_available(req, 0)
+    e.connector.update_state_after_alloc(req, 0)  # encoded here: to be saved
+    build = e.connector.build_connector_meta
+    meta = build(None) if positional else build(scheduler_output=None)
+    assert isinstance(meta, ECDaemonConnectorMetadata) and meta.save_intents == {"img-a"}
 
 
 def without_slots(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
