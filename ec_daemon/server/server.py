@@ -239,7 +239,7 @@ async def start(config: Config) -> Daemon:
         health_servicer,
         locks,
         metrics_server,
-        channel,
+        channel=channel,
         cluster=cluster,
     )
     if cluster is not None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,3 +373,12 @@ def test_a_pool_group_beside_an_access_list_is_warned_about(
         log = daemon.log()
     assert "pool_group gives every member of its group every pool's bytes" in log
     assert f"pool_group={group}" in log
+
+
+def test_the_fd_channel_lies_beside_the_socket_with_its_mode_and_goes_with_it() -> None:
+    with running_daemon("--max-bytes", "64MiB", "--socket-mode", "0600") as daemon:
+        channel = Path(fd_passing.fd_channel_path(daemon.socket))
+        held = channel.stat()
+        assert stat.S_ISSOCK(held.st_mode) and stat.S_IMODE(held.st_mode) == 0o600
+        assert daemon.stop() == 0
+        assert not channel.exists() and not daemon.socket.exists()
