@@ -20,7 +20,7 @@ keeps the file the ticket bought, one per pool file per process (`receive`), and
 open of that pool file in the process (`open_pool_file`: the mapping, lock pins, life marks) is
 a `dup` of it: one exchange over a local socket, at open only, never on the hot path. A pool
 file no ticket was received for (a client over TCP, a daemon without the channel, the daemon's
-own process) is opened by its path, as before.
+own process) is opened by its path.
 """
 
 from __future__ import annotations
@@ -111,11 +111,6 @@ class _Registry:
         self._lock = threading.Lock()
         self._by_path: dict[str, _Received] = {}
 
-    def has(self, path: str, pool_uuid: str) -> bool:
-        with self._lock:
-            received = self._by_path.get(path)
-            return received is not None and received.pool_uuid == pool_uuid
-
     def find(self, path: str, pool_uuid: str) -> _Received | None:
         with self._lock:
             received = self._by_path.get(path)
@@ -146,7 +141,7 @@ _received = _Registry()
 def receive(channel: str, ticket: str, path: str, pool_uuid: str) -> None:
     """Redeem OpenPool's ticket for the pool file at `path` (`pool_uuid`), unless this process
     holds it already; ChannelError if the daemon refuses or cannot be asked."""
-    if _received.has(path, pool_uuid):
+    if _received.find(path, pool_uuid) is not None:
         return
     fd = exchange(channel, TICKET + b" " + ticket.encode())
     _received.keep(path, _Received(pool_uuid, channel, fd))
@@ -179,7 +174,3 @@ def open_pool_file(path: str, pool_uuid: str, writable: bool) -> int:
         except OSError:
             raise error from None
 
-
-def received_file(path: str, pool_uuid: str) -> bool:
-    """Whether this process opens the pool file through the daemon (for error messages)."""
-    return _received.has(path, pool_uuid)
