@@ -173,4 +173,3 @@ def open_pool_file(path: str, pool_uuid: str, writable: bool) -> int:
             return os.open(path, flags)
         except OSError:
             raise error from None
-
