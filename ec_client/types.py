@@ -9,7 +9,7 @@ ec_client.control._wire).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ec_client.pool.layout import tensor_nbytes
 
@@ -146,6 +146,9 @@ class PoolInfo:
     max_entries: int
     created: bool
     cluster_namespace: str = ""  # shared through the daemon's Mooncake Store under it; "" not
+    # What this OpenPool's reply gave to redeem for the pool's file on the daemon's fd channel
+    # (ec_client/pool/fd_passing.py); "" for none. Good once, for seconds: no part of the value.
+    fd_ticket: str = field(default="", compare=False, repr=False)
 
 
 # The results of item calls are built once per item on both sides of every hot-path call, so

@@ -57,9 +57,15 @@ from typing import Any, TypeVar
 import grpc
 
 from ec_client.control import _wire
-from ec_client.control._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S, Options
+from ec_client.control._connection import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    Options,
+    unix_socket_path,
+)
 from ec_client.control.outbox import OutboxBatch
 from ec_client.errors import EcdError
+from ec_client.pool import fd_passing
 from ec_client.pool.life_marks import LifeMarks
 from ec_client.types import PoolInfo, StepResult
 
@@ -379,8 +385,10 @@ class SessionState:
     def drop_pool(self, engine_id: str, force: bool) -> Plan[int]:
         dropped = yield from self.call(_wire.drop_pool(engine_id, force))
         self.pools.pop(engine_id, None)
-        self.pool_infos.pop(engine_id, None)
+        info = self.pool_infos.pop(engine_id, None)
         self.life.unmark(engine_id)
+        if info is not None:  # this process holds no dropped pool's pages
+            fd_passing.forget(info.path)
         return dropped
 
     # ---- what the plans remember ---------------------------------------------------------------
@@ -388,7 +396,23 @@ class SessionState:
     def pool_opened(self, call: _wire.Call[PoolInfo], info: PoolInfo) -> None:
         self.pools[info.engine_id] = call
         self.pool_infos[info.engine_id] = info
-        self.life.mark(info.engine_id, info.path, self.session_id)
+        self._receive_pool_file(info)
+        self.life.mark(info.engine_id, info.path, self.session_id, info.pool_uuid)
+
+    def _receive_pool_file(self, info: PoolInfo) -> None:
+        """Redeem the reply's ticket for the pool's file (ec_client/pool/fd_passing.py), so that
+        this process maps the pool whether or not it may open the file by its path: one exchange
+        on a local socket, at once (the ticket is good for seconds), even for AsyncClient, whose
+        loop it holds as briefly as the life mark's open. Without one, or refused, the file is
+        opened by its path."""
+        socket_path = unix_socket_path(self.options.target)
+        if not info.fd_ticket or socket_path is None:
+            return
+        channel = fd_passing.fd_channel_path(socket_path)
+        try:
+            fd_passing.receive(channel, info.fd_ticket, info.path, info.pool_uuid)
+        except fd_passing.ChannelError as error:
+            log.warning("ecd: pool %s opened by its path: %s", info.engine_id, error)
 
     def pool_info(self, engine_id: str) -> PoolInfo:
         info = self.pool_infos.get(engine_id)

@@ -139,7 +139,7 @@ def open_pool(
     makes anew one dropped while it held it."""
 
     def parse(reply: pb.OpenPoolReply) -> api.PoolInfo:
-        return mirror(api.PoolInfo, reply.pool, created=reply.created)
+        return mirror(api.PoolInfo, reply.pool, created=reply.created, fd_ticket=reply.fd_ticket)
 
     return Call(
         "OpenPool",

@@ -42,6 +42,7 @@ from ec_client.data.cuda_runtime import (
     cuda_runtime,
 )
 from ec_client.errors import EcdError
+from ec_client.pool.fd_passing import ChannelError, open_pool_file
 from ec_client.pool.layout import HEADER_SIZE, Header, LayoutError
 from ec_client.types import Extent, PoolInfo
 
@@ -117,17 +118,24 @@ def stale(info: PoolInfo, why: str) -> EcdError:
 
 
 def _open_pool_file(info: PoolInfo) -> int:
-    """The pool file, opened for mapping; EcdError saying why it cannot be."""
+    """The pool file, opened for mapping (from the daemon, or by its path: fd_passing); EcdError
+    saying why it cannot be."""
     try:
-        return os.open(info.path, os.O_RDWR | os.O_CLOEXEC)
+        return open_pool_file(info.path, info.pool_uuid, writable=True)
+    except ChannelError as error:  # the daemon's answer, which says why
+        if error.code == "NOT_FOUND":  # no pool's file now: dropped, refused or made anew
+            raise stale(info, error.message) from None
+        code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
+        raise EcdError(code, error.message) from None
     except FileNotFoundError:
         raise stale(info, "the file was removed (the pool was dropped or refused)") from None
     except PermissionError:
         raise EcdError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"cannot open pool file {info.path} for reading and writing: permission denied; run "
-            "this process as the daemon's user or in its pool group (pool_group, with pool_mode "
-            '"0660")',
+            f"cannot open pool file {info.path} for reading and writing: permission denied, and "
+            "the daemon did not hand it over: connect over its Unix socket (it hands pool files "
+            "to the sessions granted them on its fd channel, the socket's path + .fd), or run "
+            "this process as the daemon's user or in its pool group (pool_group)",
         ) from None
     except OSError as exc:
         raise stale(info, f"cannot open the file: {exc.strerror}") from None

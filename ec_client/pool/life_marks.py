@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 
+from ec_client.pool.fd_passing import open_pool_file
 from ec_client.pool.slot_locks import _FLOCK, F_OFD_GETLK, F_OFD_SETLK
 
 log = logging.getLogger("ec_client")
@@ -65,26 +66,28 @@ class LifeMarks:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._fds: dict[str, tuple[str, str, int]] = {}  # engine_id -> (path, session_id, fd)
+        # engine_id -> (path, pool UUID, session_id, fd)
+        self._fds: dict[str, tuple[str, str, str, int]] = {}
 
-    def mark(self, engine_id: str, path: str, session_id: str) -> None:
-        """Hold `session_id`'s mark on the pool's file (again, after a new session or a new
-        file: the old mark goes)."""
+    def mark(self, engine_id: str, path: str, session_id: str, pool_uuid: str = "") -> None:
+        """Hold `session_id`'s mark on the pool's file, `pool_uuid` (again, after a new session
+        or a new file: the old mark goes). The file is opened as fd_passing.open_pool_file does:
+        from the daemon if this process received it, else by its path."""
         with self._lock:
             old = self._fds.get(engine_id)
-            if old is not None and old[:2] == (path, session_id):
+            if old is not None and old[:3] == (path, pool_uuid, session_id):
                 return
             self._drop(engine_id)
             fd = -1
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_pool_file(path, pool_uuid, writable=False)
                 hold(fd, session_id)
-            except OSError as error:
+            except OSError as error:  # a ChannelError from the daemon too
                 if fd >= 0:
                     os.close(fd)
                 log.debug("no life mark on %s (the lease alone ends the session): %s", path, error)
                 return
-            self._fds[engine_id] = (path, session_id, fd)
+            self._fds[engine_id] = (path, pool_uuid, session_id, fd)
 
     def unmark(self, engine_id: str) -> None:
         with self._lock:
@@ -98,4 +101,4 @@ class LifeMarks:
     def _drop(self, engine_id: str) -> None:
         held_fd = self._fds.pop(engine_id, None)
         if held_fd is not None:
-            os.close(held_fd[2])
+            os.close(held_fd[3])

@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ec_client.pool.fd_passing import open_pool_file
 from ec_client.pool.layout import (
     HEADER_SIZE,
     SLOT_SIZE,
@@ -171,8 +172,9 @@ class SlotPins:
     """
 
     def __init__(self, path: str, pool_uuid: str) -> None:
-        """LayoutError if the file at `path` is not the pool `pool_uuid` (recreated since)."""
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """LayoutError if the file at `path` is not the pool `pool_uuid` (recreated since);
+        OSError if it cannot be opened (fd_passing.open_pool_file)."""
+        self._fd = open_pool_file(path, pool_uuid, writable=False)
         try:
             self.header = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
             if self.header.pool_uuid != uuid.UUID(pool_uuid):

@@ -117,6 +117,8 @@ class PoolFile:
         self.path = path
         self.header = header
         self._fd = fd
+        held = os.fstat(fd)
+        self.file_id = (held.st_dev, held.st_ino)  # which file, whatever is at the path now
 
     @classmethod
     def create(
@@ -203,6 +205,17 @@ class PoolFile:
             raise LayoutError(f"{self.path} was removed") from None
         if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
             raise LayoutError(f"{self.path} was replaced by another file")
+
+    def open_for_client(self, writable: bool) -> int:
+        """A new open of this file (close-on-exec), for a client it is handed to: never the
+        daemon's own open file, whose slot locks a client's would merge with (a lock belongs to
+        an open file description). LayoutError if the path holds another file now."""
+        fd = os.open(self.path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != self.file_id:
+            os.close(fd)
+            raise LayoutError(f"{self.path} was replaced by another file")
+        return fd
 
     def write_slot(self, slot: int, record: SlotRecord) -> bool:
         """Write the slot's record, unless a reader holds a lock pin on it (then False, and

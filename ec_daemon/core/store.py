@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ec_client import __version__
 from ec_client import types as api
+from ec_client.pool.layout import LayoutError
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.index import Entry, Outcome, saturated
 from ec_daemon.core.pools import Pool, PoolRegistry, PoolSettings
@@ -337,6 +338,45 @@ class Store:
     def pool_info(self, engine_id: str) -> api.PoolInfo:
         """What OpenPool would answer for an existing pool; NOT_FOUND if there is none."""
         return self._info(self._pools.get(engine_id), created=False)
+
+    def open_pool_file(self, session_id: str, engine_id: str, pool_uuid: str) -> int:
+        """A new read-write open of the pool's file for a client, whose grant on the pool was
+        checked when it was promised the file (OpenPool's fd ticket, ec_daemon/server/
+        fd_channel.py): NOT_FOUND unless its session is live and holds the pool, and the pool's
+        file is still the one `pool_uuid` names."""
+        session = self._sessions.get(session_id)
+        pool = self._pools.find(engine_id)
+        if pool is None or engine_id not in session.pools:
+            raise CoreError(Code.NOT_FOUND, f"pool {engine_id!r} is not open in this session")
+        if str(pool.file.header.pool_uuid) != pool_uuid:
+            raise CoreError(
+                Code.NOT_FOUND, f"pool {engine_id!r} was made anew since: open it again"
+            )
+        return self._open_for_client(pool, writable=True)
+
+    def open_pool_file_again(self, file_id: tuple[int, int], writable: bool) -> int:
+        """A new open of the pool file whose (device, inode) is `file_id`, for a client holding
+        an open file of it already (and with it the file's bytes): NOT_FOUND if it is no pool's
+        file now (dropped, refused, made anew)."""
+        for pool in self._pools.all():
+            if pool.file.file_id == file_id:
+                return self._open_for_client(pool, writable)
+        raise CoreError(
+            Code.NOT_FOUND,
+            "the file is not the file of any pool now (dropped, refused or made anew): open "
+            "the pool again",
+        )
+
+    @staticmethod
+    def _open_for_client(pool: Pool, writable: bool) -> int:
+        try:
+            return pool.file.open_for_client(writable)
+        except (OSError, LayoutError) as error:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"cannot open the file of pool {pool.engine_id!r}: {error}; the daemon's check "
+                "of pool files refuses it shortly",
+            ) from None
 
     def engine_ids(self) -> list[str]:
         return [pool.engine_id for pool in self._pools.all()]

@@ -259,7 +259,8 @@ SETTINGS: tuple[Setting, ...] = (
         "pool_group",
         str,
         "",
-        "group owning pool files, for clients running as other users",
+        "group given path access to every pool file (with pool_mode 0660); clients of other users "
+        "get the pools they are granted over the socket without it",
         "GROUP",
     ),
     Setting(

@@ -3,13 +3,13 @@
 Order of startup: check that nothing but a stale socket is at --socket, the shm directory (huge
 pages if asked for) and budget -> take the locks -> adopt pool files left by a previous daemon ->
 warn about what will run badly (not tmpfs, memlock; the latter only a note on a machine with no
-GPU) -> metrics endpoint -> bind and start the gRPC server -> with a store, start joining it ->
-health SERVING and READY=1.
+GPU) -> metrics endpoint -> the fd channel (pool files handed to granted clients) -> bind and
+start the gRPC server -> with a store, start joining it -> health SERVING and READY=1.
 Order of shutdown (SIGTERM/SIGINT): end Watch streams, their ends written -> stop accepting and
 health NOT_SERVING (in one step of the loop), STOPPING=1 -> end waiting Acquires, let in-flight
-RPCs finish within shutdown_grace -> stop the metrics endpoint -> abort the fetches from the
-store in flight, leave the store -> close pool files (they stay: they are the cache) -> remove
-the socket and the lock files.
+RPCs finish within shutdown_grace -> close the fd channel -> stop the metrics endpoint -> abort
+the fetches from the store in flight, leave the store -> close pool files (they stay: they are
+the cache) -> remove the socket and the lock files.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ec_daemon.core.store import SessionEnd, Store, StoreConfig
 from ec_daemon.server import auth, checks, reflection, systemd
 from ec_daemon.server.config import Config
 from ec_daemon.server.events import EventHub
+from ec_daemon.server.fd_channel import FdChannel
 from ec_daemon.server.metrics import Metrics, snapshot_on_loop
 from ec_daemon.server.service import EncoderCacheService
 from ec_daemon.server.validate import Limits
@@ -74,6 +75,7 @@ class Daemon:
     service: EncoderCacheService
     metrics: Metrics
     metrics_server: WSGIServer | None = None
+    channel: FdChannel | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     cluster: Cluster | None = None
@@ -203,6 +205,16 @@ async def start(config: Config) -> Daemon:
             ("grpc.so_reuseport", 0),
         ]
     )
+    if config.pool_group and config.acl_file is not None:
+        log.warning(
+            "pool_group gives every member of its group every pool's bytes by the files' paths, "
+            "whatever the access list grants; clients of other users need no pool_group (the "
+            "daemon hands them the pools they are granted)",
+            extra={"pool_group": config.pool_group},
+        )
+    channel = FdChannel.listen(
+        store, config.socket, config.socket_mode, checks.group_id(config.socket_group)
+    )
     service = EncoderCacheService(
         store,
         hub,
@@ -210,6 +222,7 @@ async def start(config: Config) -> Daemon:
         observe=metrics.observe,
         guard=guard,
         cluster=cluster,
+        tickets=channel.tickets if channel is not None else None,
     )
     add_to_server(service, server)
     health_servicer = health_aio.HealthServicer()
@@ -239,6 +252,7 @@ async def start(config: Config) -> Daemon:
         service,
         metrics,
         metrics_server,
+        channel=channel,
         cluster=cluster,
     )
     if cluster is not None:
@@ -458,6 +472,8 @@ async def stop(daemon: Daemon) -> None:
     systemd.notify("STOPPING=1")
     daemon.hub.end_waits()
     await stopped
+    if daemon.channel is not None:
+        await daemon.channel.close()
     if daemon.metrics_server is not None:
         # shutdown() waits for the serving thread's next poll: off the loop, so it cannot stall it.
         await asyncio.to_thread(daemon.metrics_server.shutdown)

@@ -30,6 +30,7 @@ from ec_daemon.core.store import Store
 from ec_daemon.server import validate, wire
 from ec_daemon.server.auth import Action, Changes, Guard, identity
 from ec_daemon.server.events import EventHub, StreamEnd, Subscription
+from ec_daemon.server.fd_channel import Tickets
 
 log = logging.getLogger("ecd.service")
 
@@ -130,14 +131,17 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         observe: Callable[[str, str, float], None] = lambda method, code, seconds: None,
         guard: Guard | None = None,
         cluster: Cluster | None = None,
+        tickets: Tickets | None = None,
     ) -> None:
-        """cluster: the daemon's part in a Mooncake Store, with --store-master."""
+        """cluster: the daemon's part in a Mooncake Store, with --store-master. tickets: those
+        of the fd channel, None without one (OpenPool then issues none)."""
         self.store = store
         self.hub = hub
         self.limits = limits
         self.observe = observe
         self.guard = guard or Guard(None, None)
         self.cluster = cluster
+        self.tickets = tickets
         # The open Watch streams: each one's pool and its caller's metadata, checked again when
         # the token file and access list are reloaded (update_guard).
         self._watches: dict[Subscription, tuple[str, Metadata]] = {}
@@ -258,8 +262,16 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
             request.reopen,
             validate.cluster_namespace(request.cluster_namespace),
         )
+        # The caller passed the pool's access list (authorize): a ticket to its file, if it can
+        # redeem one (only on this machine: on the Unix socket).
+        ticket = ""
+        if self.tickets is not None and context.peer().startswith("unix:"):
+            ticket = self.tickets.issue(request.session_id, engine_id, info.pool_uuid)
         return pb.OpenPoolReply(
-            boot_epoch=self.epoch, created=info.created, pool=wire.pool_info_pb(info)
+            boot_epoch=self.epoch,
+            created=info.created,
+            pool=wire.pool_info_pb(info),
+            fd_ticket=ticket,
         )
 
     @rpc

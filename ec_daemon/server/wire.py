@@ -143,7 +143,8 @@ def mirrored(value: Any, *skip: str) -> dict[str, Any]:
 
 
 def pool_info_pb(p: api.PoolInfo) -> pb.PoolInfo:
-    return pb.PoolInfo(**mirrored(p, "created"))  # `created` travels in OpenPoolReply
+    # `created` and `fd_ticket` travel in OpenPoolReply
+    return pb.PoolInfo(**mirrored(p, "created", "fd_ticket"))
 
 
 def stats_pb(s: api.Stats) -> pb.StatsReply:

@@ -171,10 +171,11 @@ def test_sidecar_pod(serve_config: Callable[..., Config]) -> None:
     assert transfer["ec_connector_extra_config"]["ecd_address"] == f"unix://{config.socket}"
     assert transfer["ec_connector_extra_config"]["ec_cpu_bytes"] <= config.max_bytes
 
-    # Files the daemon creates are usable by vLLM through the pod's fsGroup.
+    # The socket is usable by vLLM through the pod's fsGroup; pool files are the daemon's alone
+    # (vLLM gets the pools it is granted over the socket).
     group = str(spec["securityContext"]["fsGroup"])
-    assert config.socket_group == config.pool_group == group
-    assert config.pool_mode == 0o660
+    assert config.socket_group == group
+    assert (config.pool_group, config.pool_mode) == ("", 0o600)
     assert ecd["securityContext"]["runAsNonRoot"] is True
 
 
@@ -204,9 +205,10 @@ def test_daemonset_and_its_client(serve_config: Callable[..., Config]) -> None:
             v for v in client_spec["volumes"] if v.get("hostPath", {}).get("path") == host_path
         ]
         assert mounts(vllm)[same["name"]] == mounts(ecd)[daemon_volume["name"]]
-    assert config.pool_group in [
+    assert config.socket_group in [
         str(g) for g in client_spec["securityContext"]["supplementalGroups"]
     ]
+    assert (config.pool_group, config.pool_mode) == ("", 0o600)
     transfer = ec_transfer_config(vllm)["ec_connector_extra_config"]
     assert transfer["ecd_address"] == f"unix://{config.socket}"
     assert transfer["ecd_pool"], "engines on a node share one cache through a named pool"

@@ -129,8 +129,9 @@ def test_unit_keeps_the_daemons_promises(serve_config: Callable[..., Config]) ->
     config = serve_config(argv)
     # The socket lives in the unit's RuntimeDirectory, owned by the unit's group.
     assert config.socket == Path("/run") / service["RuntimeDirectory"] / "ecd.sock"
-    assert config.socket_group == config.pool_group == service["Group"]
-    assert config.socket_mode == config.pool_mode == 0o660
+    assert config.socket_group == service["Group"] and config.socket_mode == 0o660
+    # Pool files are the daemon's alone: engines get the pools they are granted over the socket.
+    assert (config.pool_group, config.pool_mode) == ("", 0o600)
     # ProtectSystem=strict leaves only listed paths writable: the pool directory must be one.
     assert str(config.shm_dir) in service["ReadWritePaths"].split()
     # systemd's stop timeout leaves the daemon its grace period for in-flight RPCs.

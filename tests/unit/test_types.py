@@ -52,8 +52,11 @@ def test_refused_pool_has_exactly_the_fields_of_its_message() -> None:
     assert fields(RefusedPool) == set(pb.RefusedPool.DESCRIPTOR.fields_by_name)
 
 
-def test_pool_info_has_the_fields_of_its_message_and_whether_it_was_created() -> None:
-    assert fields(PoolInfo) == set(pb.PoolInfo.DESCRIPTOR.fields_by_name) | {"created"}
+def test_pool_info_has_the_fields_of_its_message_and_what_its_open_pool_answered() -> None:
+    assert fields(PoolInfo) == set(pb.PoolInfo.DESCRIPTOR.fields_by_name) | {
+        "created",
+        "fd_ticket",
+    }
 
 
 def test_every_enum_value_has_its_wire_value_and_back() -> None:

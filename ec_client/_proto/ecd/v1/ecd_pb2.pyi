@@ -198,14 +198,16 @@ class PoolInfo(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., block_size_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_offset: _Optional[int] = ..., file_size: _Optional[int] = ..., pool_uuid: _Optional[str] = ..., compat_key: _Optional[str] = ..., max_entries: _Optional[int] = ..., cluster_namespace: _Optional[str] = ...) -> None: ...
 
 class OpenPoolReply(_message.Message):
-    __slots__ = ("boot_epoch", "pool", "created")
+    __slots__ = ("boot_epoch", "pool", "created", "fd_ticket")
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    FD_TICKET_FIELD_NUMBER: _ClassVar[int]
     boot_epoch: str
     pool: PoolInfo
     created: bool
-    def __init__(self, boot_epoch: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+    fd_ticket: str
+    def __init__(self, boot_epoch: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., created: _Optional[bool] = ..., fd_ticket: _Optional[str] = ...) -> None: ...
 
 class DropPoolRequest(_message.Message):
     __slots__ = ("engine_id", "force", "session_id")
