@@ -366,6 +366,7 @@ class SessionState:
             yield from self.send(_wire.close_session(), retry=False)
         finally:
             self.life.close()
+            fd_passing.release(id(self))
 
     def open_pool(self, call: _wire.Call[PoolInfo], again: _wire.Call[PoolInfo]) -> Plan[PoolInfo]:
         """OpenPool, remembered (as `again`: the same with reopen) so that a reopened session
@@ -410,7 +411,7 @@ class SessionState:
             return
         channel = fd_passing.fd_channel_path(socket_path)
         try:
-            fd_passing.receive(channel, info.fd_ticket, info.path, info.pool_uuid)
+            fd_passing.receive(channel, info.fd_ticket, info.path, info.pool_uuid, id(self))
         except fd_passing.ChannelError as error:
             log.warning("ecd: pool %s opened by its path: %s", info.engine_id, error)
 

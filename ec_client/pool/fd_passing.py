@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Where the channel listens: beside the gRPC socket, named after it.
 CHANNEL_SUFFIX = ".fd"
@@ -97,11 +97,17 @@ def error_answer(code: str, message: str) -> bytes:
     return f"error {code} {message}".encode()[:MESSAGE_BYTES]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Received:
+    """A pool file the daemon handed this process, and who holds it: the clients (their
+    sessions) that opened its pool. It is closed when the last of them closes, so a process
+    whose clients are all closed holds no pool file (its tmpfs can be unmounted, a dropped
+    pool's pages freed); the mappings and lock holders made from it hold opens of their own."""
+
     pool_uuid: str
     channel: str
     fd: int
+    holders: set[object] = field(default_factory=set)
 
 
 class _Registry:
@@ -116,12 +122,22 @@ class _Registry:
             received = self._by_path.get(path)
             return received if received is not None and received.pool_uuid == pool_uuid else None
 
+    def hold(self, path: str, pool_uuid: str, holder: object) -> bool:
+        """Add `holder` to the file received for this pool file, if any; whether there was one."""
+        with self._lock:
+            received = self._by_path.get(path)
+            if received is None or received.pool_uuid != pool_uuid:
+                return False
+            received.holders.add(holder)
+            return True
+
     def keep(self, path: str, received: _Received) -> None:
         """Keep `received` for `path`; the file kept there before (a pool file since replaced)
         is closed, so this process holds no dropped pool's pages for it."""
         with self._lock:
             old = self._by_path.get(path)
             if old is not None and old.pool_uuid == received.pool_uuid:
+                old.holders |= received.holders
                 os.close(received.fd)  # another thread received it meanwhile
                 return
             self._by_path[path] = received
@@ -134,22 +150,39 @@ class _Registry:
         if old is not None:
             os.close(old.fd)
 
+    def release(self, holder: object) -> None:
+        """`holder` holds no pool file any more: close those nobody else holds."""
+        with self._lock:
+            for received in self._by_path.values():
+                received.holders.discard(holder)
+            unheld = [path for path, received in self._by_path.items() if not received.holders]
+            closed = [self._by_path.pop(path) for path in unheld]
+        for received in closed:
+            os.close(received.fd)
+
 
 _received = _Registry()
 
 
-def receive(channel: str, ticket: str, path: str, pool_uuid: str) -> None:
+def receive(channel: str, ticket: str, path: str, pool_uuid: str, holder: object) -> None:
     """Redeem OpenPool's ticket for the pool file at `path` (`pool_uuid`), unless this process
-    holds it already; ChannelError if the daemon refuses or cannot be asked."""
-    if _received.find(path, pool_uuid) is not None:
+    holds it already, and count `holder` (a client's session: its state's id) among its holders
+    until `release(holder)`; ChannelError if the daemon refuses or cannot be asked."""
+    if _received.hold(path, pool_uuid, holder):
         return
     fd = exchange(channel, TICKET + b" " + ticket.encode())
-    _received.keep(path, _Received(pool_uuid, channel, fd))
+    _received.keep(path, _Received(pool_uuid, channel, fd, {holder}))
 
 
 def forget(path: str) -> None:
     """Close the pool file received for `path`, if any (its pool was dropped)."""
     _received.forget(path)
+
+
+def release(holder: object) -> None:
+    """`holder` (a client's session, closing) needs no received pool file any more: close each
+    one no other holder in this process needs."""
+    _received.release(holder)
 
 
 def open_pool_file(path: str, pool_uuid: str, writable: bool) -> int:

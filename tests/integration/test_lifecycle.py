@@ -213,3 +213,26 @@ def test_a_closed_client_refuses_every_call_saying_it_is_closed(daemon: Daemon) 
             call()
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert c.session_id not in refused.value.message
+
+
+def open_files_of(path: str) -> int:
+    """How many of this process's file descriptors are open on the file at `path`."""
+    target = os.stat(path)
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        count += (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino)
+    return count
+
+
+def test_a_closed_client_holds_no_pool_file_the_daemon_handed_it(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        path = c.open_pool("p", 4096, 64 * 4096).path
+        assert open_files_of(path) >= 1  # the file the fd channel handed over, at least
+        with daemon.client() as other:  # a second client in the process holds it too
+            other.open_pool("p")
+        assert open_files_of(path) >= 1
+    assert open_files_of(path) == 0
