@@ -118,10 +118,11 @@ def test_a_store_daemon_joining_and_leaving_logs_no_error() -> None:
     args = ("--log-format", "json", "--log-level", "debug")
     with running_master() as master, store_daemon(master, *args) as daemon:
         wait_until(lambda: "joined the store" in daemon.log(), 20)
+        # what the store client logged while it joined (a thread forwards it)
+        wait_until(lambda: "metadata not found" in daemon.log(), 20)
         assert daemon.stop() == 0  # it leaves the store
         lines = daemon.log().splitlines()
     records = [json.loads(line) for line in lines]
-    assert any(r["logger"] == "native" for r in records), records  # the store client spoke
     errors = [r for r in records if r["level"] in ("error", "critical")]
     assert not errors, errors
 
