@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from ec_daemon.cluster.listening import WILDCARDS, listeners
+from ec_daemon.cluster.listening import WILDCARDS, listeners, socket_inodes
 
 log = logging.getLogger("ecd.cluster")
 
@@ -115,7 +115,7 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
             f"the Mooncake Store client cannot be loaded ({exc}): pip install 'ecd[mooncake]'"
         ) from None
     store = MooncakeDistributedStore()
-    before = listeners()
+    before = socket_inodes()
     ret = store.setup(
         settings.host,
         settings.metadata,
@@ -128,7 +128,8 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     if ret != 0:
         raise Unreachable(f"the store refused this node (setup answered {ret}; its log says why)")
     # Only what setup opened: the daemon's own listeners bind where its settings say.
-    unconfined = sorted(x.port for x in listeners() - before if x.host in WILDCARDS)
+    opened = listeners(inodes=socket_inodes() - before)
+    unconfined = sorted(x.port for x in opened if x.host in WILDCARDS)
     if unconfined:
         log.warning(
             "the store's transfer engine listens on every address of this host, not only the "
