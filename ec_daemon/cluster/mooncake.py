@@ -7,16 +7,26 @@ master or the metadata server cannot be reached (Mooncake 0.3.x): a daemon that 
 would freeze, event loop included. So `connect` first checks, with a short timeout of its own,
 that both accept a connection, and calls `setup` only then (a master that dies in between still
 freezes the daemon for that long: a limit of this slice, docs/design.md §13).
+
+Its transfer engine listens on ports of its own (a handshake port; with TCP, a data port too),
+bound to every address of the host (Mooncake 0.3.x has no setting for one address): `connect`
+tells it the address to give the others (`settings.host`), and once joined logs the ports that
+listen beyond that address, for the operator to confine (a firewall, a NetworkPolicy).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
+
+from ec_daemon.cluster.listening import WILDCARDS, listeners, socket_inodes
+
+log = logging.getLogger("ecd.cluster")
 
 REACH_TIMEOUT_S = 1.0
 # The store client's own buffer for calls that do not name registered memory: this node only
@@ -100,6 +110,10 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
         reachable(f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 80)}")
     # The library reads its MC_* settings when it is loaded, so defaults go in first.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    # The address the transfer engine publishes for the others to reach this node (its
+    # handshake and, with TCP, its data port): without it, that of the host's first network
+    # interface other than loopback, whatever settings.host says. Read at setup.
+    os.environ["MC_TCP_BIND_ADDRESS"] = settings.host
     try:
         from mooncake.store import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
     except ImportError as exc:
@@ -107,6 +121,7 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
             f"the Mooncake Store client cannot be loaded ({exc}): {INSTALL_HINT}"
         ) from None
     store = MooncakeDistributedStore()
+    before = socket_inodes()
     ret = store.setup(
         settings.host,
         settings.metadata,
@@ -118,6 +133,19 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     )
     if ret != 0:
         raise Unreachable(f"the store refused this node (setup answered {ret}; its log says why)")
+    # Only what setup opened: the daemon's own listeners bind where its settings say.
+    opened = listeners(inodes=socket_inodes() - before)
+    unconfined = sorted(x.port for x in opened if x.host in WILDCARDS)
+    if unconfined:
+        log.warning(
+            "the store's transfer engine listens on every address of this host, not only the "
+            "one it was given: confine its ports with a firewall or a NetworkPolicy",
+            extra={
+                "ports": unconfined,
+                "transfer_host": settings.host,
+                "segment": store.get_hostname(),
+            },
+        )
     config = ReplicateConfig()  # as vLLM's store connector puts its values
     config.data_type = ObjectDataType.TENSOR
     return store, config

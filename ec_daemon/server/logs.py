@@ -15,6 +15,8 @@ import threading
 import time
 from typing import TextIO
 
+from ec_daemon.server.native_log import NativeLevels
+
 # Attributes every LogRecord has; anything else on a record came from `extra`.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -49,15 +51,11 @@ class TextFormatter(logging.Formatter):
         return " ".join(parts)
 
 
-# glog's line prefix (`E1201 19:56:52.081182 21746 file.cpp:1098] ...`): its level letter.
-_GLOG_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
-
-
 def capture_native_stderr() -> TextIO:
     """Turn what is written to file descriptor 2 (the Mooncake engine logs there, with glog,
     bypassing Python) into records of logger `native`, one per line, so that a JSON log is
-    JSON on every line. Returns a stream to the real stderr, for the handler itself: its
-    lines must not come back through the pipe."""
+    JSON on every line, each at the level `native_log` gives it. Returns a stream to the real
+    stderr, for the handler itself: its lines must not come back through the pipe."""
     real = os.fdopen(os.dup(2), "w", buffering=1)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
@@ -70,11 +68,11 @@ def capture_native_stderr() -> TextIO:
 
 def _forward_native(read_end: int) -> None:
     log = logging.getLogger("native")
+    levels = NativeLevels()
     with os.fdopen(read_end, errors="replace") as lines:
         for line in lines:
             text = line.rstrip("\n")
-            glog = text[:1] in _GLOG_LEVELS and text[1:5].isdigit()
-            log.log(_GLOG_LEVELS[text[0]] if glog else logging.WARNING, text)
+            log.log(levels.level(text, time.monotonic()), text)
 
 
 def configure(log_format: str, level: str) -> None:

@@ -25,7 +25,9 @@ MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
 def master_command(
     rpc_port: int, http_port: int, metrics_port: int, binary: str = MASTER_BINARY
 ) -> list[str]:
-    """`mooncake_master` (`binary`) on loopback with its own HTTP metadata server."""
+    """`mooncake_master` (`binary`) on loopback with its own HTTP metadata server. Every
+    listener is given its address, and all but one bind it: Mooncake 0.3's metadata server
+    ignores its host and listens on every address (docs/operations.md, Several nodes)."""
     return [
         binary,
         f"--rpc_port={rpc_port}",
@@ -33,6 +35,7 @@ def master_command(
         "--enable_http_metadata_server=true",
         "--http_metadata_server_host=127.0.0.1",
         f"--http_metadata_server_port={http_port}",
+        "--metrics_host=127.0.0.1",
         f"--metrics_port={metrics_port}",
     ]
 

@@ -52,6 +52,7 @@ def only_in_the_segment_of_a_publisher(
             Producer(producer, "shared").put_many(tensors)
             wait_until(lambda: published(producer) == len(tensors), 20)
         with store_daemon(master) as far, far.client() as consumer:
+            wait_until(lambda: cluster_stats(consumer).connected, 20)  # it joins after serving
             consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
             yield near, consumer
 

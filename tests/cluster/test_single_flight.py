@@ -146,6 +146,7 @@ def test_a_marker_past_its_deadline_is_taken_for_absent_and_replaced_by_the_next
         stale = Marker(b"\x01" * 16, time.time() - 1, ROWS.nbytes)
         store.put(marker_key(NAMESPACE, b"img"), stale.pack())
         with store_daemon(master) as b, shared(b) as client:
+            wait_until(lambda: cluster_stats(client).connected, 20)  # it joins after serving
             [answer] = client.step("shared", acquires=[b"img"]).acquires
             allocate(client, "img")
             wait_until(lambda: cluster_stats(client).claims == 1, 20)

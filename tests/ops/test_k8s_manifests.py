@@ -220,7 +220,7 @@ def flag_values(args: list[str]) -> dict[str, str]:
 
 
 def test_the_master_runs_from_the_ecd_image_behind_a_service_of_its_ports() -> None:
-    service, deployment = load("mooncake-master.yaml")
+    _, service, deployment = load("mooncake-master.yaml")
     assert deployment["kind"] == "Deployment" and deployment["spec"]["replicas"] == 1
     # Never two masters at once: each would hold a directory of its own.
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
@@ -243,7 +243,7 @@ def test_the_master_runs_from_the_ecd_image_behind_a_service_of_its_ports() -> N
 
 @needs_mooncake
 def test_every_flag_given_to_the_master_is_one_mooncake_master_has() -> None:
-    _, deployment = load("mooncake-master.yaml")
+    _, _, deployment = load("mooncake-master.yaml")
     given = flag_values(container(pod_spec(deployment), "master")["args"])
     known = subprocess.run(
         [MASTER_BINARY, "--help"], capture_output=True, text=True, timeout=60
@@ -251,11 +251,36 @@ def test_every_flag_given_to_the_master_is_one_mooncake_master_has() -> None:
     assert [flag for flag in given if f"-{flag} (" not in known] == []
 
 
+def test_only_the_daemons_reach_the_master_and_its_metadata_server() -> None:
+    """Neither authenticates, and the metadata server listens on every address whatever its
+    flags say (Mooncake 0.3): the NetworkPolicy is what confines them."""
+    policy, service, deployment = load("mooncake-master.yaml")
+    [_, daemonset] = load("daemonset-store.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": labels}
+    ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+    admitted = {
+        port["port"]: source
+        for rule in policy["spec"]["ingress"]
+        for source in [rule["from"]]  # a rule with no `from` would admit anyone
+        for port in rule["ports"]
+    }
+    assert sorted(admitted) == sorted(ports.values())  # every port, each by one rule
+    daemons = [
+        {"podSelector": {"matchLabels": daemonset["spec"]["template"]["metadata"]["labels"]}}
+    ]
+    assert admitted[ports["rpc"]] == admitted[ports["metadata"]] == daemons
+    # The metrics port also serves the master's admin API: Prometheus' namespace alone.
+    [scraper] = admitted[ports["metrics"]]
+    assert list(scraper) == ["namespaceSelector"]
+
+
 def test_daemonset_with_a_store_joins_the_master_service_and_its_memory_covers_the_segment(
     serve_config: Callable[..., Config],
 ) -> None:
     policy, daemonset = load("daemonset-store.yaml")
-    service, _ = load("mooncake-master.yaml")
+    _, service, _ = load("mooncake-master.yaml")
     ecd, config = daemon_at_pod_ip(daemonset, serve_config)
     # The master and its metadata server, at the Service's name and ports.
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}

@@ -103,10 +103,39 @@ def test_a_full_pool_evicting_at_every_allocate_logs_one_summary_not_a_line_each
 
 @needs_mooncake
 def test_json_logs_carry_the_store_clients_lines_as_json_too() -> None:
-    with running_master() as master, store_daemon(master, "--log-format", "json") as daemon:
+    args = ("--log-format", "json", "--log-level", "debug")
+    with running_master() as master, store_daemon(master, *args) as daemon:
         # Its store client logs with glog, in C++, while it joins.
         wait_until(lambda: "joined the store" in daemon.log(), 20)
         lines = daemon.log().splitlines()
     records = [json.loads(line) for line in lines]  # every line parses
     native = [r for r in records if r["logger"] == "native"]
     assert any("transfer_metadata" in r["msg"] for r in native), native
+
+
+@needs_mooncake
+def test_a_store_daemon_joining_and_leaving_logs_no_error() -> None:
+    args = ("--log-format", "json", "--log-level", "debug")
+    with running_master() as master, store_daemon(master, *args) as daemon:
+        wait_until(lambda: "joined the store" in daemon.log(), 20)
+        # what the store client logged while it joined (a thread forwards it)
+        wait_until(lambda: "metadata not found" in daemon.log(), 20)
+        assert daemon.stop() == 0  # it leaves the store
+        lines = daemon.log().splitlines()
+    records = [json.loads(line) for line in lines]
+    errors = [r for r in records if r["level"] in ("error", "critical")]
+    assert not errors, errors
+
+
+@needs_mooncake
+def test_a_master_away_is_one_warning_of_the_store_client_not_an_error_at_each_retry() -> None:
+    args = ("--log-format", "json", "--log-level", "debug")
+    with running_master() as master, store_daemon(master, *args) as daemon:
+        wait_until(lambda: "joined the store" in daemon.log(), 20)
+        master.stop()
+        wait_until(lambda: daemon.log().count("Client not available") >= 3, 30)
+        lines = daemon.log().splitlines()
+        master.start()  # back, so that the daemon leaves the store cleanly
+    native = [json.loads(line) for line in lines if '"logger": "native"' in line]
+    levels = [r["level"] for r in native if r["level"] != "debug"]
+    assert levels == ["warning"], native
