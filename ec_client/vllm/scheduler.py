@@ -210,15 +210,14 @@ class SchedulerClient(Protocol):
 
 
 def connect_client(config: ConnectorConfig) -> Client:
-    """The default client of a SchedulerSide: a session of the engine's role on its daemon."""
-    role = {(True, True): Role.BOTH, (True, False): Role.PRODUCER}.get(
-        (config.is_producer, config.is_consumer), Role.CONSUMER
-    )
+    """The default client of a SchedulerSide: a session of the engine's role on its daemon. An
+    engine that encodes opens it as `both`: an encoder engine (ec_producer) reads the pool
+    before it encodes, and pins what it asks of the daemon (a pool shared through the store)."""
     config.await_daemon()
     return Client(
         config.address,
         name=config.client_name,
-        role=role,
+        role=Role.BOTH if config.is_producer else Role.CONSUMER,
         connect_timeout_s=config.connect_timeout_s,
         call_timeout_s=CALL_TIMEOUT_S,
         linger_s=LINGER_S,
@@ -400,7 +399,7 @@ class SchedulerSide:
     # ---- vLLM's scheduler calls, in step order -------------------------------------------------
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        if not self.config.is_consumer or not request.mm_features:
+        if not request.mm_features:
             return True
         if not self._answers_taken:
             self._answers_taken = True
@@ -411,7 +410,7 @@ class SchedulerSide:
             for f in request.mm_features
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
-        wait_s = self.config.wait_s if self.view.synced else 0.0
+        wait_s = self.config.wait_s if self.view.synced and self.config.is_consumer else 0.0
         admitted = self.loads.admit(
             request.request_id,
             needed,
@@ -426,19 +425,19 @@ class SchedulerSide:
         return admitted
 
     def has_cache_item(self, identifier: str) -> bool:
-        return (
-            self.config.is_consumer and not self._closed.is_set() and self.loads.pinned(identifier)
-        )
+        return not self._closed.is_set() and self.loads.pinned(identifier)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         key = feature.identifier
-        if self.config.is_consumer and self.loads.dispatch(request.request_id, key):
+        # An engine that only encodes (ec_producer) loads nothing: vLLM's worker there runs
+        # the encoder alone and never reads its encoder cache (no start_load_caches).
+        if self.loads.dispatch(request.request_id, key, copy=self.config.is_consumer):
             return
         self.loads.scheduled(request.request_id, key)
         if self._ready(key):
             return
-        if self.config.is_consumer and self.view.synced and not self._ask_misses:
+        if self.view.synced and not self._ask_misses:
             # A miss the view answered (nothing was asked of the daemon): its count rides on
             # the next Step, for the daemon's miss counters (see _step_soon). Where misses are
             # asked (admit's `elsewhere`), the daemon counted it then.

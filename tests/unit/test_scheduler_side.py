@@ -468,29 +468,63 @@ def test_the_release_of_a_lease_pin_is_owed_once_every_loading_rank_reported(
     assert not side.has_pending_push_work()
 
 
+def test_an_encoder_engine_promises_an_item_the_pool_holds_and_orders_no_copy_of_it(
+    client: FakeClient,
+) -> None:
+    """An ec_producer engine's workers never load (vLLM calls no start_load_caches there): a
+    cached item needs no encode and no copy, its pin goes at once."""
+    side = scheduler(client, role="ec_producer")
+    client.fake_view.ready[b"img-a"] = None
+    client.cached["img-a"] = spec(side)
+    request = image_request("p1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)  # pinned in the background
+    side.build_connector_meta()
+    client.flush(5)
+    assert side.ensure_cache_available(request, 0) and side.has_cache_item("img-a")
+    side.update_state_after_alloc(request, 0)
+    meta = side.build_connector_meta()
+    client.flush(5)
+    assert not meta.loads and not meta.saves and not meta.save_intents
+    assert [s.releases for s in client.sent if s.releases] == [[client._next_lease]]
+    assert not any(s.allocates for s in client.sent) and not side.has_pending_push_work()
+
+
+def test_an_encoder_engine_holds_a_request_for_an_item_another_engine_is_writing(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_producer")
+    client.fake_view.writing.add(b"img-a")
+    request = image_request("p1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)
+    client.fake_view.writing.discard(b"img-a")  # aborted: encoded here
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
+
+
 def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_view(
     client: FakeClient,
 ) -> None:
     side = scheduler(client, role="ec_producer")
     save_ordered(side, client, "img-a")
-    assert [s.allocates for s in client.sent] == [["img-a"]]
+    assert [s.allocates for s in client.sent if s.allocates] == [["img-a"]]
+    sent = len(client.sent)  # with the miss counted, which flush may send alone
     report(side, saved=["img-a"])
     client.flush(5)  # no build_connector_meta between: the report's own Step
     # naming the allocation the bytes were copied into, not whichever of the key is PENDING
-    assert [s.commits for s in client.sent[1:]] == [[(b"img-a", client.allocations["img-a"])]]
+    assert [s.commits for s in client.sent[sent:]] == [[(b"img-a", client.allocations["img-a"])]]
     assert client.fake_view.has(b"img-a")
 
 
 def test_a_commit_on_its_way_keeps_the_engine_stepping_no_longer(client: FakeClient) -> None:
     side = scheduler(client, role="ec_producer")
     save_ordered(side, client, "img-a")
+    sent = len(client.sent)
     answering = threading.Event()
     client.before_answer = lambda: answering.wait(5)  # the daemon has not read the Step yet
     report(side, saved=["img-a"])
     assert not side.has_pending_push_work()  # Outbox's thread delivers it: no empty step
     answering.set()
     client.flush(5)
-    assert [s.commits for s in client.sent[1:]] == [[(b"img-a", client.allocations["img-a"])]]
+    assert [s.commits for s in client.sent[sent:]] == [[(b"img-a", client.allocations["img-a"])]]
     assert client.fake_view.has(b"img-a")
 
 
@@ -510,9 +544,10 @@ def test_a_failed_saves_abort_is_sent_at_once_and_its_key_never_becomes_ready(
 ) -> None:
     side = scheduler(client, role="ec_producer")
     save_ordered(side, client, "img-a")
+    sent = len(client.sent)
     report(side, failed=["img-a"])
     client.flush(5)
-    assert [s.aborts for s in client.sent[1:]] == [[b"img-a"]]
+    assert [s.aborts for s in client.sent[sent:]] == [[b"img-a"]]
     assert not client.fake_view.has(b"img-a")
 
 
