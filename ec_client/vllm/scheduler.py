@@ -49,7 +49,7 @@ SchedulerSide is handed its client (`connect`, a `SchedulerClient`: ec_client.Cl
 so that it can be driven in-process against a stand-in (tests/unit/test_scheduler_side.py), the
 way vLLM tests its own connectors with stand-in requests.
 
-A consumer holds a request back while an item it needs is being written into the pool (the
+An engine holds a request back while an item it needs is being written into the pool (the
 view's `pending`: another engine is encoding it, or encoded it and its save is not committed
 yet) until that entry is committed (then it loads it: single flight, docs/design.md §4) or
 aborted (then it encodes it); the daemon bounds how long that can take (its producer's death
@@ -58,6 +58,11 @@ reaches this engine as soon as the encoder engine answered, a step or two before
 commits, and sometimes before this process heard of the entry at all (the Watch event is on
 its way): so an engine that only consumes asks the daemon about an item its view lacks (see
 `_ask_misses`) instead of encoding it at once.
+
+An encoder engine (ec_producer) reads the pool the same way, and so encodes no item the pool
+holds or another engine is writing; but its workers never load (vLLM's encoder-only runner
+reads no encoder cache), so a pinned item is promised to vLLM (`has_cache_item`) and its pin
+given back at once, with no copy ordered (`LoadBook.dispatch(copy=False)`).
 
 While requests are held so, vLLM would step the engine empty as fast as it can (its busy loop
 steps while any request is unfinished, and offers a connector no way to park a request, nor to
@@ -410,6 +415,7 @@ class SchedulerSide:
             for f in request.mm_features
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
+        # ecd_wait_ms is a consumer's: an encoder engine is where new images are first encoded.
         wait_s = self.config.wait_s if self.view.synced and self.config.is_consumer else 0.0
         admitted = self.loads.admit(
             request.request_id,
