@@ -10,8 +10,9 @@ to background Steps arrive meanwhile, as in an engine). Two arrival patterns:
   already cached and the rest new; then steps follow until nothing is owed.
 - trickle: one request with a cached image arrives at every step, `--items / 8` of them.
 
-The engine is an `ec_both` one unless `--role` names another: as `ec_producer` (an encoder
-engine) its cached images are neither encoded nor copied, the pins on them given back at once.
+The engine is an `ec_both` one unless `--role` names another: as `ec_producer` an encoder-only
+engine (`--mm-encoder-only`), whose cached images are neither encoded nor copied, the pins on them
+given back at once.
 
 Per step it records the Steps (RPCs) sent and the microseconds spent in the connector's calls
 (ensure_cache_available, has_cache_item, update_state_after_alloc, build_connector_meta,
@@ -232,6 +233,7 @@ def one_run(
         instance_id=f"bench-{run}",
         connector=connector_name,
         role=workload.role,
+        encoder_only=workload.role == "ec_producer",
         width=workload.width,
         dtype=torch.bfloat16,
     )
@@ -320,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         "--role",
         default="ec_both",
         choices=get_args(ECRole),
-        help="the engine's ec_role (ec_producer: an encoder engine, whose cached images are "
-        "neither encoded nor loaded)",
+        help="the engine's ec_role (ec_producer: an encoder-only engine, whose cached images "
+        "are neither encoded nor loaded)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line (see above)")
     args = parser.parse_args(argv)

@@ -152,14 +152,14 @@ def test_an_engine_naming_another_namespace_for_a_shared_pool_is_refused_saying_
 def two_nodes(
     master: Master, worker_pool: WorkerPool, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Engine, Engine, Client]]:
-    """Two `ec_both` engines (or of the role a test passes as the fixture's param) on one shared
-    pool by name, each on a daemon of its own (its own shm directory), the store between them;
-    and a client of the second engine's daemon."""
-    role = getattr(request, "param", "ec_both")
+    """Two `ec_both` engines (or as the EngineSpec fields a test passes as the fixture's param
+    say) on one shared pool by name, each on a daemon of its own (its own shm directory), the
+    store between them; and a client of the second engine's daemon."""
+    spec_fields = getattr(request, "param", {})
     with store_daemon(master) as a, store_daemon(master) as b, b.client() as client:
         engines = []
         for daemon in (a, b):
-            spec = EngineSpec(daemon.address, role=role, pool=SHARED)
+            spec = EngineSpec(daemon.address, pool=SHARED, **spec_fields)
             engines.append(Engine(spec, worker_pool.take(spec)))
         yield engines[0], engines[1], client
         for engine in engines:
@@ -193,7 +193,9 @@ def test_two_engines_on_two_nodes_given_one_new_image_encode_it_once_the_second_
     assert (stats.waits_hit, stats.claims) == (1, 0)  # one encode saved, none done
 
 
-@pytest.mark.parametrize("two_nodes", ["ec_producer"], indirect=True)
+@pytest.mark.parametrize(
+    "two_nodes", [{"role": "ec_producer", "encoder_only": True}], ids=["encoders"], indirect=True
+)
 def test_two_encoder_engines_on_two_nodes_given_one_new_image_encode_it_once(
     two_nodes: tuple[Engine, Engine, Client],
 ) -> None:

@@ -1,9 +1,11 @@
-"""Encoder engines (ec_producer) read the pool, as the engines that load from it do: an image the
-pool holds READY is not encoded again, by another encoder engine on the node or by one started
-again after a restart, and one another encoder engine is encoding (PENDING in the pool) is waited
-for until it is committed (then not encoded) or aborted (then encoded): single flight across
-encoder engines. An encoder engine needs the embeddings nowhere but in the pool, so a request
-whose image the pool holds is done with no encode and no copy to its workers.
+"""Encoder engines (ec_producer with --mm-encoder-only) read the pool, as the engines that load
+from it do: an image the pool holds READY is not encoded again, by another encoder engine on the
+node or by one started again after a restart, and one another encoder engine is encoding (PENDING
+in the pool) is waited for until it is committed (then not encoded) or aborted (then encoded):
+single flight across encoder engines. An encoder engine needs the embeddings nowhere but in the
+pool, so a request whose image the pool holds is done with no encode and no copy to its workers.
+A producer that runs the whole model does not read the pool: vLLM loads nothing into its
+workers, so it encodes.
 (docs/vllm.md, roles; docs/design.md §12.)
 """
 
@@ -18,8 +20,8 @@ SHARED = "encoders-pool"
 def test_an_encoder_engine_given_an_image_its_pool_holds_neither_encodes_nor_copies_it(
     engine: EngineFactory,
 ) -> None:
-    first = engine(role="ec_producer", pool=SHARED)
-    second = engine(role="ec_producer", pool=SHARED)
+    first = engine(role="ec_producer", encoder_only=True, pool=SHARED)
+    second = engine(role="ec_producer", encoder_only=True, pool=SHARED)
     first.save("p1", "img-a")
     wait_until(lambda: second.scheduler.view.slot(b"img-a") is not None)
     result = second.step(request("p2", "img-a"))
@@ -35,19 +37,19 @@ def test_a_restarted_encoder_engine_encodes_none_of_the_images_its_pool_holds(
     engine: EngineFactory,
 ) -> None:
     images = ["img-a", "img-b", "img-c"]
-    before = engine(role="ec_producer", pool=SHARED)
+    before = engine(role="ec_producer", encoder_only=True, pool=SHARED)
     for image in images:
         before.save(f"p-{image}", image)
     before.close()
-    after = engine(role="ec_producer", pool=SHARED)
+    after = engine(role="ec_producer", encoder_only=True, pool=SHARED)
     wait_until(lambda: all(after.scheduler.view.slot(i.encode()) is not None for i in images))
     result = after.step(*(request(f"q-{image}", image) for image in images))
     assert not result.step.encode and result.step.load == set(images)
 
 
 def test_two_encoder_engines_given_one_new_image_encode_it_once(engine: EngineFactory) -> None:
-    first = engine(role="ec_producer", pool=SHARED)
-    second = engine(role="ec_producer", pool=SHARED)
+    first = engine(role="ec_producer", encoder_only=True, pool=SHARED)
+    second = engine(role="ec_producer", encoder_only=True, pool=SHARED)
     encoding = first.schedule([request("a1", "img")])
     assert encoding.encode == {"img": 16}
     first.answered()  # allocated: PENDING in the pool
@@ -63,8 +65,8 @@ def test_two_encoder_engines_given_one_new_image_encode_it_once(engine: EngineFa
 def test_an_encoder_engine_encodes_an_image_whose_other_encoder_engine_stopped_writing_it(
     engine: EngineFactory,
 ) -> None:
-    first = engine(role="ec_producer", pool=SHARED)
-    second = engine(role="ec_producer", pool=SHARED)
+    first = engine(role="ec_producer", encoder_only=True, pool=SHARED)
+    second = engine(role="ec_producer", encoder_only=True, pool=SHARED)
     first.schedule([request("a1", "img")])
     first.answered()  # allocated: PENDING in the pool
     wait_until(lambda: second.scheduler.view.pending(b"img"))
@@ -73,3 +75,17 @@ def test_an_encoder_engine_encodes_an_image_whose_other_encoder_engine_stopped_w
     wait_until(lambda: not second.scheduler.view.pending(b"img"))
     _, result = second.admit(request("b1", "img"))
     assert result.step.encode == {"img": 16} and not result.step.load
+
+
+def test_a_producer_that_runs_the_whole_model_encodes_an_image_its_pool_holds(
+    engine: EngineFactory,
+) -> None:
+    """Its forward pass needs the output in its workers, and vLLM loads none there on a producer
+    (no start_load_caches): so the image is encoded, as on an engine with no pool."""
+    encoder = engine(role="ec_producer", encoder_only=True, pool=SHARED)
+    whole = engine(role="ec_producer", pool=SHARED)
+    encoder.save("p1", "img-a")
+    wait_until(lambda: whole.scheduler.view.slot(b"img-a") is not None)
+    result = whole.step(request("p2", "img-a"))
+    assert result.step.encode == {"img-a": 16} and not result.step.load
+    assert not result.step.metadata.loads and result.loaded == {}

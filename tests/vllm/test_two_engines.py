@@ -134,8 +134,8 @@ def test_a_producer_does_not_save_an_item_the_pool_already_has(engine: EngineFac
     first.save("p1", "img-a")
     wait_until(lambda: second.scheduler.view.has(b"img-a"))
     before = second.scheduler.rpcs.copy()
-    result = second.step(request("p2", "img-a"))  # nor encodes it (test_encoder_engines.py)
-    assert not result.step.metadata.saves
+    result = second.step(request("p2", "img-a"))  # a producer encodes whatever it is sent
+    assert result.step.encode and not result.step.metadata.saves
     assert second.scheduler.rpcs == before
 
 
