@@ -5,14 +5,18 @@ in the pool) is waited for until it is committed (then not encoded) or aborted (
 single flight across encoder engines. An encoder engine needs the embeddings nowhere but in the
 pool, so a request whose image the pool holds is done with no encode and no copy to its workers.
 A producer that runs the whole model does not read the pool: vLLM loads nothing into its
-workers, so it encodes.
+workers, so it encodes; its session is a producer's, an encoder engine's `both`.
 (docs/vllm.md, roles; docs/design.md §12.)
 """
 
 from __future__ import annotations
 
-from ecd_testing import wait_until
-from vllm_testing import EngineFactory, held_while, request
+from ecd_testing import Daemon, wait_until
+from vllm_testing import EngineFactory, EngineSpec, held_while, request
+
+from ec_client.types import Role
+from ec_client.vllm.config import ConnectorConfig
+from ec_client.vllm.scheduler import connect_client
 
 SHARED = "encoders-pool"
 
@@ -89,3 +93,16 @@ def test_a_producer_that_runs_the_whole_model_encodes_an_image_its_pool_holds(
     result = whole.step(request("p2", "img-a"))
     assert result.step.encode == {"img-a": 16} and not result.step.load
     assert not result.step.metadata.loads and result.loaded == {}
+
+
+def test_an_encoder_engine_opens_its_session_as_both_one_running_the_whole_model_as_a_producer(
+    daemon: Daemon,
+) -> None:
+    """Reading the pool pins what it holds (Acquire, in a pool shared through the store), which
+    a producer's session may not; a producer that reads nothing keeps a producer's session."""
+    roles = []
+    for encoder_only in (True, False):
+        spec = EngineSpec(daemon.address, role="ec_producer", encoder_only=encoder_only)
+        with connect_client(ConnectorConfig.from_vllm(spec.vllm_config())) as client:
+            roles.append(client.options.role)
+    assert roles == [Role.BOTH, Role.PRODUCER]
