@@ -63,6 +63,7 @@ class EngineSpec:
 
     address: str
     role: str = "ec_both"
+    encoder_only: bool = False  # started with --mm-encoder-only (as an encoder engine is)
     pool: str | None = None
     tp: int = 1
     model: str = "test-org/tiny-vlm"
@@ -86,6 +87,7 @@ class EngineSpec:
             dtype=DTYPE,
             tp=self.tp,
             rank=rank,
+            encoder_only=self.encoder_only,
         )
 
 

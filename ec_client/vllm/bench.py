@@ -10,6 +10,10 @@ to background Steps arrive meanwhile, as in an engine). Two arrival patterns:
   already cached and the rest new; then steps follow until nothing is owed.
 - trickle: one request with a cached image arrives at every step, `--items / 8` of them.
 
+The engine is an `ec_both` one unless `--role` names another: as `ec_producer` an encoder-only
+engine (`--mm-encoder-only`), whose cached images are neither encoded nor copied, the pins on them
+given back at once.
+
 Per step it records the Steps (RPCs) sent and the microseconds spent in the connector's calls
 (ensure_cache_available, has_cache_item, update_state_after_alloc, build_connector_meta,
 take_unavailable_requests, update_connector_output, request_finished), time blocked on the
@@ -49,10 +53,11 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import grpc
 import torch
+from vllm.config.ec_transfer import ECRole
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -93,6 +98,7 @@ class Workload:
     width: int
     capacity: int
     step_s: float
+    role: ECRole = "ec_both"
 
 
 Report = Callable[[ECConnectorMetadata], ECConnectorWorkerMetadata | None]
@@ -226,6 +232,8 @@ def one_run(
         extra,
         instance_id=f"bench-{run}",
         connector=connector_name,
+        role=workload.role,
+        encoder_only=workload.role == "ec_producer",
         width=workload.width,
         dtype=torch.bfloat16,
     )
@@ -310,6 +318,13 @@ def main(argv: list[str] | None = None) -> None:
         help="run the garbage collector before each measured pass: the connectors' own work, "
         "without the collection the bench's own allocations trigger during the pass",
     )
+    parser.add_argument(
+        "--role",
+        default="ec_both",
+        choices=get_args(ECRole),
+        help="the engine's ec_role (ec_producer: an encoder-only engine, whose cached images "
+        "are neither encoded nor loaded)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line (see above)")
     args = parser.parse_args(argv)
     hits = round(args.items * args.hits)
@@ -322,11 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     patterns = args.patterns.split(",")
     contenders = ["ECDaemonConnector"] + ([] if args.no_eccpu else ["ECCPUConnector"])
     results: dict[tuple[str, str, float], Outcome] = {}
-    warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01)
+    warm = Workload(args.items, hits, args.rows, args.width, capacity, 0.01, args.role)
     for name in contenders:
         one_run(name, warm, "burst", args.address)
     for step_ms in step_times:
-        workload = Workload(args.items, hits, args.rows, args.width, capacity, step_ms / 1e3)
+        workload = Workload(
+            args.items, hits, args.rows, args.width, capacity, step_ms / 1e3, args.role
+        )
         for pattern in patterns:
             # The contenders take turns, run by run: a machine that slows down or speeds up
             # meanwhile (a noisy VM does, by tens of percent) moves both sides of the ratio.

@@ -111,6 +111,12 @@ class ConnectorConfig:
     compat_key: str
     is_producer: bool
     is_consumer: bool
+    # Whether the scheduler reads the pool before it encodes (promises vLLM what the pool holds,
+    # holds a request for what another engine is writing): a consumer, or an encoder-only
+    # producer (`--mm-encoder-only`), which needs the output nowhere but in the pool. A producer
+    # that runs the whole model does not: vLLM loads into its workers only on a consumer (it
+    # calls start_load_caches there alone), so its forward pass needs the output encoded there.
+    reads_pool: bool
     wait_s: float
     idle_wait_s: float
     connect_timeout_s: float
@@ -152,6 +158,10 @@ class ConnectorConfig:
                 )
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
+        # What VllmConfig.is_mm_encoder_only reads, asked of model_config so that a stand-in
+        # config (ec_client/vllm/offline.py) answers it too.
+        multimodal = model.multimodal_config
+        encoder_only = multimodal is not None and multimodal.mm_encoder_only
         if images_are_named_by_request(vllm_config):
             log.warning(
                 "this engine names each image by its request, not its content: with prefix "
@@ -205,6 +215,7 @@ class ConnectorConfig:
             compat_key=f"{model.model}|{name}|{width}|vllm {vllm.__version__}",
             is_producer=bool(ec.is_ec_producer),
             is_consumer=bool(ec.is_ec_consumer),
+            reads_pool=bool(ec.is_ec_consumer) or (bool(ec.is_ec_producer) and encoder_only),
             wait_s=_number(extra, "ecd_wait_ms", 0) / 1000,
             idle_wait_s=_number(extra, "ecd_idle_wait_ms", 50) / 1000,
             connect_timeout_s=_number(extra, "ecd_connect_timeout_s", 2),

@@ -175,14 +175,19 @@ class LoadBook:
         self._by_request[request_id].add(key)
         self._no_wait.add((request_id, key))
 
-    def dispatch(self, request_id: str, key: str) -> bool:
+    def dispatch(self, request_id: str, key: str, copy: bool = True) -> bool:
         """Order a copy of the pinned `key` for this request (one per key per step, shared by
-        the step's requests); False if there is no pin (the request cannot have it)."""
+        the step's requests); False if there is no pin (the request cannot have it). Without
+        `copy` (an encoder-only engine: the output is wanted in the pool, which has it, and
+        nowhere else) nothing is copied: the request is done with the pin."""
         pin = self._pins.get(key)
         if pin is None:
             return False
         self.scheduled(request_id, key)
         pin.holders.discard(request_id)
+        if not copy:
+            self._release_if_unused(key)
+            return True
         order = self._step.get(key)
         if order is None:
             order = LoadOrder(self._next_transfer_id, pin.extents, pin.spec)

@@ -39,9 +39,12 @@ def offline_config(
     dtype: torch.dtype = torch.float16,
     tp: int = 1,
     rank: int = 0,
+    encoder_only: bool = False,
 ) -> VllmConfig:
     """An engine's config with `extra` as ec_connector_extra_config. The encoder output width of
-    images is `width` (vLLM's EngineCore measures it at start on producers)."""
+    images is `width` (vLLM's EngineCore measures it at start on producers). `encoder_only`: an
+    engine started with `--mm-encoder-only` (it runs the encoder alone), else one that runs the
+    whole model."""
     ec = ECTransferConfig(
         ec_connector=connector,
         ec_connector_module_path="ec_client.vllm" if connector == "ECDaemonConnector" else None,
@@ -51,7 +54,12 @@ def offline_config(
     ec.mm_encoder_output_widths = {"image": width}
     config = OfflineVllmConfig(
         ec_transfer_config=ec,
-        model_config=OfflineModelConfig(model, dtype, width),
+        model_config=OfflineModelConfig(
+            model,
+            dtype,
+            width,
+            multimodal_config=MultiModalConfig(mm_encoder_only=True) if encoder_only else None,
+        ),
         parallel_config=ParallelConfig(
             tensor_parallel_size=tp, distributed_executor_backend="mp", rank=rank
         ),

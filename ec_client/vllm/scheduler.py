@@ -49,7 +49,8 @@ SchedulerSide is handed its client (`connect`, a `SchedulerClient`: ec_client.Cl
 so that it can be driven in-process against a stand-in (tests/unit/test_scheduler_side.py), the
 way vLLM tests its own connectors with stand-in requests.
 
-A consumer holds a request back while an item it needs is being written into the pool (the
+An engine that reads the pool (ConnectorConfig.reads_pool: a consumer, or an encoder-only
+producer) holds a request back while an item it needs is being written into the pool (the
 view's `pending`: another engine is encoding it, or encoded it and its save is not committed
 yet) until that entry is committed (then it loads it: single flight, docs/design.md §4) or
 aborted (then it encodes it); the daemon bounds how long that can take (its producer's death
@@ -58,6 +59,14 @@ reaches this engine as soon as the encoder engine answered, a step or two before
 commits, and sometimes before this process heard of the entry at all (the Watch event is on
 its way): so an engine that only consumes asks the daemon about an item its view lacks (see
 `_ask_misses`) instead of encoding it at once.
+
+An encoder-only engine (ec_producer with `--mm-encoder-only`) reads the pool the same way, and
+so encodes no item the pool holds or another engine is writing; but its workers never load
+(vLLM's encoder-only runner reads no encoder cache), so a pinned item is promised to vLLM
+(`has_cache_item`) and its pin given back at once, with no copy ordered
+(`LoadBook.dispatch(copy=False)`). A producer that runs the whole model does not read the pool:
+vLLM would skip its encoder for an item promised so, yet load nothing into its workers (it
+loads only on a consumer), so it encodes what it is sent, saving none the pool holds.
 
 While requests are held so, vLLM would step the engine empty as fast as it can (its busy loop
 steps while any request is unfinished, and offers a connector no way to park a request, nor to
@@ -214,9 +223,12 @@ class SchedulerClient(Protocol):
 
 
 def connect_client(config: ConnectorConfig) -> Client:
-    """The default client of a SchedulerSide: a session of the engine's role on its daemon."""
+    """The default client of a SchedulerSide: a session of the engine's role on its daemon. A
+    producer that reads the pool (an encoder-only one: ConnectorConfig.reads_pool) opens it as
+    `both`: it pins what it finds there, and what it asks of the daemon (a pool shared through
+    the store)."""
     role = {(True, True): Role.BOTH, (True, False): Role.PRODUCER}.get(
-        (config.is_producer, config.is_consumer), Role.CONSUMER
+        (config.is_producer, config.reads_pool), Role.CONSUMER
     )
     config.await_daemon()
     return Client(
@@ -404,7 +416,7 @@ class SchedulerSide:
     # ---- vLLM's scheduler calls, in step order -------------------------------------------------
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        if not self.config.is_consumer or not request.mm_features:
+        if not self.config.reads_pool or not request.mm_features:
             return True
         if not self._answers_taken:
             self._answers_taken = True
@@ -415,7 +427,8 @@ class SchedulerSide:
             for f in request.mm_features
             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
         ]
-        wait_s = self.config.wait_s if self.view.synced else 0.0
+        # ecd_wait_ms is a consumer's: an encoder engine is where new images are first encoded.
+        wait_s = self.config.wait_s if self.view.synced and self.config.is_consumer else 0.0
         admitted = self.loads.admit(
             request.request_id,
             needed,
@@ -431,18 +444,22 @@ class SchedulerSide:
 
     def has_cache_item(self, identifier: str) -> bool:
         return (
-            self.config.is_consumer and not self._closed.is_set() and self.loads.pinned(identifier)
+            self.config.reads_pool and not self._closed.is_set() and self.loads.pinned(identifier)
         )
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         key = feature.identifier
-        if self.config.is_consumer and self.loads.dispatch(request.request_id, key):
+        # An encoder-only producer loads nothing: vLLM's worker there runs the encoder alone
+        # and never reads its encoder cache (no start_load_caches).
+        if self.config.reads_pool and self.loads.dispatch(
+            request.request_id, key, copy=self.config.is_consumer
+        ):
             return
         self.loads.scheduled(request.request_id, key)
         if self._ready(key):
             return
-        if self.config.is_consumer and self.view.synced and not self._ask_misses:
+        if self.config.reads_pool and self.view.synced and not self._ask_misses:
             # A miss the view answered (nothing was asked of the daemon): its count rides on
             # the next Step, for the daemon's miss counters (see _step_soon). Where misses are
             # asked (admit's `elsewhere`), the daemon counted it then.

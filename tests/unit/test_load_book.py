@@ -170,6 +170,19 @@ def test_a_pin_waits_for_requests_still_counting_on_it() -> None:
     assert book.take_releases() == [7]
 
 
+def test_a_dispatch_without_a_copy_orders_nothing_and_gives_the_pin_back_once_unheld() -> None:
+    """An encoder-only engine: the item is in the pool, which is all it needs."""
+    book = pinned_book()
+    book.admit("r2", ["k"], ready("k"), now=0.0, wait_s=0.0)  # r2 holds the pin too
+    assert book.dispatch("r1", "k", copy=False)
+    assert book.take_step() == {} and book.take_releases() == []
+    assert book.dispatch("r2", "k", copy=False)
+    assert book.take_releases() == [7] and not book.busy()
+    locked = locked_book()
+    assert locked.dispatch("r1", "k", copy=False)
+    assert locked.take_unlocks() == [3]
+
+
 def test_unknown_transfer_reports_change_nothing() -> None:
     book = pinned_book()
     book.report(12345, rank=0)

@@ -235,7 +235,7 @@ class FakeClient:
 
 
 def connector_config(
-    role: ECRole, tp: int = 1, **extra: object
+    role: ECRole, tp: int = 1, encoder_only: bool = False, **extra: object
 ) -> tuple[VllmConfig, ConnectorConfig]:
     vllm_config = offline_config(
         {"ecd_address": "unix:///fake/ecd.sock", "ec_cpu_bytes": 1 << 20, **extra},
@@ -243,6 +243,7 @@ def connector_config(
         role=role,
         width=WIDTH,
         tp=tp,
+        encoder_only=encoder_only,
     )
     return vllm_config, ConnectorConfig.from_vllm(vllm_config)
 
@@ -255,9 +256,13 @@ def client() -> Iterator[FakeClient]:
 
 
 def scheduler(
-    client: FakeClient, role: ECRole = "ec_both", tp: int = 1, **extra: object
+    client: FakeClient,
+    role: ECRole = "ec_both",
+    tp: int = 1,
+    encoder_only: bool = False,
+    **extra: object,
 ) -> SchedulerSide:
-    vllm_config, config = connector_config(role, tp, **extra)
+    vllm_config, config = connector_config(role, tp, encoder_only, **extra)
     return SchedulerSide(vllm_config, config, connect=lambda: client)
 
 
@@ -477,6 +482,38 @@ def test_the_release_of_a_lease_pin_is_owed_once_every_loading_rank_reported(
     client.flush(5)
     assert [s.releases for s in client.sent[1:]] == [[client._next_lease]]
     assert not side.has_pending_push_work()
+
+
+def test_an_encoder_engine_promises_an_item_the_pool_holds_and_orders_no_copy_of_it(
+    client: FakeClient,
+) -> None:
+    """An encoder-only engine's workers never load (vLLM calls no start_load_caches there): a
+    cached item needs no encode and no copy, its pin goes at once."""
+    side = scheduler(client, role="ec_producer", encoder_only=True)
+    client.fake_view.ready[b"img-a"] = None
+    client.cached["img-a"] = spec(side)
+    request = image_request("p1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)  # pinned in the background
+    side.build_connector_meta()
+    client.flush(5)
+    assert side.ensure_cache_available(request, 0) and side.has_cache_item("img-a")
+    side.update_state_after_alloc(request, 0)
+    meta = side.build_connector_meta()
+    client.flush(5)
+    assert not meta.loads and not meta.saves and not meta.save_intents
+    assert [s.releases for s in client.sent if s.releases] == [[client._next_lease]]
+    assert not any(s.allocates for s in client.sent) and not side.has_pending_push_work()
+
+
+def test_an_encoder_engine_holds_a_request_for_an_item_another_engine_is_writing(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_producer", encoder_only=True)
+    client.fake_view.writing.add(b"img-a")
+    request = image_request("p1", ["img-a"], ROWS)
+    assert not side.ensure_cache_available(request, 0)
+    client.fake_view.writing.discard(b"img-a")  # aborted: encoded here
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
 
 
 def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_view(

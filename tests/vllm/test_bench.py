@@ -20,11 +20,11 @@ SMALL = ("--items", "8", "--runs", "1", "--json")
 TTFT = {"ttft_cached_ms", "ttft_new_ms"}
 
 
-def bench(address: str, capacity: str = "64MiB") -> subprocess.CompletedProcess[str]:
+def bench(address: str, capacity: str = "64MiB", *more: str) -> subprocess.CompletedProcess[str]:
     """A small run of the bench against the daemon at `address`, as a user starts it."""
     command = [sys.executable, "-m", "ec_client.vllm.bench", "--address", address]
     return subprocess.run(
-        [*command, *SMALL, "--capacity", capacity],
+        [*command, *SMALL, "--capacity", capacity, *more],
         capture_output=True,
         text=True,
         timeout=120,
@@ -46,6 +46,16 @@ def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
     assert figures["ecd"]["held_steps"] == 0  # cached requests are lock-pinned at once
     assert figures["ecd"]["rpcs"] >= 1 and figures["eccpu"]["scheduler_us"] > 0
     assert all(figures[c][t] > 0 for c in ("ecd", "eccpu") for t in TTFT)
+
+
+def test_role_runs_the_burst_as_an_encoder_engine_whose_cached_images_wait_for_nothing(
+    daemon: Daemon,
+) -> None:
+    done = bench(daemon.address, "64MiB", "--role", "ec_producer", "--no-eccpu")
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()
+    figures = json.loads(line)["ecd"]
+    assert figures["held_steps"] == 0 and figures["scheduler_us"] > 0  # lock-pinned at once
 
 
 def test_with_no_daemon_it_says_where_it_looked_and_how_to_start_one(tmp_path: Path) -> None:

@@ -149,13 +149,17 @@ def test_an_engine_naming_another_namespace_for_a_shared_pool_is_refused_saying_
 
 
 @pytest.fixture
-def two_nodes(master: Master, worker_pool: WorkerPool) -> Iterator[tuple[Engine, Engine, Client]]:
-    """Two `ec_both` engines on one shared pool by name, each on a daemon of its own (its own shm
-    directory), the store between them; and a client of the second engine's daemon."""
+def two_nodes(
+    master: Master, worker_pool: WorkerPool, request: pytest.FixtureRequest
+) -> Iterator[tuple[Engine, Engine, Client]]:
+    """Two `ec_both` engines (or as the EngineSpec fields a test passes as the fixture's param
+    say) on one shared pool by name, each on a daemon of its own (its own shm directory), the
+    store between them; and a client of the second engine's daemon."""
+    spec_fields = getattr(request, "param", {})
     with store_daemon(master) as a, store_daemon(master) as b, b.client() as client:
         engines = []
         for daemon in (a, b):
-            spec = EngineSpec(daemon.address, pool=SHARED)
+            spec = EngineSpec(daemon.address, pool=SHARED, **spec_fields)
             engines.append(Engine(spec, worker_pool.take(spec)))
         yield engines[0], engines[1], client
         for engine in engines:
@@ -187,3 +191,26 @@ def test_two_engines_on_two_nodes_given_one_new_image_encode_it_once_the_second_
     assert result.loaded == {"img": digest(encoder_output("img"))}
     stats = cluster_stats(b)
     assert (stats.waits_hit, stats.claims) == (1, 0)  # one encode saved, none done
+
+
+@pytest.mark.parametrize(
+    "two_nodes", [{"role": "ec_producer", "encoder_only": True}], ids=["encoders"], indirect=True
+)
+def test_two_encoder_engines_on_two_nodes_given_one_new_image_encode_it_once(
+    two_nodes: tuple[Engine, Engine, Client],
+) -> None:
+    """An encoder engine needs the image nowhere but in the pool: the second one, on the other
+    node, waits for the first one's encode, then neither encodes nor copies it."""
+    first, second, b = two_nodes
+    first.step(request("a1", "img"))  # held while its daemon asks the store
+    encoding = first.schedule([request("a1", "img")])
+    assert encoding.encode == {"img": 16}
+    first.answered()
+    with Client(first.spec.address) as a:
+        wait_until(lambda: cluster_stats(a).claims == 1, 10)
+    held_while(second, "b1", 0.5)
+    first.finish(first.run(encoding))
+    first.flush()
+    _, result = second.admit(request("b1", "img"))
+    assert result.step.load == {"img"} and not result.step.encode and result.loaded == {}
+    assert (cluster_stats(b).waits_hit, cluster_stats(b).claims) == (1, 0)

@@ -7,7 +7,8 @@ ec_client alone does not import vLLM; settings of earlier versions that mean not
 ignored with a warning, not refused; the store namespace is vLLM's own store connector's, from
 the same config; an engine that names images by their request (so nothing can ever hit) is
 warned at start; a misspelt `ecd_` key stops the engine naming the setting meant, any other key
-not read is warned about.
+not read is warned about; the pool is read by consumers and encoder-only producers, not by a
+producer that runs the whole model.
 """
 
 from __future__ import annotations
@@ -118,6 +119,24 @@ def test_roles_map_to_producer_and_consumer() -> None:
         "ec_producer": (True, False),
         "ec_consumer": (False, True),
         "ec_both": (True, True),
+    }
+
+
+def test_the_pool_is_read_by_consumers_and_encoder_only_producers_alone() -> None:
+    """A producer that runs the whole model encodes what it is sent: vLLM loads into the workers
+    of a consumer alone."""
+    reads = {
+        (role, encoder_only): config(role=role, encoder_only=encoder_only).reads_pool
+        for role in ("ec_producer", "ec_consumer", "ec_both")
+        for encoder_only in (False, True)
+    }
+    assert reads == {
+        ("ec_producer", False): False,
+        ("ec_producer", True): True,
+        ("ec_consumer", False): True,
+        ("ec_consumer", True): True,
+        ("ec_both", False): True,
+        ("ec_both", True): True,
     }
 
 
