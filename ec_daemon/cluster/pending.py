@@ -219,9 +219,9 @@ class Claims:
 
     def _beating(self) -> None:
         """This thread's, until the node leaves the store: every REFRESH_S, while claims are
-        held, hand the node's thread their refresh (not while one is still queued there, nor
-        while the master does not answer: a claim its writer cannot refresh is taken for dead,
-        as it should be, since its value could not be published either)."""
+        held, ask the node's thread for a beat (not while one is still queued there, nor while
+        the master does not answer: a writer that cannot reach it is taken for dead, as it
+        should be, since its values could not be published either)."""
         refreshing: Future[None] | None = None
         while self._node.joined:
             time.sleep(REFRESH_S)
@@ -230,7 +230,7 @@ class Claims:
                 _logged(refreshing, "beat")
 
     def _refresh(self, store: StoreClient) -> None:
-        """Write the beat again, bumped (an upsert: a put would keep the old value), where the
+        """Write the beat again, changed (an upsert: a put would keep the old value), where the
         markers go."""
         if not self._held:
             return
