@@ -7,9 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +93,43 @@ def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
 
 
 @contextmanager
-def store_daemon(master: Master, *args: str, python: str = sys.executable) -> Iterator[Daemon]:
-    """A daemon in the store (run by `python`), stopped by SIGTERM at the end (it must exit 0):
-    a daemon that leaves unmounts its segment, where a killed one leaves the master placing
-    replicas in a segment nobody serves until its client TTL runs out."""
-    with running_daemon(*master.flags(), *args, python=python) as daemon:
+def store_daemon(
+    master: Master, *args: str, env: dict[str, str] | None = None, python: str = sys.executable
+) -> Iterator[Daemon]:
+    """A daemon in the store (run by `python`, with `env` added to its environment), stopped by
+    SIGTERM at the end (it must exit 0): a daemon that leaves unmounts its segment, where a
+    killed one leaves the master placing replicas in a segment nobody serves until its client
+    TTL runs out."""
+    with running_daemon(*master.flags(), *args, env=env, python=python) as daemon:
         yield daemon
         assert daemon.stop() == 0, daemon.log()
+
+
+# Shifts a process's wall clock (the Debian package libfaketime): a node whose clock is off.
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+needs_faketime = pytest.mark.skipif(
+    not FAKETIME.exists(),
+    reason=f"libfaketime is not installed ({FAKETIME} is missing: apt-get install libfaketime)",
+)
+
+
+def skewed_clock(offset: str) -> dict[str, str]:
+    """A daemon's environment for a wall clock `offset` ("+60s", "-60s") off this machine's; its
+    monotonic clock left as it is, as a node's is whatever its wall clock says."""
+    return {
+        "LD_PRELOAD": str(FAKETIME),
+        "FAKETIME": offset,
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+def clock_offset(daemon: Daemon) -> float:
+    """How far ahead of this process's wall clock the daemon's runs (negative: behind), as the
+    timestamp of its last log record tells (`ts=...Z`, written a moment ago: a little less
+    than the offset)."""
+    stamps = [line.split()[0] for line in daemon.log().splitlines() if line.startswith("ts=")]
+    logged = datetime.fromisoformat(stamps[-1].removeprefix("ts=").replace("Z", "+00:00"))
+    return logged.timestamp() - time.time()
 
 
 def cluster_stats(client: Client) -> ClusterStats:

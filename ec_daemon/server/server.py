@@ -176,7 +176,7 @@ async def start(config: Config) -> Daemon:
         lock.acquire()
     hub = EventHub()
     node = cluster_node(config) if config.store_master else None
-    claims = Claims(node, config.pending_timeout) if node is not None else None
+    claims = Claims(node) if node is not None else None
     store = build_store(config, budget, hub, node, claims)
     adopt_pools(store)
     cluster: Cluster | None = None

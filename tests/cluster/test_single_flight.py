@@ -1,7 +1,9 @@
 """Single flight across the cluster (docs/design.md §13): a key a producer on one node is writing
-(PENDING there) is pending for the other nodes too, through a marker of ecd's own in the store;
-their askers wait for it until its commit (then a remote hit), or its abort, its producer's
-death or the marker's deadline (then a miss, at once). Real daemons on a real master."""
+(PENDING there) is pending for the other nodes too, through a marker of ecd's own in the store
+that its writer refreshes; their askers wait for it until its commit (then a remote hit), or its
+abort, its producer's death or the marker going unrefreshed for its bound by their own clock
+(then a miss). Nodes' wall clocks need not agree: some tests shift one node's by a minute
+(libfaketime). Real daemons on a real master."""
 
 from __future__ import annotations
 
@@ -12,11 +14,24 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
-from cluster_testing import NAMESPACE, POOL, Master, cluster_stats, store_client, store_daemon
+from cluster_testing import (
+    NAMESPACE,
+    POOL,
+    Master,
+    clock_offset,
+    cluster_stats,
+    needs_faketime,
+    skewed_clock,
+    store_client,
+    store_daemon,
+)
 from ecd_testing import Daemon, python_killed_after, wait_until
 
 from ec_client import AllocateItem, Client, Consumer, EntryState, Status
+from ec_client.types import ClusterStats
+from ec_daemon.cluster import pending
 from ec_daemon.cluster.pending import Marker, marker_key
 
 ROWS = torch.arange(16 * 2048, dtype=torch.float32).reshape(16, 2048).to(torch.bfloat16)
@@ -59,11 +74,15 @@ def marker_in_store(master: Master, key: str) -> bool:
 
 
 @contextmanager
-def two_nodes(master: Master, *a_args: str) -> Iterator[tuple[Daemon, Daemon]]:
-    with store_daemon(master, *a_args) as a, store_daemon(master) as b:
+def two_nodes(master: Master, *a_args: str, b_clock: str = "") -> Iterator[tuple[Daemon, Daemon]]:
+    """Two daemons joined to the store; b's wall clock `b_clock` ("+60s", "-60s") off."""
+    b_env = skewed_clock(b_clock) if b_clock else None
+    with store_daemon(master, *a_args) as a, store_daemon(master, env=b_env) as b:
         for daemon in (a, b):
             with daemon.client() as client:
                 wait_until(lambda: cluster_stats(client).connected, 20)
+        if b_clock:  # the shift took: b's log says so
+            assert abs(clock_offset(b) - float(b_clock.rstrip("s"))) < 10, clock_offset(b)
         yield a, b
 
 
@@ -138,31 +157,42 @@ def test_a_producer_killed_mid_write_lets_the_other_nodes_asker_miss_at_once(
     assert missed_after < 2.0  # the daemon's lease (30 s by default) is not waited
 
 
-def test_a_marker_past_its_deadline_is_taken_for_absent_and_replaced_by_the_next_writer(
+def test_a_marker_nobody_refreshes_is_taken_for_dead_within_its_bound_and_replaced(
     master: Master,
 ) -> None:
     store = store_client(master)
+    key = marker_key(NAMESPACE, b"img")
     try:  # a writer that died long ago left it
-        stale = Marker(b"\x01" * 16, time.time() - 1, ROWS.nbytes)
-        store.put(marker_key(NAMESPACE, b"img"), stale.pack())
+        stale = Marker(b"\x01" * 16, ROWS.nbytes, bound_s=pending.BOUND_S)
+        store.put(key, stale.pack())
         with store_daemon(master) as b, shared(b) as client:
             wait_until(lambda: cluster_stats(client).connected, 20)  # it joins after serving
-            [answer] = client.step("shared", acquires=[b"img"]).acquires
+            [answer] = client.step("shared", acquires=[b"img"]).acquires  # it cannot tell yet
+            wait_until(lambda: state(client, "img") is EntryState.ABSENT, 20)
+            wait_until(lambda: store.is_exist(key) == 0, 20)  # removed by the node that waited
             allocate(client, "img")
             wait_until(lambda: cluster_stats(client).claims == 1, 20)
             stats = cluster_stats(client)
-            now = Marker.parse(store.get(marker_key(NAMESPACE, b"img")))
+            now = Marker.parse(store.get(key))
             client.abort("shared", ["img"])
     finally:
         store.close()
-    assert answer.status is Status.MISS
-    assert stats.claims_lost == 0 and now is not None and now.writer != stale.writer
+    assert answer.status is Status.PENDING
+    assert (stats.waits_hit, stats.waits_missed, stats.claims_lost) == (0, 1, 0)
+    assert now is not None and now.writer != stale.writer
 
 
-def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_its_deadline(
-    master: Master,
+@pytest.mark.parametrize(
+    "reader_clock",
+    [
+        pytest.param("", id="same-clock"),
+        pytest.param("-60s", id="reader-a-minute-behind", marks=needs_faketime),
+    ],
+)
+def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_its_bound(
+    master: Master, reader_clock: str
 ) -> None:
-    with two_nodes(master, "--pending-timeout", "2") as (a, b), shared(b) as reader:
+    with two_nodes(master, b_clock=reader_clock) as (a, b), shared(b) as reader:
         writer = shared(a)
         allocate(writer, "img")
         pending_elsewhere(writer, reader, "img")
@@ -172,7 +202,58 @@ def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_
         missed_after = time.monotonic() - killed_at
         writer.close(flush_timeout_s=0)
         a.start()  # for store_daemon's clean stop
-    assert missed_after < 2 + 1 + 0.5  # its --pending-timeout, the margin, a few polls
+    # its last refresh seen, then the bound by the reader's own clock, and a few polls
+    assert missed_after < pending.REFRESH_S + pending.BOUND_S + 1.0
+
+
+@needs_faketime
+def test_a_node_whose_clock_runs_a_minute_ahead_waits_for_a_live_claim_and_reads_it_committed(
+    master: Master,
+) -> None:
+    with (
+        two_nodes(master, b_clock="+60s") as (a, b),
+        shared(a) as writer,
+        shared(b) as reader,
+    ):
+        allocated = allocate(writer, "img")
+        pending_elsewhere(writer, reader, "img")  # not taken for expired: no second encode
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(Consumer(reader, "shared").get, "img", wait_ms=20000)
+            time.sleep(pending.BOUND_S + 2 * pending.REFRESH_S)  # an encode longer than the bound
+            assert state(reader, "img") is EntryState.PENDING and not got.done()
+            write(writer, allocated)
+            writer.commit("shared", ["img"])
+            tensor = got.result(20)
+        stats = cluster_stats(reader)
+    assert tensor is not None and torch.equal(tensor, ROWS)
+    assert (stats.waits_hit, stats.waits_missed) == (1, 0)
+
+
+@needs_faketime
+def test_a_node_whose_clock_runs_a_minute_ahead_does_not_take_another_nodes_claim_over(
+    master: Master,
+) -> None:
+    with (
+        two_nodes(master, b_clock="+60s") as (a, b),
+        shared(a) as first,
+        shared(b) as second,
+    ):
+        allocate(first, "img")
+        wait_until(lambda: cluster_stats(first).claims == 1, 20)
+        allocate(second, "img")  # its engine found nothing when it asked: it encodes too
+        wait_until(lambda: sum(_claimed(cluster_stats(second))) == 1, 20)
+        claimed = _claimed(cluster_stats(second))
+        second.abort("shared", ["img"])
+        allocate(second, "later")  # claimed after the abort's turn on the node's thread
+        wait_until(lambda: cluster_stats(second).claims >= 1, 20)
+        kept = marker_in_store(master, "img")  # the first node still writes it
+        first.abort("shared", ["img"])
+        second.abort("shared", ["later"])
+    assert claimed == (0, 1) and kept
+
+
+def _claimed(stats: ClusterStats) -> tuple[int, int]:
+    return stats.claims, stats.claims_lost
 
 
 def test_two_nodes_writing_one_key_at_once_are_counted_and_the_loser_leaves_the_marker_be(

@@ -4,6 +4,7 @@ a real ClusterNode thread, the calls recorded in order."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,15 @@ from ec_client.types import Status, TensorSpec
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
-from ec_daemon.cluster.pending import Claims, Marker, RemoteWaits, marker_key
+from ec_daemon.cluster.pending import (
+    BOUND_S,
+    REFRESH_S,
+    Claims,
+    Marker,
+    RemoteWaits,
+    alive_key,
+    marker_key,
+)
 from ec_daemon.core.store import Store
 from ec_daemon.server import config
 from ec_daemon.server.events import EventHub
@@ -26,7 +35,6 @@ from ec_daemon.server.server import build_store
 BLOCK = 4096
 SPEC = TensorSpec((1, 2048), "bfloat16", BLOCK)
 MARKER = marker_key("ns", b"k")
-NOW = 1_000_000.0  # the wall clock's
 
 
 class RecordingStore(BufferlessStore):
@@ -43,6 +51,11 @@ class RecordingStore(BufferlessStore):
 
     def get(self, key: str) -> bytes:
         return self.values.get(key, b"")
+
+    def upsert(self, key: str, value: bytes, config: Any = None) -> int:
+        self.calls.append(("upsert", key))
+        self.values[key] = value
+        return 0
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
         self.calls += [("remove", key) for key in keys]
@@ -71,7 +84,7 @@ def claiming(shm_dir: Path, fake: RecordingStore) -> Iterator[tuple[Claims, Stor
     claims as the daemon wires them (server.build_store); a session of that store."""
     settings = StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1", 0)
     node = ClusterNode(settings, connect=lambda _: (fake, None))
-    claims = Claims(node, 30.0, wall=lambda: NOW, placement=lambda store: "here")
+    claims = Claims(node, placement=lambda store: "here")
     loaded, _ = config.load({"shm_dir": str(shm_dir)}, {}, None)
     store = build_store(loaded, 1 << 30, EventHub(), cluster=node, claims=claims)
 
@@ -103,26 +116,42 @@ def test_a_commit_removes_its_marker_only_after_its_value_is_published(
     store.commit(sid, "p", [(b"k", 0, allocation)])
     wait_until(lambda: ("remove", MARKER) in fake.calls, 10)
     value = codec.store_key("ns", b"k")
-    assert fake.calls == [("put", MARKER), ("publish", value), ("remove", MARKER)]
+    calls = [call for call in fake.calls if call[0] != "upsert"]  # the writer's beats
+    assert calls == [("put", MARKER), ("publish", value), ("remove", MARKER)]
 
 
-def test_a_marker_past_its_deadline_is_replaced_and_the_claim_held(
+def test_a_marker_of_this_nodes_from_an_earlier_entry_is_replaced_and_the_claim_held(
     claiming: tuple[Claims, Store, str], fake: RecordingStore
 ) -> None:
     claims, store, sid = claiming
-    fake.values[MARKER] = Marker(b"\x01" * 16, NOW - 1, BLOCK).pack()
+    fake.values[MARKER] = Marker(claims.writer, BLOCK, bound_s=BOUND_S + 1).pack()
     allocate(store, sid)
     wait_until(lambda: claims.claims == 1, 10)
     found = Marker.parse(fake.values[MARKER])
-    assert found is not None and found.writer == claims.writer and found.deadline == NOW + 31
+    assert found == Marker(claims.writer, SPEC.nbytes, bound_s=BOUND_S)
     assert claims.claims_lost == 0
+
+
+def test_a_writer_holding_a_claim_bumps_its_beat_until_the_claim_ends(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    beat = alive_key(claims.writer)
+    allocate(store, sid)
+    wait_until(lambda: len(fake.values.get(beat, b"")) == 3, 10)  # the second beat's size
+    store.abort(sid, "p", [b"k"])
+    wait_until(lambda: ("remove", MARKER) in fake.calls, 10)
+    time.sleep(3 * REFRESH_S)  # beats would have come by now
+    after = fake.calls[fake.calls.index(("remove", MARKER)) :]
+    assert fake.calls[0] == ("put", MARKER) and fake.calls[1:3] == [("upsert", beat)] * 2
+    assert after == [("remove", MARKER)] and MARKER not in fake.values
 
 
 def test_an_entry_whose_claim_another_node_holds_leaves_its_marker_when_it_ends(
     claiming: tuple[Claims, Store, str], fake: RecordingStore
 ) -> None:
     claims, store, sid = claiming
-    theirs = Marker(b"\x01" * 16, NOW + 10, BLOCK).pack()
+    theirs = Marker(b"\x01" * 16, BLOCK, bound_s=BOUND_S).pack()
     fake.values[MARKER] = theirs
     allocate(store, sid)
     wait_until(lambda: claims.claims_lost == 1, 10)
