@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -90,8 +90,14 @@ def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
         master.log_path.unlink(missing_ok=True)
 
 
+class Joinable(Protocol):
+    """A store as a daemon joins it: a Master, or several (ha_testing.HAStore)."""
+
+    def flags(self) -> tuple[str, ...]: ...
+
+
 @contextmanager
-def store_daemon(master: Master, *args: str, python: str = sys.executable) -> Iterator[Daemon]:
+def store_daemon(master: Joinable, *args: str, python: str = sys.executable) -> Iterator[Daemon]:
     """A daemon in the store (run by `python`), stopped by SIGTERM at the end (it must exit 0):
     a daemon that leaves unmounts its segment, where a killed one leaves the master placing
     replicas in a segment nobody serves until its client TTL runs out."""
