@@ -1,4 +1,4 @@
-"""Test support for a store with several masters (docs/design.md §13b, docs/operations.md, A
+"""Test support for a store with several masters (docs/design.md §13, docs/operations.md, A
 store with several masters): a real etcd on loopback and real `mooncake_master`s that elect a
 leader through it, each on its own free ports, and the `ecd serve` flags that follow the
 leader."""

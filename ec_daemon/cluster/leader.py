@@ -1,4 +1,4 @@
-"""Which master leads the store (docs/design.md §13b): with several masters (`mooncake_master
+"""Which master leads the store (docs/design.md §13): with several masters (`mooncake_master
 --enable_ha`), the leader is whoever holds the master view in etcd, a key written under an etcd
 lease (5 s in Mooncake 0.3.x) that a standby takes once the leader's lease runs out. The store
 client follows it by itself (`--store-master etcd://HOST:PORT[;HOST:PORT...]` is its

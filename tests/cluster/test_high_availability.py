@@ -1,4 +1,4 @@
-"""A store with several masters (docs/design.md §13b, docs/operations.md, A store with several
+"""A store with several masters (docs/design.md §13, docs/operations.md, A store with several
 masters): real etcd, real masters electing a leader through it (the directory replicated by
 their oplog), real daemons that follow the leader (`--store-master etcd://...`)."""
 
