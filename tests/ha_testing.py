@@ -144,13 +144,21 @@ class HAStore:
 
 
 @contextmanager
+def running_etcd() -> Iterator[Etcd]:
+    """etcd on loopback, killed and its data removed at the end."""
+    etcd = Etcd()
+    try:
+        yield etcd.start()
+    finally:
+        etcd.stop()
+
+
+@contextmanager
 def running_ha_store(masters: int = 2) -> Iterator[HAStore]:
     """etcd and `masters` masters on loopback, one of them leading and serving; all of it killed
     and removed at the end."""
     with ExitStack() as stack:
-        etcd = Etcd()
-        stack.callback(etcd.stop)
-        etcd.start()
+        etcd = stack.enter_context(running_etcd())
         started = []
         for _ in range(masters):
             master = HAMaster(etcd.endpoint)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cluster_testing import NAMESPACE, POOL, cluster_stats, needs_mooncake, store_daemon
 from ecd_testing import run_ecd, wait_until
-from ha_testing import needs_etcd, running_ha_store
+from ha_testing import HAStore, needs_etcd, running_etcd, running_ha_store
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Client, Consumer, Producer, PutStatus
@@ -51,6 +51,21 @@ def test_a_daemon_given_the_etcd_endpoints_joins_the_leader_and_names_it() -> No
     assert (stats.master, stats.leader, stats.leader_changes) == (ha.address, leader.address, 0)
     assert f"store {ha.address} (leader {leader.address}, 0 leader changes) connected" in line
     assert scraped == {"leader": leader.address, "changes": 0}
+
+
+def test_a_daemon_whose_etcd_names_no_leader_serves_locally_and_says_why() -> None:
+    with (
+        running_etcd() as etcd,
+        store_daemon(HAStore(etcd, [])) as daemon,
+        daemon.client() as client,
+    ):
+        wait_until(lambda: "no master leads the store" in cluster_stats(client).error, 20)
+        client.open_pool("local", **POOL)
+        Producer(client, "local").put("k", rows(1))
+        got = Consumer(client, "local").get("k")
+        stats = cluster_stats(client)
+    assert got is not None and torch.equal(got, rows(1))
+    assert (stats.connected, stats.leader, stats.leader_changes) == (False, "", 0)
 
 
 class Loop(threading.Thread):
