@@ -283,7 +283,7 @@ class ClusterStats:
     """The daemon's part in a Mooncake Store (`ecd serve --store-master`): whether it is
     connected, and what became of the commits of its shared pools."""
 
-    master: str
+    master: str  # --store-master: HOST:PORT, or etcd://HOST:PORT[;...] of several masters
     connected: bool
     error: str  # why it is not connected; empty when it is
     published: int
@@ -300,6 +300,11 @@ class ClusterStats:
     claims_lost: int = 0
     waits_hit: int = 0
     waits_missed: int = 0
+    # The master that serves (with several, the leader it last saw), how often the lead passed
+    # to another master, and publishes the master did not answer, queued again once it did.
+    leader: str = ""
+    leader_changes: int = 0
+    publishes_retried: int = 0
 
 
 @dataclass(frozen=True)

@@ -230,9 +230,13 @@ def refused_table(refused: Sequence[RefusedPool]) -> str:
 
 def cluster_line(c: ClusterStats) -> str:
     state = "connected" if c.connected else f"NOT CONNECTED ({c.error})"
+    led = ""
+    if c.master != c.leader:  # several masters: the one that leads
+        led = f" (leader {c.leader or 'unknown'}, {c.leader_changes} leader changes)"
     return (
-        f"store {c.master} {state}; published {c.published}, already stored {c.already_stored}, "
-        f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
+        f"store {c.master}{led} {state}; published {c.published}, already stored "
+        f"{c.already_stored}, unpublishable {c.unpublishable}, gone {c.gone}, failed "
+        f"{c.publish_failures} (retried {c.publishes_retried}), "
         f"dropped {c.dropped}; lookups failed {c.lookup_failures}; claims {c.claims} (lost "
         f"{c.claims_lost}), waits for other nodes hit {c.waits_hit}, missed {c.waits_missed}"
     )

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -92,9 +92,15 @@ def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
         master.log_path.unlink(missing_ok=True)
 
 
+class Joinable(Protocol):
+    """A store as a daemon joins it: a Master, or several (ha_testing.HAStore)."""
+
+    def flags(self) -> tuple[str, ...]: ...
+
+
 @contextmanager
 def store_daemon(
-    master: Master, *args: str, env: dict[str, str] | None = None, python: str = sys.executable
+    master: Joinable, *args: str, env: dict[str, str] | None = None, python: str = sys.executable
 ) -> Iterator[Daemon]:
     """A daemon in the store (run by `python`, with `env` added to its environment), stopped by
     SIGTERM at the end (it must exit 0): a daemon that leaves unmounts its segment, where a

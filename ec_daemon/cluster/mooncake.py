@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 from urllib.parse import urlsplit
 
+from ec_daemon.cluster.leader import NoLeader, etcd_endpoints, read_view
 from ec_daemon.cluster.listening import WILDCARDS, listeners, socket_inodes
 
 log = logging.getLogger("ecd.cluster")
@@ -46,7 +48,7 @@ INSTALL_HINT = f"pip install '{MOONCAKE_WHEEL}' (the mooncake extra of encoder-c
 class StoreSettings:
     """How this node joins the store (ecd serve --store-*)."""
 
-    master: str  # HOST:PORT of the master
+    master: str  # HOST:PORT of the master, or etcd://HOST:PORT[;...] of several (leader.py)
     metadata: str  # the metadata server's URL
     host: str  # where the store's other clients reach this node's transfer engine
     segment_bytes: int  # memory lent to the store for every node's entries
@@ -90,6 +92,10 @@ class StoreClient(Protocol):
 
     def close(self) -> int: ...
 
+    # 0 while the client's own pings reach its master (the leader it follows), else not 0: no
+    # round trip.
+    def health_check(self) -> int: ...
+
 
 class Unreachable(Exception):
     """The store cannot be joined now; the message says why."""
@@ -104,10 +110,23 @@ def reachable(address: str) -> None:
         raise Unreachable(f"{address}: {exc}") from None
 
 
+def leading_master(master: str) -> str:
+    """HOST:PORT of the master that serves for `master` (--store-master): itself, or with
+    several masters the leader etcd names; Unreachable if none leads."""
+    endpoints = etcd_endpoints(master)
+    if not endpoints:
+        return master
+    try:
+        return read_view(endpoints).leader
+    except NoLeader as exc:
+        raise Unreachable(str(exc)) from None
+
+
 def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     """A store client joined to the store, and the replication config puts take; Unreachable
-    when the master or the metadata server does not answer, or the store refuses this node."""
-    reachable(settings.master)
+    when the master (with several, the leader) or the metadata server does not answer, or the
+    store refuses this node."""
+    reachable(leading_master(settings.master))
     url = urlsplit(settings.metadata)
     if url.scheme in ("http", "https") and url.hostname:
         reachable(f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 80)}")
@@ -152,6 +171,20 @@ def connect(settings: StoreSettings) -> tuple[StoreClient, Any]:
     config = ReplicateConfig()  # as vLLM's store connector puts its values
     config.data_type = ObjectDataType.TENSOR
     return store, config
+
+
+def end_process_left_open() -> NoReturn:
+    """End the daemon's process at once (exit status 0), once it stopped, when its store client
+    follows a leader through etcd (ClusterNode leaves it open).
+
+    Such a client's teardown (its close, its freeing, or the library's own at the interpreter's
+    exit) waits for its leader monitor's wait on etcd to end, up to 30 s (Mooncake 0.3.x),
+    holding the interpreter's lock: a stop would hang that long. Its segment goes as a killed
+    node's does: the masters drop it after their --client_ttl."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def own_segment(store: StoreClient) -> Any:

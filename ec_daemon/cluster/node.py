@@ -30,6 +30,7 @@ the header buffer.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import queue
@@ -45,6 +46,7 @@ from ec_client.pool.layout import LayoutError
 from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 from ec_daemon.cluster import codec
+from ec_daemon.cluster.leader import NoLeader, View, etcd_endpoints, read_view
 from ec_daemon.cluster.mooncake import (
     StoreClient,
     StoreSettings,
@@ -165,6 +167,16 @@ class ClusterNode:
         self.published = self.already_stored = self.unpublishable = self.gone = 0
         self.failures = self.dropped = 0
         self.lookup_failures = 0  # the event loop's (ClusterFetch) and this thread's
+        # The master that serves (with several, the leader: leader.py), and how often the lead
+        # passed to another since the node joined.
+        self._etcd = etcd_endpoints(settings.master)
+        self._view: View | None = None
+        self.leader = "" if self._etcd else settings.master
+        self.leader_changes = 0
+        # Publishes that failed because the master did not answer, queued again once it does.
+        self._unanswered: list[Publish] = []
+        self.retried = 0
+        self._left_open: StoreClient | None = None
         self._probed_at = -PROBE_S
         self._logged_at = -LOG_EVERY_S
         self._unlogged = 0
@@ -273,6 +285,9 @@ class ClusterNode:
     def stats(self) -> ClusterStats:
         return ClusterStats(
             master=self.settings.master,
+            leader=self.leader,
+            leader_changes=self.leader_changes,
+            publishes_retried=self.retried,
             connected=self.connected,
             error=self.error,
             published=self.published,
@@ -303,11 +318,15 @@ class ClusterNode:
                     self._stopping.wait(retry_s)
                     retry_s = min(retry_s * 2, MAX_RETRY_S)
                 continue
+            if self.connected and self._unanswered:
+                self._retry()
             try:
                 job = self._jobs.get(timeout=HEARTBEAT_S if self.connected else PROBE_S)
             except queue.Empty:
                 if self._up():
                     self._answered(self._store.batch_is_exist([HEARTBEAT_KEY]), "heartbeat")
+                    with contextlib.suppress(Unreachable):
+                        self._follow()  # a lead that passed with no call failing
                 continue
             if job is None:
                 break
@@ -319,6 +338,7 @@ class ClusterNode:
 
     def _join(self) -> bool:
         try:
+            self._follow()
             self._store, self._replicate = self._connect(self.settings)
         except Unreachable as exc:
             self.error = str(exc)
@@ -369,12 +389,15 @@ class ClusterNode:
             if publishes and not self._up():
                 self.failures += len(publishes)
                 self._failed("publishes failed: the store's master does not answer", self.error)
+                self._keep_for_retry(publishes)
                 publishes = []
+            pinned: dict[int, Publish] = {}
             for job in publishes:
                 item = self._pin(job)
                 if item is not None:
+                    pinned[id(item)] = job
                     items.append(item)
-            self._publish(items)
+            self._keep_for_retry([pinned[id(item)] for item in self._publish(items)])
         finally:
             for item in items:
                 item.mounted.pins.unpin(item.slot)
@@ -405,13 +428,14 @@ class ClusterNode:
             mounted, job.slot, codec.store_key(job.pool.namespace, job.key), header, buffers
         )
 
-    def _publish(self, items: list[Item]) -> None:
+    def _publish(self, items: list[Item]) -> list[Item]:
+        """Publish the items; returns those that failed because the master did not answer."""
         if not items or self._store is None:
-            return
+            return []
         present = self._store.batch_is_exist([item.store_key for item in items])
         if not self._answered(present, "lookup"):
             self.failures += len(items)
-            return
+            return items
         todo: dict[str, Item] = {}  # one per key: a batch may name a key twice
         for item, state in zip(items, present, strict=True):
             if state == 1 or item.store_key in todo:
@@ -419,7 +443,7 @@ class ClusterNode:
             else:
                 todo[item.store_key] = item
         if not todo:
-            return
+            return []
         base = ctypes.addressof(self._headers)
         size = codec.HEADER.size
         for i, item in enumerate(todo.values()):
@@ -431,7 +455,8 @@ class ClusterNode:
             self._replicate,
         )
         self._answered(results, "put")
-        for result in results:
+        unanswered = []
+        for item, result in zip(todo.values(), results, strict=True):
             if result == 0:
                 self.published += 1
             elif result == OBJECT_ALREADY_EXISTS:
@@ -439,6 +464,24 @@ class ClusterNode:
             else:
                 self.failures += 1
                 self._failed("a publish failed", f"the store answered {result}")
+                if not answered([result]):
+                    unanswered.append(item)
+        return unanswered
+
+    def _keep_for_retry(self, publishes: list[Publish]) -> None:
+        """Publishes the master did not answer, to queue again once it does (a leader's death,
+        a master away): past QUEUE_LIMIT of them, dropped (counted)."""
+        room = max(QUEUE_LIMIT - len(self._unanswered), 0)
+        self._unanswered += publishes[:room]
+        self.dropped += len(publishes) - len(publishes[:room])
+
+    def _retry(self) -> None:
+        """Queue the publishes the master did not answer again, behind what is queued: each is
+        pinned and checked again in its turn (one evicted meanwhile is `gone`)."""
+        retry, self._unanswered = self._unanswered, []
+        self.retried += len(retry)
+        for job in retry:
+            self._jobs.put_nowait(job)
 
     def _answered(self, results: list[int], what: str) -> bool:
         """Whether the master answered the call; the node's connected state follows."""
@@ -459,10 +502,32 @@ class ClusterNode:
             return False
         self._probed_at = now
         try:
-            reachable(self.settings.master)
+            reachable(self._follow())
+            # The leader's port open, the store client may not follow it yet (it switches on
+            # its own pings and etcd's watch): a call now would wait seconds for the old one.
+            if self._etcd and self._store is not None and self._store.health_check() != 0:
+                return False
         except Unreachable:
             return False
         return True
+
+    def _follow(self) -> str:
+        """HOST:PORT of the master that serves: with several, the leader etcd names now (a
+        change counted and logged); Unreachable if none leads."""
+        if not self._etcd:
+            return self.settings.master
+        try:
+            view = read_view(self._etcd)
+        except NoLeader as exc:
+            raise Unreachable(str(exc)) from None
+        if self._view is not None and view.version != self._view.version:
+            self.leader_changes += 1
+            log.warning(
+                "the store's leader changed",
+                extra={"leader": view.leader, "was": self._view.leader},
+            )
+        self._view, self.leader = view, view.leader
+        return view.leader
 
     def _mount(self, info: PoolInfo) -> Mounted | None:
         """The pool's file as published from: its lock pins and its data region, mapped and
@@ -513,9 +578,14 @@ class ClusterNode:
             self._unmount(engine_id)
         if self._store is not None:
             self._store.unregister_buffer(ctypes.addressof(self._headers))
-            self._store.close()
+            if self._etcd:
+                # Left open until the process ends (mooncake.end_process_left_open): referenced
+                # here, so that no teardown runs while the daemon stops; its regions stay mapped.
+                self._left_open = self._store
+            else:
+                self._store.close()
+                self._regions.unmap_all()
             self._store = None
-        self._regions.unmap_all()
         self.connected, self.error = False, "stopped"
 
     def _failed(self, what: str, why: str) -> None:

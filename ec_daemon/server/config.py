@@ -118,6 +118,27 @@ def _host_port(text: str) -> str:
     return text
 
 
+def _store_master(text: str) -> str:
+    """HOST:PORT of the one master, or etcd://HOST:PORT[;HOST:PORT...]: the etcd endpoints
+    through which several masters elect a leader (the daemon follows it)."""
+    scheme, sep, endpoints = text.partition("://")
+    if not sep:
+        return _host_port(text)
+    if scheme != "etcd":
+        raise ValueError(
+            f"{text!r}: the store's masters are found through etcd only; expected HOST:PORT or "
+            "etcd://HOST:PORT[;HOST:PORT...]"
+        )
+    for endpoint in endpoints.split(";"):
+        host, colon, port = endpoint.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(
+                f"{text!r}: etcd endpoint {endpoint!r} is not HOST:PORT; expected "
+                "etcd://HOST:PORT[;HOST:PORT...], e.g. etcd://10.0.0.1:2379;10.0.0.2:2379"
+            )
+    return text
+
+
 def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None
 
@@ -359,11 +380,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "store_master",
-        _host_port,
+        _store_master,
         "",
-        "join the Mooncake Store whose master listens at HOST:PORT: the entries of pools opened "
-        "with a cluster_namespace are published to it (needs --store-metadata, and "
-        "--transfer-host or --tcp)",
+        "join the Mooncake Store whose master listens at HOST:PORT, or whose masters elect a "
+        "leader through etcd at etcd://HOST:PORT[;HOST:PORT...] (the daemon follows the "
+        "leader): the entries of pools opened with a cluster_namespace are published to it "
+        "(needs --store-metadata, and --transfer-host or --tcp)",
         "HOST:PORT",
         "off",
     ),
@@ -372,7 +394,8 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "",
         "the store's metadata server, e.g. http://HOST:PORT/metadata (the master's own with "
-        "--enable_http_metadata_server)",
+        "--enable_http_metadata_server); with several masters P2PHANDSHAKE (none: the nodes "
+        "exchange it directly)",
         "URL",
     ),
     Setting(

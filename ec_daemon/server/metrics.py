@@ -216,6 +216,8 @@ CLUSTER_COUNTERS = (
     ("claims_lost", "Pending markers found another node's: that key was encoded on both"),
     ("waits_hit", "Waits for a key another node was writing, ended by a remote hit"),
     ("waits_missed", "Waits for a key another node was writing, ended without its value"),
+    ("leader_changes", "Times the lead of the store's masters passed to another master"),
+    ("publishes_retried", "Publishes the master did not answer, queued again once it did"),
 )
 
 
@@ -225,6 +227,13 @@ def cluster_metrics(cluster: ClusterStats) -> Iterator[Metric]:
         "1 while the Mooncake Store's master answers this daemon, else 0",
         value=int(cluster.connected),
     )
+    leader = GaugeMetricFamily(
+        "ecd_cluster_leader",
+        "1, labelled with the store's master that serves (with several, the leader last seen)",
+        labels=["leader"],
+    )
+    leader.add_metric([cluster.leader], 1)
+    yield leader
     for field, doc in CLUSTER_COUNTERS:
         yield CounterMetricFamily(f"ecd_cluster_{field}", doc, value=getattr(cluster, field))
 

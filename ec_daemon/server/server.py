@@ -32,7 +32,8 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.types import ClusterStats, WatchEvent
 from ec_daemon.cluster.fetch import ClusterFetch
-from ec_daemon.cluster.mooncake import StoreSettings
+from ec_daemon.cluster.leader import etcd_endpoints
+from ec_daemon.cluster.mooncake import StoreSettings, end_process_left_open
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.cluster.pending import Claims
 from ec_daemon.cluster.tier import Cluster
@@ -517,3 +518,5 @@ async def serve(config: Config) -> None:
 
 def run(config: Config) -> None:
     uvloop.run(serve(config))
+    if etcd_endpoints(config.store_master):  # its store client was left open
+        end_process_left_open()

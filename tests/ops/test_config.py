@@ -124,6 +124,10 @@ def test_each_layer_sets_a_different_setting(tmp_path: Path) -> None:
         (("--store-master", "10.0.0.1:50051"), None, None, "store_master and store_metadata go"),
         ((), {"ECD_STORE_METADATA": "http://m:8080/metadata"}, None, "go together"),
         (("--store-master", "master"), None, None, "'master' is not HOST:PORT"),
+        # several masters: found through etcd, at endpoints that are HOST:PORT each
+        (("--store-master", "redis://r:6379"), None, None, "found through etcd only"),
+        ((), {"ECD_STORE_MASTER": "etcd://e1:2379;e2"}, None, "etcd endpoint 'e2' is not HOST"),
+        ((), None, 'store_master = "etcd://"\n', "etcd endpoint '' is not HOST:PORT"),
         (("--store-segment-bytes", "-1"), None, None, "'-1' is not a size"),
     ],
 )
@@ -155,6 +159,14 @@ def test_a_daemon_configured_with_a_bare_600_makes_its_socket_mode_0600(tmp_path
     path.write_text("socket_mode = 600\n")  # the default is 0660
     with running_daemon(*DEFAULT_ARGS, "--config", str(path)) as daemon:
         assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
+
+
+def test_the_store_master_may_be_the_etcd_endpoints_of_several_masters(tmp_path: Path) -> None:
+    masters = "etcd://10.0.0.1:2379;10.0.0.2:2379"
+    rows = table(
+        print_config(tmp_path, "--store-master", masters, "--store-metadata", "P2PHANDSHAKE")
+    )
+    assert rows["store_master"] == (masters, "flag --store-master")
 
 
 def test_reference_table_lists_every_setting_as_help_does() -> None:

@@ -242,13 +242,41 @@ def test_the_master_runs_from_the_ecd_image_behind_a_service_of_its_ports() -> N
 
 
 @needs_mooncake
-def test_every_flag_given_to_the_master_is_one_mooncake_master_has() -> None:
-    _, _, deployment = load("mooncake-master.yaml")
+@pytest.mark.parametrize("manifest", ["mooncake-master.yaml", "mooncake-master-ha.yaml"])
+def test_every_flag_given_to_the_master_is_one_mooncake_master_has(manifest: str) -> None:
+    [deployment] = [doc for doc in load(manifest) if doc["kind"] == "Deployment"]
     given = flag_values(container(pod_spec(deployment), "master")["args"])
     known = subprocess.run(
         [MASTER_BINARY, "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     assert [flag for flag in given if f"-{flag} (" not in known] == []
+
+
+def test_the_daemons_follow_the_leader_the_ha_masters_elect_through_the_same_etcd(
+    serve_config: Callable[..., Config],
+) -> None:
+    """Two masters elect a leader through a three-member etcd and replicate the directory (the
+    oplog); the daemons' settings (the ConfigMap) name the same etcd members, and no metadata
+    server, which would die with a leader."""
+    configmap, _, _, service, etcd, deployment = load("mooncake-master-ha.yaml")
+    config = serve_config(["--transfer-host=10.0.0.7"], configmap["data"])
+    master = container(pod_spec(deployment), "master")
+    flags = flag_values(master["args"])
+    assert deployment["spec"]["replicas"] == 2 and master["command"] == ["mooncake_master"]
+    assert (flags["enable_ha"], flags["enable_oplog"], flags["rpc_address"]) == (
+        "true",
+        "true",
+        "$(POD_IP)",
+    )
+    assert "enable_http_metadata_server" not in flags and config.store_metadata == "P2PHANDSHAKE"
+    assert config.store_master == "etcd://" + flags["etcd_endpoints"]
+    # Each endpoint is one member of the StatefulSet, by its name behind the headless Service.
+    name = service["metadata"]["name"]
+    assert etcd["spec"]["serviceName"] == name and service["spec"]["clusterIP"] == "None"
+    members = [
+        f"etcd-{i}.{name}.default.svc.cluster.local:2379" for i in range(etcd["spec"]["replicas"])
+    ]
+    assert flags["etcd_endpoints"].split(";") == members and len(members) == 3
 
 
 def test_only_the_daemons_reach_the_master_and_its_metadata_server() -> None:

@@ -161,9 +161,25 @@ def test_a_node_whose_master_is_gone_calls_the_store_no_more_until_its_port_answ
     master_port.listen()  # the master is back: the node probes its port, then calls the store
     wait_until(lambda: node.connected, 10)
     put(store, sid, b"back", 3)
-    wait_until(lambda: node.published == 1, 10)
+    wait_until(lambda: codec.store_key("ns", b"back") in fake.values, 10)
     assert node.failures == 4
     store.check()
+
+
+def test_publishes_the_master_did_not_answer_are_published_once_it_answers_again(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore, master_port: socket.socket
+) -> None:
+    node, store, sid = node_and_store
+    fake.master_gone = True
+    data = {b"found-it-gone": put(store, sid, b"found-it-gone", 1)}
+    wait_until(lambda: not node.connected, 10)
+    data[b"while-gone"] = put(store, sid, b"while-gone", 2)  # failed at once, not called
+    wait_until(lambda: node.failures == 2, 10)
+    fake.master_gone = False
+    master_port.listen()
+    wait_until(lambda: node.published == 2, 10)
+    assert (node.retried, node.failures, node.dropped) == (2, 2, 0)
+    assert fake.values == dict(value(key, written) for key, written in data.items())
 
 
 def test_a_node_without_the_store_client_is_told_the_wheel_the_mooncake_extra_pins(
