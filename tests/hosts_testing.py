@@ -9,11 +9,15 @@ tests send traffic only between the hosts they made, and deleting the namespaces
 link with them. Namespaces are named `ecd-hosts-<pid>-<serial>-<host>`: two runs never collide,
 and a run sweeps away, at its start, those of runs whose process is gone (a crashed run's).
 
-Links: `shape` delays and drops what a host sends (iptables in its namespace: a `statistic`
-match drops, an NFQUEUE rule hands packets to tests/link_delay.py, which lets each go after the
-delay: this machine's kernel has no netem); the round trip between two hosts is the sum of their
-delays. `cut` drops everything between two hosts, or between a host and every other (iptables
-in the host's namespace: packets vanish, as in a partition, rather than being refused); `heal`
+Links: `shape` delays and drops what a host receives (iptables in its namespace: a `statistic`
+match drops, an NFQUEUE rule hands packets to tests/link_delay.py, which lets each go on after
+the delay: this machine's kernel has no netem); the round trip between two hosts is the sum of
+their delays. On receipt, not on sending: a packet held on its sender's host still counts
+against its TCP socket's small-queue limit (about 1 ms of its rate), which throttled a 20 ms
+link to 0.3 MB/s; held on the receiver's, it does not (8 MiB in 0.2 s).
+
+Cuts: `cut` drops everything between two hosts, or between a host and every other (iptables in
+the host's namespace: packets vanish, as in a partition, rather than being refused); `heal`
 undoes it. Daemons' Unix sockets are on the shared filesystem: tests reach them as usual.
 
 Needs root and iproute2's `ip` and iptables (`make test-hosts` installs them); tests that use
@@ -142,9 +146,9 @@ class Hosts:
         _run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         _run("ip", "-n", host.netns, "link", "set", "eth0", "up")
         _run("ip", "-n", host.netns, "link", "set", "lo", "up")
-        # what it sends goes through its own chain, which `shape` rewrites; cuts go before it
+        # what it receives goes through its own chain, which `shape` rewrites; cuts go before it
         self.iptables(host, "-N", "ECD-SHAPE")
-        self.iptables(host, "-A", "OUTPUT", "-o", "eth0", "-j", "ECD-SHAPE")
+        self.iptables(host, "-A", "INPUT", "-i", "eth0", "-j", "ECD-SHAPE")
         return host
 
     def iptables(self, host: Host, *rule: str) -> None:
@@ -155,8 +159,8 @@ class Hosts:
         return subprocess.Popen([*host.launcher, *argv], text=True, stdout=stdout)
 
     def shape(self, host: Host, delay_ms: float = 0.0, loss: float = 0.0) -> None:
-        """From now on, what `host` sends waits `delay_ms` and is dropped with probability
-        `loss` (0 to 1); 0 and 0 make its link plain again."""
+        """From now on, what `host` receives from the others waits `delay_ms` and is dropped with
+        probability `loss` (0 to 1); 0 and 0 make its link plain again."""
         self.iptables(host, "-F", "ECD-SHAPE")
         if (delayer := self.delayers.pop(host.name, None)) is not None:
             delayer.kill()

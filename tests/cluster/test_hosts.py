@@ -20,7 +20,7 @@ def test_two_nodes_on_their_own_addresses_hit_remotely_across_a_1ms_link_bit_ide
     hosts: Hosts,
 ) -> None:
     on_master, on_a, on_b = hosts.add("master"), hosts.add("node-a"), hosts.add("node-b")
-    hosts.shape(on_a, delay_ms=0.5)  # each way: a round trip between a and b of 1 ms
+    hosts.shape(on_a, delay_ms=0.5)  # what each receives: a round trip between them of 1 ms
     hosts.shape(on_b, delay_ms=0.5)
     tensor = torch.randn(2048, 2048, dtype=torch.bfloat16)  # 8 MiB
     with (
