@@ -70,3 +70,11 @@ def test_a_crashed_runs_namespaces_are_swept_and_a_live_runs_kept() -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
     names = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
     assert crashed not in names and live in names
+
+
+def test_without_root_a_test_on_test_hosts_skips_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="need root"), running_hosts():
+        pass
