@@ -102,19 +102,11 @@ def started(master: Master) -> Iterator[Master]:
 
 
 @contextmanager
-def store_daemon(
-    master: Master,
-    *args: str,
-    python: str = sys.executable,
-    transfer_host: str = "127.0.0.1",
-    launcher: tuple[str, ...] = (),
-) -> Iterator[Daemon]:
-    """A daemon in the store (run by `python`, through `launcher` if given, reached by the
-    other nodes at `transfer_host`), stopped by SIGTERM at the end (it must exit 0): a daemon
-    that leaves unmounts its segment, where a killed one leaves the master placing replicas in
-    a segment nobody serves until its client TTL runs out."""
-    flags = master.flags(transfer_host)
-    with running_daemon(*flags, *args, python=python, launcher=launcher) as daemon:
+def store_daemon(master: Master, *args: str, python: str = sys.executable) -> Iterator[Daemon]:
+    """A daemon in the store (run by `python`), stopped by SIGTERM at the end (it must exit 0):
+    a daemon that leaves unmounts its segment, where a killed one leaves the master placing
+    replicas in a segment nobody serves until its client TTL runs out."""
+    with running_daemon(*master.flags(), *args, python=python) as daemon:
         yield daemon
         assert daemon.stop() == 0, daemon.log()
 

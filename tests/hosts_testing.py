@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from cluster_testing import Master, started, store_daemon
-from ecd_testing import Daemon
+from cluster_testing import Master, started
+from ecd_testing import Daemon, running_daemon
 
 from ec_daemon.cluster.listening import listeners
 
@@ -267,6 +267,7 @@ def master_on(host: Host, *args: str) -> Iterator[Master]:
 @contextmanager
 def node_on(host: Host, master: Master, *args: str) -> Iterator[Daemon]:
     """A daemon on `host` joined to `master`, telling the other nodes `host`'s address; it must
-    exit 0 on SIGTERM at the end (`store_daemon`)."""
-    with store_daemon(master, *args, transfer_host=host.address, launcher=host.launcher) as daemon:
+    exit 0 on SIGTERM at the end, as `store_daemon`'s."""
+    with running_daemon(*master.flags(host.address), *args, launcher=host.launcher) as daemon:
         yield daemon
+        assert daemon.stop() == 0, daemon.log()
