@@ -37,8 +37,11 @@ def test_two_nodes_on_their_own_addresses_hit_remotely_across_a_1ms_link_bit_ide
         consumer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
         got = Consumer(consumer, "shared").get("mm-1", wait_ms=5000)
         stats = pool_stats(consumer, "shared")
+        logs = {host.address: daemon.log() for host, daemon in ((on_a, near), (on_b, far))}
     assert got is not None and torch.equal(got, tensor)
     assert (stats.remote_hits, stats.remote_reads) == (1, 1)
+    for address, log in logs.items():  # each names its segment, which others reach, by its host
+        assert f"segment={address}:" in log, log
 
 
 @pytest.mark.skipif(bool(hosts_missing()), reason=hosts_missing())
