@@ -58,23 +58,27 @@ class Master(MasterAddress):
     binary: str = MASTER_BINARY
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(".log", "mc-master-")[1]))
+    launcher: tuple[str, ...] = ()  # what runs it: e.g. `ip netns exec NS` (tests/hosts_testing.py)
 
-    def flags(self) -> tuple[str, ...]:
-        """`ecd serve` flags that join this master (a small segment: tests move a few MiB)."""
-        return tuple(self.store_flags("64MiB"))
+    def flags(self, transfer_host: str = "127.0.0.1") -> tuple[str, ...]:
+        """`ecd serve` flags that join this master (a small segment: tests move a few MiB) from a
+        node the others reach at `transfer_host`."""
+        return tuple(self.store_flags("64MiB", transfer_host))
 
     def start(self, timeout_s: float = 20.0) -> Master:
+        command = master_command(
+            self.rpc_port, self.http_port, self.admin_port, self.binary, self.host
+        )
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    *master_command(self.rpc_port, self.http_port, self.admin_port, self.binary),
-                    *self.args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                [*self.launcher, *command, *self.args], stdout=log, stderr=subprocess.STDOUT
             )
-        wait_listening(self.proc, (self.rpc_port, self.http_port), timeout_s, self.log_path)
+        self.wait_listening(timeout_s)
         return self
+
+    def wait_listening(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        wait_listening(self.proc, (self.rpc_port, self.http_port), timeout_s, self.log_path)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -84,7 +88,14 @@ class Master(MasterAddress):
 
 @contextmanager
 def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
-    master = Master(args=args, binary=binary).start()
+    with started(Master(args=args, binary=binary)) as master:
+        yield master
+
+
+@contextmanager
+def started(master: Master) -> Iterator[Master]:
+    """`master` started, then killed and its log removed on exit."""
+    master.start()
     try:
         yield master
     finally:

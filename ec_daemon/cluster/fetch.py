@@ -257,6 +257,6 @@ async def acquire_fetched(
 def _until(future: Future[T], deadline: float) -> Awaitable[T]:
     """`future` waited for until `deadline` (time.monotonic()), then given up on (TimeoutError):
     work still queued for the node's thread then never runs, so that a thread held up (a read
-    from a node that stopped answering, up to the transfer engine's 30 s) does not find a
+    from a node that stopped answering, up to the store client's 60 s) does not find a
     backlog of lookups whose askers are long gone."""
     return asyncio.wait_for(asyncio.wrap_future(future), max(deadline - time.monotonic(), 0))
