@@ -45,6 +45,7 @@ from ec_client.pool.layout import LayoutError
 from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 from ec_daemon.cluster import codec
+from ec_daemon.cluster.calls import MasterState, WatchedStore
 from ec_daemon.cluster.mooncake import (
     StoreClient,
     StoreSettings,
@@ -160,16 +161,30 @@ class ClusterNode:
         self._headers = ctypes.create_string_buffer(BATCH * codec.HEADER.size)
         self._mounted: dict[str, Mounted] = {}
         self._regions = MappedRegions()
-        self.connected = False
-        self.error = "not joined yet"
+        # Whether the master answers: every store call of the thread goes through it (calls.py).
+        self._master = MasterState(
+            lambda what: self._failed("the store's master does not answer", what), clock
+        )
         self.published = self.already_stored = self.unpublishable = self.gone = 0
         self.failures = self.dropped = 0
+        self.failed_unsent = 0  # the event loop's: publishes failed unsent, the node disconnected
         self.lookup_failures = 0  # the event loop's (ClusterFetch) and this thread's
         self._probed_at = -PROBE_S
         self._logged_at = -LOG_EVERY_S
         self._unlogged = 0
 
     # ---- the event loop's side -----------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """Whether the master answered the node's last store call, and none has been running
+        past the bound on a call (ec_daemon.cluster.calls)."""
+        return self._master.connected
+
+    @property
+    def error(self) -> str:
+        """Why the node is not connected; empty while it is."""
+        return self._master.error
 
     @property
     def joined(self) -> bool:
@@ -192,6 +207,9 @@ class ClusterNode:
             pool = self._shared.get(event.engine_id) or self._share(event.engine_id)
             if pool is None:
                 return
+            if self.joined and not self.connected:  # a queued publish would fail too, later
+                self.failed_unsent += 1
+                return
             if self._jobs.qsize() >= QUEUE_LIMIT:
                 self.dropped += 1
                 return
@@ -210,9 +228,13 @@ class ClusterNode:
 
     def ask(self, work: Callable[[StoreClient], T]) -> Future[T]:
         """Run `work` with the store client on the node's thread (from the event loop). Once it
-        runs it cannot be cancelled: the future is done when it is over."""
+        runs it cannot be cancelled: the future is done when it is over. While the node is
+        joined but disconnected it fails at once (Unreachable), queued behind no hung call."""
         future: Future[T] = Future()
-        self._jobs.put_nowait(Call(work, future))
+        if self.joined and not self.connected:
+            future.set_exception(Unreachable(self.error))
+        else:
+            self._jobs.put_nowait(Call(work, future))
         return future
 
     def sizes(self, store_keys: list[str]) -> Callable[[StoreClient], list[int]]:
@@ -223,7 +245,7 @@ class ClusterNode:
             found = store.batch_get_replica_desc(store_keys)
             # Empty is also its answer when the master is gone: asked again in a way that tells
             # (a round trip more for an Acquire the store has none of).
-            if not found and not self._answered(store.batch_is_exist(store_keys), "lookup"):
+            if not found and not answered(store.batch_is_exist(store_keys)):
                 self.lookup_failures += 1
             return [_memory_size(found.get(key, [])) for key in store_keys]
 
@@ -262,7 +284,6 @@ class ClusterNode:
             ],
             [[size] + [n for _, n in rs] for rs in runs],
         )
-        self._answered(results, "read")
         return [
             _fitting(ctypes.string_at(base + i * size, size), r.nbytes)
             if result == size + r.nbytes
@@ -279,10 +300,33 @@ class ClusterNode:
             already_stored=self.already_stored,
             unpublishable=self.unpublishable,
             gone=self.gone,
-            publish_failures=self.failures,
+            publish_failures=self.failures + self.failed_unsent,
             dropped=self.dropped,
             lookup_failures=self.lookup_failures,
         )
+
+    def settle(self) -> None:
+        """While the node is joined but disconnected, fail what waits in its queue (from the
+        event loop, every second): the publishes and calls queued before the loss was noticed,
+        behind a store call that may hang for the store client's 30 s, are counted now. A
+        dropped pool's unmapping and the stop stay queued, in order, for the thread."""
+        if not self.joined or self.connected:
+            return
+        kept: list[Publish | Withdraw | Call | None] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Publish):
+                self.failed_unsent += 1
+            elif isinstance(job, Call):
+                if job.future.set_running_or_notify_cancel():
+                    self._refuse(job)
+            else:
+                kept.append(job)
+        for job in kept:
+            self._jobs.put_nowait(job)
 
     def stop(self, timeout_s: float) -> None:
         """Stop publishing and leave the store (blocking: call it off the event loop). A thread
@@ -307,7 +351,7 @@ class ClusterNode:
                 job = self._jobs.get(timeout=HEARTBEAT_S if self.connected else PROBE_S)
             except queue.Empty:
                 if self._up():
-                    self._answered(self._store.batch_is_exist([HEARTBEAT_KEY]), "heartbeat")
+                    self._store.batch_is_exist([HEARTBEAT_KEY])
                 continue
             if job is None:
                 break
@@ -319,17 +363,18 @@ class ClusterNode:
 
     def _join(self) -> bool:
         try:
-            self._store, self._replicate = self._connect(self.settings)
+            store, self._replicate = self._connect(self.settings)
         except Unreachable as exc:
-            self.error = str(exc)
+            self._master.lost(str(exc))
             self._failed("cannot join the store; serving locally, trying again", str(exc))
             return False
+        self._store = WatchedStore(store, self._master)
         if self._store.register_buffer(ctypes.addressof(self._headers), len(self._headers)) != 0:
             self._failed("the store client refused the header buffer", "register_buffer")
             self._store.close()
             self._store = None
             return False
-        self.connected, self.error = True, ""
+        self._master.answered()
         log.info("joined the store", extra={"master": self.settings.master})
         return True
 
@@ -338,8 +383,7 @@ class ClusterNode:
         if not call.future.set_running_or_notify_cancel():
             return  # cancelled before it ran
         if not self._up():
-            self.lookup_failures += 1
-            call.future.set_exception(Unreachable(self.error))
+            self._refuse(call)
             return
         try:
             call.future.set_result(call.work(self._store))
@@ -409,7 +453,7 @@ class ClusterNode:
         if not items or self._store is None:
             return
         present = self._store.batch_is_exist([item.store_key for item in items])
-        if not self._answered(present, "lookup"):
+        if not answered(present):
             self.failures += len(items)
             return
         todo: dict[str, Item] = {}  # one per key: a batch may name a key twice
@@ -430,7 +474,6 @@ class ClusterNode:
             [[size] + [n for _, n in it.buffers] for it in todo.values()],
             self._replicate,
         )
-        self._answered(results, "put")
         for result in results:
             if result == 0:
                 self.published += 1
@@ -440,14 +483,10 @@ class ClusterNode:
                 self.failures += 1
                 self._failed("a publish failed", f"the store answered {result}")
 
-    def _answered(self, results: list[int], what: str) -> bool:
-        """Whether the master answered the call; the node's connected state follows."""
-        if answered(results):
-            self.connected, self.error = True, ""
-            return True
-        self.connected, self.error = False, f"the master did not answer a {what}"
-        self._failed("the store's master does not answer", what)
-        return False
+    def _refuse(self, call: Call) -> None:
+        """Fail a call not made: the master does not answer."""
+        self.lookup_failures += 1
+        call.future.set_exception(Unreachable(self.error))
 
     def _up(self) -> bool:
         """Whether to call the store now: connected, or, while disconnected, once a probe (at
@@ -516,7 +555,7 @@ class ClusterNode:
             self._store.close()
             self._store = None
         self._regions.unmap_all()
-        self.connected, self.error = False, "stopped"
+        self._master.lost("stopped")
 
     def _failed(self, what: str, why: str) -> None:
         """Log a failure at most every LOG_EVERY_S, saying how many went unlogged since."""
