@@ -56,23 +56,27 @@ class Master(MasterAddress):
     binary: str = MASTER_BINARY
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(".log", "mc-master-")[1]))
+    launcher: tuple[str, ...] = ()  # what runs it: e.g. `ip netns exec NS` (tests/hosts_testing.py)
 
-    def flags(self) -> tuple[str, ...]:
-        """`ecd serve` flags that join this master (a small segment: tests move a few MiB)."""
-        return tuple(self.store_flags("64MiB"))
+    def flags(self, transfer_host: str = "127.0.0.1") -> tuple[str, ...]:
+        """`ecd serve` flags that join this master (a small segment: tests move a few MiB) from a
+        node the others reach at `transfer_host`."""
+        return tuple(self.store_flags("64MiB", transfer_host))
 
     def start(self, timeout_s: float = 20.0) -> Master:
+        command = master_command(
+            self.rpc_port, self.http_port, self.admin_port, self.binary, self.host
+        )
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    *master_command(self.rpc_port, self.http_port, self.admin_port, self.binary),
-                    *self.args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                [*self.launcher, *command, *self.args], stdout=log, stderr=subprocess.STDOUT
             )
-        wait_listening(self.proc, (self.rpc_port, self.http_port), timeout_s, self.log_path)
+        self.wait_listening(timeout_s)
         return self
+
+    def wait_listening(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        wait_listening(self.proc, (self.rpc_port, self.http_port), timeout_s, self.log_path)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -82,7 +86,14 @@ class Master(MasterAddress):
 
 @contextmanager
 def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
-    master = Master(args=args, binary=binary).start()
+    with started(Master(args=args, binary=binary)) as master:
+        yield master
+
+
+@contextmanager
+def started(master: Master) -> Iterator[Master]:
+    """`master` started, then killed and its log removed on exit."""
+    master.start()
     try:
         yield master
     finally:
@@ -91,11 +102,19 @@ def running_master(*args: str, binary: str = MASTER_BINARY) -> Iterator[Master]:
 
 
 @contextmanager
-def store_daemon(master: Master, *args: str, python: str = sys.executable) -> Iterator[Daemon]:
-    """A daemon in the store (run by `python`), stopped by SIGTERM at the end (it must exit 0):
-    a daemon that leaves unmounts its segment, where a killed one leaves the master placing
-    replicas in a segment nobody serves until its client TTL runs out."""
-    with running_daemon(*master.flags(), *args, python=python) as daemon:
+def store_daemon(
+    master: Master,
+    *args: str,
+    python: str = sys.executable,
+    transfer_host: str = "127.0.0.1",
+    launcher: tuple[str, ...] = (),
+) -> Iterator[Daemon]:
+    """A daemon in the store (run by `python`, through `launcher` if given, reached by the
+    other nodes at `transfer_host`), stopped by SIGTERM at the end (it must exit 0): a daemon
+    that leaves unmounts its segment, where a killed one leaves the master placing replicas in
+    a segment nobody serves until its client TTL runs out."""
+    flags = master.flags(transfer_host)
+    with running_daemon(*flags, *args, python=python, launcher=launcher) as daemon:
         yield daemon
         assert daemon.stop() == 0, daemon.log()
 

@@ -76,6 +76,7 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     python: str = sys.executable  # the interpreter that runs `ecd serve`
+    launcher: tuple[str, ...] = ()  # what runs it: e.g. `ip netns exec NS` (tests/hosts_testing.py)
 
     @property
     def socket(self) -> Path:
@@ -90,7 +91,7 @@ class Daemon:
         return self.workdir / f"daemon-{self.starts}.log"
 
     def command(self) -> list[str]:
-        return serve_command(self.socket, self.shm_dir, self.args, self.python)
+        return [*self.launcher, *serve_command(self.socket, self.shm_dir, self.args, self.python)]
 
     def start(self, timeout_s: float = 15.0, wait: bool = True) -> Daemon:
         self.starts += 1
@@ -149,12 +150,18 @@ def auth_args(directory: Path, tokens: dict[str, str], acl: str) -> tuple[str, .
 
 @contextmanager
 def running_daemon(
-    *args: str, env: dict[str, str] | None = None, python: str = sys.executable
+    *args: str,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    launcher: tuple[str, ...] = (),
 ) -> Iterator[Daemon]:
-    """A daemon in fresh directories (run by `python`), killed and cleaned up on exit."""
+    """A daemon in fresh directories (run by `python`, through `launcher` if given), killed and
+    cleaned up on exit."""
     workdir = Path(tempfile.mkdtemp(prefix="ecd-test-"))
     shm_dir = new_shm_dir("ecd-test-")
-    daemon = Daemon(workdir, shm_dir, args or DEFAULT_ARGS, env or {}, python=python)
+    daemon = Daemon(
+        workdir, shm_dir, args or DEFAULT_ARGS, env or {}, python=python, launcher=launcher
+    )
     try:
         yield daemon.start()
     finally:

@@ -23,19 +23,24 @@ MASTER_BINARY = str(Path(sys.executable).with_name("mooncake_master"))
 
 
 def master_command(
-    rpc_port: int, http_port: int, metrics_port: int, binary: str = MASTER_BINARY
+    rpc_port: int,
+    http_port: int,
+    metrics_port: int,
+    binary: str = MASTER_BINARY,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """`mooncake_master` (`binary`) on loopback with its own HTTP metadata server. Every
-    listener is given its address, and all but one bind it: Mooncake 0.3's metadata server
-    ignores its host and listens on every address (docs/operations.md, Several nodes)."""
+    """`mooncake_master` (`binary`) on `host` (loopback unless given) with its own HTTP metadata
+    server. Every listener is given its address, and all but one bind it: Mooncake 0.3's
+    metadata server ignores its host and listens on every address (docs/operations.md, Several
+    nodes)."""
     return [
         binary,
         f"--rpc_port={rpc_port}",
-        "--rpc_address=127.0.0.1",
+        f"--rpc_address={host}",
         "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_host={host}",
         f"--http_metadata_server_port={http_port}",
-        "--metrics_host=127.0.0.1",
+        f"--metrics_host={host}",
         f"--metrics_port={metrics_port}",
     ]
 
@@ -69,24 +74,27 @@ def _text(log: Path) -> str:
 
 @dataclass
 class MasterAddress:
-    """Where a `mooncake_master` on loopback answers."""
+    """Where a `mooncake_master` answers: on loopback, unless a subclass gives it a `host` (the
+    cluster tests' test hosts, tests/hosts_testing.py)."""
 
     rpc_port: int
     http_port: int
+    host = "127.0.0.1"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
-    def store_flags(self, segment: str) -> list[str]:
-        """`ecd serve` flags that join this master, lending it `segment` (a size)."""
+    def store_flags(self, segment: str, transfer_host: str = "127.0.0.1") -> list[str]:
+        """`ecd serve` flags that join this master, lending it `segment` (a size), from a node
+        the other nodes reach at `transfer_host`."""
         return [
             "--store-master", self.address, "--store-metadata", self.metadata,
-            "--store-segment-bytes", segment, "--transfer-host", "127.0.0.1",
+            "--store-segment-bytes", segment, "--transfer-host", transfer_host,
         ]  # fmt: skip
 
 
