@@ -44,10 +44,13 @@ class MasterState:
     def __init__(
         self,
         on_lost: Callable[[str], None] = lambda why: None,
+        on_back: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """on_lost: told why, on the node's thread, whenever a call finds the master gone."""
+        """on_lost: told what, on the node's thread, whenever a call finds the master gone;
+        on_back: called there when a call finds it answering again after that."""
         self._on_lost = on_lost
+        self._on_back = on_back
         self._clock = clock
         self._answered = False
         self._why = "not joined yet"
@@ -104,7 +107,10 @@ class MasterState:
         if verdict is None and bounded and took > CALL_BOUND_S:
             verdict = False  # it did not answer in time (a result that shows it did: it is back)
         if verdict:
+            back = not self._answered
             self.answered()
+            if back:
+                self._on_back()
         elif verdict is not None:
             self.lost(f"the master did not answer a {what} (it took {took:.1f} s)")
             self._on_lost(what)

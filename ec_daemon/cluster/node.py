@@ -163,7 +163,9 @@ class ClusterNode:
         self._regions = MappedRegions()
         # Whether the master answers: every store call of the thread goes through it (calls.py).
         self._master = MasterState(
-            lambda what: self._failed("the store's master does not answer", what), clock
+            lambda what: self._failed("the store's master does not answer", what),
+            self._rejoined,
+            clock,
         )
         self.published = self.already_stored = self.unpublishable = self.gone = 0
         self.failures = self.dropped = 0
@@ -482,6 +484,11 @@ class ClusterNode:
             else:
                 self.failures += 1
                 self._failed("a publish failed", f"the store answered {result}")
+
+    def _rejoined(self) -> None:
+        """A call found the master answering after the node had lost it (on the node's thread,
+        before the next job): where the node learns that it is back in the store."""
+        log.info("the store's master answers again", extra={"master": self.settings.master})
 
     def _refuse(self, call: Call) -> None:
         """Fail a call not made: the master does not answer."""
