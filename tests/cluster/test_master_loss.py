@@ -25,7 +25,7 @@ from cluster_testing import (
 from ecd_testing import Daemon, wait_until
 from hosts_testing import Hosts, master_on, node_on
 
-from ec_client import Client, Consumer, Producer, Status
+from ec_client import Client, Consumer, Producer, Status, check_health
 from ec_daemon.cluster.calls import CALL_BOUND_S
 
 PULL_TIMEOUT_S = 1.0  # the daemons' default --pull-timeout
@@ -83,17 +83,17 @@ def test_a_hung_master_is_noticed_within_the_call_bound_and_publishes_fail_meanw
 
 
 @contextmanager
-def node_cut_from_its_master() -> Iterator[tuple[Master, Client]]:
+def node_cut_from_its_master() -> Iterator[tuple[Master, Daemon, Client]]:
     """A master; a daemon that holds "local" in its shared pool, published; then the master
     SIGSTOPped: a node cut from it (its calls hang, as over a link that drops every packet).
-    Yields the master (SIGCONT heals the cut) and a client of the daemon."""
-    with running_master() as master, shared_node(master) as (_, client):
+    Yields the master (SIGCONT heals the cut), the daemon and a client of it."""
+    with running_master() as master, shared_node(master) as (daemon, client):
         Producer(client, "shared").put("local", ROWS)
         wait_until(lambda: published(client) == 1, 20)
         assert master.proc is not None
         master.proc.send_signal(signal.SIGSTOP)
         try:
-            yield master, client
+            yield master, daemon, client
         finally:
             master.proc.send_signal(signal.SIGCONT)
 
@@ -108,11 +108,15 @@ def remote_lookup(client: Client, key: bytes) -> tuple[Status, float]:
 def test_a_node_cut_from_its_master_fails_its_first_lookup_in_bound_and_later_ones_at_once() -> (
     None
 ):
-    with node_cut_from_its_master() as (_, client):
+    with node_cut_from_its_master() as (_, daemon, client):
         first, took = remote_lookup(client, b"elsewhere")
         failed_at = time.monotonic()
         wait_until(lambda: not cluster_stats(client).connected, 1.0 + SLACK_S)
         noticed = time.monotonic() - failed_at
+        wait_until(
+            lambda: check_health(daemon.address, service="ecd.cluster") == "NOT_SERVING",
+            1.0 + SLACK_S,  # it is checked every second
+        )
         before = cluster_stats(client).lookup_failures
         later = [remote_lookup(client, b"elsewhere-%d" % i)[0] for i in range(3)]
         after = cluster_stats(client).lookup_failures
@@ -128,7 +132,7 @@ def test_a_node_cut_from_its_master_fails_its_first_lookup_in_bound_and_later_on
 
 
 def test_a_node_cut_from_its_master_rejoins_when_the_cut_heals_and_publishes_again() -> None:
-    with node_cut_from_its_master() as (master, client):
+    with node_cut_from_its_master() as (master, _, client):
         remote_lookup(client, b"elsewhere")
         wait_until(lambda: not cluster_stats(client).connected, 1.0 + SLACK_S)
         assert master.proc is not None
