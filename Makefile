@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install native-libs proto docs run test test-e2e e2e-env test-gpu gpu-wheels gpu-check \
-	test-faults test-fuzz test-load bench lint format clean
+.PHONY: install native-libs test-hosts proto docs run test test-e2e e2e-env test-gpu gpu-wheels \
+	gpu-check test-faults test-fuzz test-load test-cluster-faults bench lint format clean
 
 install: $(STAMP) native-libs
 
@@ -37,6 +37,26 @@ native-libs:
 			"the Mooncake tests will skip" >&2; \
 	fi
 
+# The cluster tests' test hosts (tests/hosts_testing.py): network namespaces (iproute2), cuts and
+# lossy links (iptables), etcd for the masters' high availability (etcd-server), shifted wall
+# clocks (libfaketime). Idempotent, as native-libs: installed with apt-get when missing and make
+# runs as root; otherwise only said (the tests that need them then skip, saying why).
+TEST_HOSTS_PACKAGES := iproute2 iptables etcd-server libfaketime
+
+test-hosts:
+	@missing=$$(for package in $(TEST_HOSTS_PACKAGES); do \
+		dpkg-query -W -f='$${Status}\n' $$package 2>/dev/null | grep -q 'ok installed' || echo $$package; \
+	done); \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make: installing" $$missing "for the cluster tests' test hosts" >&2; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+		echo "make:" $$missing "missing (apt-get install" $$missing "as root):" \
+			"the cluster tests on test hosts will skip" >&2; \
+	fi
+
 proto: $(STAMP)
 	$(PY) proto/generate.py
 
@@ -47,7 +67,7 @@ docs: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/ecd serve $(ARGS)
 
-test: $(STAMP) native-libs
+test: $(STAMP) native-libs test-hosts
 	sh deploy/ci/install-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -136,6 +156,11 @@ test-fuzz: $(STAMP)
 # written to ECD_LOAD_JSON=FILE if set.
 test-load: $(STAMP)
 	$(PY) -m pytest tests/load -m load -s $(PYTEST_ARGS)
+
+# The cluster under faults on test hosts (tests/cluster, marked cluster_faults): partitions,
+# killed masters and nodes, slow and lossy links; the wall time of each test printed.
+test-cluster-faults: $(STAMP) native-libs test-hosts
+	$(PY) -m pytest tests/cluster -m cluster_faults -v --durations=0 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
