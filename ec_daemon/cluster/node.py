@@ -19,10 +19,13 @@ batch at a time and for each
 4. unpins.
 
 Failures (the master gone, the store full) are counted and logged at most every LOG_EVERY_S;
-nothing reaches an engine. Once a call finds the master gone, the node is disconnected and calls
-the store no more (each call would wait seconds for it, ~4 s measured): publishes and lookups
-fail at once, counted, while the thread probes the master's port every PROBE_S; it calls the
-store again once the port accepts a connection. A dropped pool's region is unregistered and
+nothing reaches an engine. Every store call of the thread goes through ec_daemon.cluster.calls,
+which marks the node disconnected when a call fails, times out, or runs past its bound. From
+then on the node calls the store no more (each call would wait seconds for it: ~4 s for a
+master killed, 30 s for one that does not answer): publishes and lookups fail at once, counted,
+what was queued before is failed by `settle` (every second, from the event loop), and the
+thread probes the master's port every PROBE_S; it calls the store again once the port accepts a
+connection. A dropped pool's region is unregistered and
 unmapped in turn. The remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same
 thread, in turn with the publishes (`ask`): one thread owns the store client, the mappings and
 the header buffer.
