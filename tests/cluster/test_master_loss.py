@@ -144,7 +144,7 @@ def test_a_node_cut_from_its_master_rejoins_when_the_cut_heals_and_publishes_aga
     assert (stats.published, stats.publish_failures) == (2, 0), stats
 
 
-@pytest.mark.slow  # three processes in network namespaces: make test-cluster-faults
+@pytest.mark.cluster_faults  # three processes in network namespaces: make test-cluster-faults
 def test_a_node_cut_from_its_master_on_test_hosts_serves_locally_fails_fast_and_rejoins(
     hosts: Hosts,
 ) -> None:
