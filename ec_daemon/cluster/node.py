@@ -19,10 +19,13 @@ batch at a time and for each
 4. unpins.
 
 Failures (the master gone, the store full) are counted and logged at most every LOG_EVERY_S;
-nothing reaches an engine. Once a call finds the master gone, the node is disconnected and calls
-the store no more (each call would wait seconds for it, ~4 s measured): publishes and lookups
-fail at once, counted, while the thread probes the master's port every PROBE_S; it calls the
-store again once the port accepts a connection. A dropped pool's region is unregistered and
+nothing reaches an engine. Every store call of the thread goes through ec_daemon.cluster.calls,
+which marks the node disconnected when a call fails, times out, or runs past its bound. From
+then on the node calls the store no more (each call would wait seconds for it: ~4 s for a
+master killed, 30 s for one that does not answer): publishes and lookups fail at once, counted,
+what was queued before is failed by `settle` (every second, from the event loop), and the
+thread probes the master's port every PROBE_S; it calls the store again once the port accepts a
+connection. A dropped pool's region is unregistered and
 unmapped in turn. The remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same
 thread, in turn with the publishes (`ask`): one thread owns the store client, the mappings and
 the header buffer.
@@ -46,6 +49,7 @@ from ec_client.pool.layout import LayoutError
 from ec_client.pool.slot_locks import SlotPins
 from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 from ec_daemon.cluster import codec
+from ec_daemon.cluster.calls import MasterState, WatchedStore
 from ec_daemon.cluster.leader import NoLeader, View, etcd_endpoints, read_view
 from ec_daemon.cluster.mooncake import (
     StoreClient,
@@ -162,10 +166,15 @@ class ClusterNode:
         self._headers = ctypes.create_string_buffer(BATCH * codec.HEADER.size)
         self._mounted: dict[str, Mounted] = {}
         self._regions = MappedRegions()
-        self.connected = False
-        self.error = "not joined yet"
+        # Whether the master answers: every store call of the thread goes through it (calls.py).
+        self._master = MasterState(
+            lambda what: self._failed("the store's master does not answer", what),
+            self._rejoined,
+            clock,
+        )
         self.published = self.already_stored = self.unpublishable = self.gone = 0
         self.failures = self.dropped = 0
+        self.failed_unsent = 0  # the event loop's: publishes failed unsent, the node disconnected
         self.lookup_failures = 0  # the event loop's (ClusterFetch) and this thread's
         # The master that serves (with several, the leader: leader.py), and how often the lead
         # passed to another since the node joined.
@@ -182,6 +191,17 @@ class ClusterNode:
         self._unlogged = 0
 
     # ---- the event loop's side -----------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """Whether the master answered the node's last store call, and none has been running
+        past the bound on a call (ec_daemon.cluster.calls)."""
+        return self._master.connected
+
+    @property
+    def error(self) -> str:
+        """Why the node is not connected; empty while it is."""
+        return self._master.error
 
     @property
     def joined(self) -> bool:
@@ -204,6 +224,9 @@ class ClusterNode:
             pool = self._shared.get(event.engine_id) or self._share(event.engine_id)
             if pool is None:
                 return
+            if self.joined and not self.connected:  # a queued publish would fail too, later
+                self.failed_unsent += 1
+                return
             if self._jobs.qsize() >= QUEUE_LIMIT:
                 self.dropped += 1
                 return
@@ -222,9 +245,13 @@ class ClusterNode:
 
     def ask(self, work: Callable[[StoreClient], T]) -> Future[T]:
         """Run `work` with the store client on the node's thread (from the event loop). Once it
-        runs it cannot be cancelled: the future is done when it is over."""
+        runs it cannot be cancelled: the future is done when it is over. While the node is
+        joined but disconnected it fails at once (Unreachable), queued behind no hung call."""
         future: Future[T] = Future()
-        self._jobs.put_nowait(Call(work, future))
+        if self.joined and not self.connected:
+            future.set_exception(Unreachable(self.error))
+        else:
+            self._jobs.put_nowait(Call(work, future))
         return future
 
     def sizes(self, store_keys: list[str]) -> Callable[[StoreClient], list[int]]:
@@ -235,7 +262,7 @@ class ClusterNode:
             found = store.batch_get_replica_desc(store_keys)
             # Empty is also its answer when the master is gone: asked again in a way that tells
             # (a round trip more for an Acquire the store has none of).
-            if not found and not self._answered(store.batch_is_exist(store_keys), "lookup"):
+            if not found and not answered(store.batch_is_exist(store_keys)):
                 self.lookup_failures += 1
             return [_memory_size(found.get(key, [])) for key in store_keys]
 
@@ -274,7 +301,6 @@ class ClusterNode:
             ],
             [[size] + [n for _, n in rs] for rs in runs],
         )
-        self._answered(results, "read")
         return [
             _fitting(ctypes.string_at(base + i * size, size), r.nbytes)
             if result == size + r.nbytes
@@ -294,10 +320,33 @@ class ClusterNode:
             already_stored=self.already_stored,
             unpublishable=self.unpublishable,
             gone=self.gone,
-            publish_failures=self.failures,
+            publish_failures=self.failures + self.failed_unsent,
             dropped=self.dropped,
             lookup_failures=self.lookup_failures,
         )
+
+    def settle(self) -> None:
+        """While the node is joined but disconnected, fail what waits in its queue (from the
+        event loop, every second): the publishes and calls queued before the loss was noticed,
+        behind a store call that may hang for the store client's 30 s, are counted now. A
+        dropped pool's unmapping and the stop stay queued, in order, for the thread."""
+        if not self.joined or self.connected:
+            return
+        kept: list[Publish | Withdraw | Call | None] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Publish):
+                self.failed_unsent += 1
+            elif isinstance(job, Call):
+                if job.future.set_running_or_notify_cancel():
+                    self._refuse(job)
+            else:
+                kept.append(job)
+        for job in kept:
+            self._jobs.put_nowait(job)
 
     def stop(self, timeout_s: float) -> None:
         """Stop publishing and leave the store (blocking: call it off the event loop). A thread
@@ -324,7 +373,7 @@ class ClusterNode:
                 job = self._jobs.get(timeout=HEARTBEAT_S if self.connected else PROBE_S)
             except queue.Empty:
                 if self._up():
-                    self._answered(self._store.batch_is_exist([HEARTBEAT_KEY]), "heartbeat")
+                    self._store.batch_is_exist([HEARTBEAT_KEY])
                     with contextlib.suppress(Unreachable):
                         self._follow()  # a lead that passed with no call failing
                 continue
@@ -339,17 +388,18 @@ class ClusterNode:
     def _join(self) -> bool:
         try:
             self._follow()
-            self._store, self._replicate = self._connect(self.settings)
+            store, self._replicate = self._connect(self.settings)
         except Unreachable as exc:
-            self.error = str(exc)
+            self._master.lost(str(exc))
             self._failed("cannot join the store; serving locally, trying again", str(exc))
             return False
+        self._store = WatchedStore(store, self._master)
         if self._store.register_buffer(ctypes.addressof(self._headers), len(self._headers)) != 0:
             self._failed("the store client refused the header buffer", "register_buffer")
             self._store.close()
             self._store = None
             return False
-        self.connected, self.error = True, ""
+        self._master.answered()
         log.info("joined the store", extra={"master": self.settings.master})
         return True
 
@@ -358,8 +408,7 @@ class ClusterNode:
         if not call.future.set_running_or_notify_cancel():
             return  # cancelled before it ran
         if not self._up():
-            self.lookup_failures += 1
-            call.future.set_exception(Unreachable(self.error))
+            self._refuse(call)
             return
         try:
             call.future.set_result(call.work(self._store))
@@ -433,7 +482,7 @@ class ClusterNode:
         if not items or self._store is None:
             return []
         present = self._store.batch_is_exist([item.store_key for item in items])
-        if not self._answered(present, "lookup"):
+        if not answered(present):
             self.failures += len(items)
             return items
         todo: dict[str, Item] = {}  # one per key: a batch may name a key twice
@@ -454,7 +503,6 @@ class ClusterNode:
             [[size] + [n for _, n in it.buffers] for it in todo.values()],
             self._replicate,
         )
-        self._answered(results, "put")
         unanswered = []
         for item, result in zip(todo.values(), results, strict=True):
             if result == 0:
@@ -483,14 +531,15 @@ class ClusterNode:
         for job in retry:
             self._jobs.put_nowait(job)
 
-    def _answered(self, results: list[int], what: str) -> bool:
-        """Whether the master answered the call; the node's connected state follows."""
-        if answered(results):
-            self.connected, self.error = True, ""
-            return True
-        self.connected, self.error = False, f"the master did not answer a {what}"
-        self._failed("the store's master does not answer", what)
-        return False
+    def _rejoined(self) -> None:
+        """A call found the master answering after the node had lost it (on the node's thread,
+        before the next job): where the node learns that it is back in the store."""
+        log.info("the store's master answers again", extra={"master": self.settings.master})
+
+    def _refuse(self, call: Call) -> None:
+        """Fail a call not made: the master does not answer."""
+        self.lookup_failures += 1
+        call.future.set_exception(Unreachable(self.error))
 
     def _up(self) -> bool:
         """Whether to call the store now: connected, or, while disconnected, once a probe (at
@@ -586,7 +635,7 @@ class ClusterNode:
                 self._store.close()
                 self._regions.unmap_all()
             self._store = None
-        self.connected, self.error = False, "stopped"
+        self._master.lost("stopped")
 
     def _failed(self, what: str, why: str) -> None:
         """Log a failure at most every LOG_EVERY_S, saying how many went unlogged since."""

@@ -26,6 +26,11 @@ class Cluster:
         """Whether the store's master answered the node's last call."""
         return self._node.connected
 
+    def settle(self) -> None:
+        """While the master does not answer, fail (counted) the publishes and lookups still
+        queued for the node's thread, which a hung store call may hold for 30 s."""
+        self._node.settle()
+
     def start(self) -> None:
         """Join the store on the node's thread (again and again while its master is away)."""
         self._node.start()

@@ -433,10 +433,12 @@ async def check_pools(store: Store, interval_s: float) -> None:
 
 
 async def follow_cluster(health: health_aio.HealthServicer, cluster: Cluster) -> None:
-    """Keep the store's health status (CLUSTER_HEALTH) the node's: checked every second."""
+    """Keep the store's health status (CLUSTER_HEALTH) the node's, and settle what waits for a
+    master that does not answer: checked every second."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:
+        cluster.settle()
         await health.set(CLUSTER_HEALTH, serving if cluster.connected else not_serving)
         await asyncio.sleep(1.0)
 

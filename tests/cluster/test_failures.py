@@ -19,20 +19,15 @@ from cluster_testing import (
     pool_stats,
     published,
     running_master,
+    settled,
     store_daemon,
 )
 from ecd_testing import Daemon, assert_blocks_accounted, run_ecd, running_daemon, wait_until
 
 from ec_client import Client, Consumer, Producer, Status, check_health
-from ec_client.types import ClusterStats
 
 PULL_TIMEOUT_S = 1.0  # the daemons' default --pull-timeout
 SLACK_S = 3.0  # a loaded machine's scheduling delays, below the ~4 s a store call waits
-
-
-def settled(stats: ClusterStats) -> int:
-    """Publishes that ended, either way."""
-    return stats.published + stats.publish_failures
 
 
 def health(daemon: Daemon) -> str:

@@ -151,18 +151,18 @@ def test_a_node_whose_master_is_gone_calls_the_store_no_more_until_its_port_answ
     node, store, sid = node_and_store
     fake.master_gone = True
     put(store, sid, b"found-it-gone", 1)
-    wait_until(lambda: node.failures == 1 and not node.connected, 10)
+    wait_until(lambda: node.stats().publish_failures == 1 and not node.connected, 10)
     lookups = fake.lookups
     for i in range(3):  # each fails at once, counted, with no call to the store
         put(store, sid, b"down-%d" % i, 2)
-        wait_until(lambda n=i + 2: node.failures == n, 10)
+        wait_until(lambda n=i + 2: node.stats().publish_failures == n, 10)
     assert fake.lookups == lookups and not node.connected
     fake.master_gone = False
     master_port.listen()  # the master is back: the node probes its port, then calls the store
     wait_until(lambda: node.connected, 10)
     put(store, sid, b"back", 3)
     wait_until(lambda: codec.store_key("ns", b"back") in fake.values, 10)
-    assert node.failures == 4
+    assert node.stats().publish_failures == 4
     store.check()
 
 
