@@ -159,6 +159,11 @@ def published(client: Client) -> int:
     return cluster_stats(client).published
 
 
+def settled(stats: ClusterStats) -> int:
+    """Publishes that ended, either way."""
+    return stats.published + stats.publish_failures
+
+
 def pool_stats(client: Client, engine_id: str) -> PoolStats:
     [stats] = client.stats(engine_id).pools
     return stats
