@@ -39,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -182,8 +183,10 @@ class ClusterNode:
         self._view: View | None = None
         self.leader = "" if self._etcd else settings.master
         self.leader_changes = 0
-        # Publishes that failed because the master did not answer, queued again once it does.
-        self._unanswered: list[Publish] = []
+        # Publishes that failed because the master did not answer (the thread's) or were not sent
+        # while it did not (the event loop's), queued again once it answers: a deque, whose
+        # appends and pops are atomic, as the two share it.
+        self._unanswered: deque[Publish] = deque()
         self.retried = 0
         self._left_open: StoreClient | None = None
         self._probed_at = -PROBE_S
@@ -226,6 +229,7 @@ class ClusterNode:
                 return
             if self.joined and not self.connected:  # a queued publish would fail too, later
                 self.failed_unsent += 1
+                self._keep_for_retry([Publish(pool, event.key, event.slot)])
                 return
             if self._jobs.qsize() >= QUEUE_LIMIT:
                 self.dropped += 1
@@ -340,6 +344,7 @@ class ClusterNode:
                 break
             if isinstance(job, Publish):
                 self.failed_unsent += 1
+                self._keep_for_retry([job])
             elif isinstance(job, Call):
                 if job.future.set_running_or_notify_cancel():
                     self._refuse(job)
@@ -517,19 +522,19 @@ class ClusterNode:
         return unanswered
 
     def _keep_for_retry(self, publishes: list[Publish]) -> None:
-        """Publishes the master did not answer, to queue again once it does (a leader's death,
-        a master away): past QUEUE_LIMIT of them, dropped (counted)."""
+        """Publishes the master did not answer, or that were not sent while it did not, to queue
+        again once it answers (a leader's death, a master away): past QUEUE_LIMIT of them,
+        dropped (counted)."""
         room = max(QUEUE_LIMIT - len(self._unanswered), 0)
-        self._unanswered += publishes[:room]
+        self._unanswered.extend(publishes[:room])
         self.dropped += len(publishes) - len(publishes[:room])
 
     def _retry(self) -> None:
         """Queue the publishes the master did not answer again, behind what is queued: each is
         pinned and checked again in its turn (one evicted meanwhile is `gone`)."""
-        retry, self._unanswered = self._unanswered, []
-        self.retried += len(retry)
-        for job in retry:
-            self._jobs.put_nowait(job)
+        while self._unanswered:
+            self._jobs.put_nowait(self._unanswered.popleft())
+            self.retried += 1
 
     def _rejoined(self) -> None:
         """A call found the master answering after the node had lost it (on the node's thread,

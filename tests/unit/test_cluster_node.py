@@ -174,11 +174,11 @@ def test_publishes_the_master_did_not_answer_are_published_once_it_answers_again
     data = {b"found-it-gone": put(store, sid, b"found-it-gone", 1)}
     wait_until(lambda: not node.connected, 10)
     data[b"while-gone"] = put(store, sid, b"while-gone", 2)  # failed at once, not called
-    wait_until(lambda: node.failures == 2, 10)
+    wait_until(lambda: node.stats().publish_failures == 2, 10)
     fake.master_gone = False
     master_port.listen()
     wait_until(lambda: node.published == 2, 10)
-    assert (node.retried, node.failures, node.dropped) == (2, 2, 0)
+    assert (node.retried, node.stats().publish_failures, node.dropped) == (2, 2, 0)
     assert fake.values == dict(value(key, written) for key, written in data.items())
 
 
