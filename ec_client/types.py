@@ -300,6 +300,12 @@ class ClusterStats:
     claims_lost: int = 0
     waits_hit: int = 0
     waits_missed: int = 0
+    # The directory come back (docs/design.md §13): entries published again after the store lost
+    # them (counted in `published` too), the batches that offered them, and when the last walk
+    # that put any ended (Unix time; 0: never).
+    republished: int = 0
+    republish_batches: int = 0
+    last_republish: float = 0.0
 
 
 @dataclass(frozen=True)

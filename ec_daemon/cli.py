@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -234,8 +235,16 @@ def cluster_line(c: ClusterStats) -> str:
         f"store {c.master} {state}; published {c.published}, already stored {c.already_stored}, "
         f"unpublishable {c.unpublishable}, gone {c.gone}, failed {c.publish_failures}, "
         f"dropped {c.dropped}; lookups failed {c.lookup_failures}; claims {c.claims} (lost "
-        f"{c.claims_lost}), waits for other nodes hit {c.waits_hit}, missed {c.waits_missed}"
+        f"{c.claims_lost}), waits for other nodes hit {c.waits_hit}, missed {c.waits_missed}; "
+        f"republished {c.republished} in {c.republish_batches} batches{republished_at(c)}"
     )
+
+
+def republished_at(c: ClusterStats) -> str:
+    """When the last republish that put entries ended (UTC, as the daemon's log lines say)."""
+    if not c.last_republish:
+        return ""
+    return time.strftime(", the last at %Y-%m-%dT%H:%M:%SZ", time.gmtime(c.last_republish))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from ecd_testing import Daemon, running_daemon, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Client, Producer
 from ec_client.types import ClusterStats, PoolStats
@@ -108,6 +110,18 @@ def cluster_stats(client: Client) -> ClusterStats:
 
 def published(client: Client) -> int:
     return cluster_stats(client).published
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The cluster's metrics (`ecd_cluster_*`) of the daemon whose metrics port is `port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("ecd_cluster_")
+    }
 
 
 def pool_stats(client: Client, engine_id: str) -> PoolStats:
