@@ -430,8 +430,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             spawned_store_daemons(master, ("256MiB", "0"), *spawned, prefix="ecd-bench-") as two,
         ):
             near, far = ((d.address, d.pid) for d in two)
-            cluster = bench_cluster.Cluster(master.address, master.metadata, master.pid, near, far)
-            bench_cluster.run_cluster(cluster, args, report)
+            cluster = bench_cluster.Cluster(
+                master.address,
+                master.metadata,
+                master.pid,
+                near,
+                far,
+                f"http://127.0.0.1:{master.metrics_port}/metrics",
+            )
+            bench_cluster.run_cluster(cluster, master.restart, args, report)
     if suites - {"costs", "restart", "cluster"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
@@ -604,6 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--cluster-entries", type=count, default=1000, help="entries each simulated node publishes"
+    )
+    bench.add_argument(
+        "--republish-entries",
+        type=count,
+        default=100_000,
+        help="entries a daemon publishes again after the master restarted empty (cluster)",
     )
     bench.add_argument(
         "--cluster-clients",
