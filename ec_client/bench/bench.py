@@ -738,12 +738,14 @@ SECTIONS = {
     "cluster_republish": (
         "Cluster: the master killed and started again empty; seconds from its start until the "
         "daemon published again the first and the last of its entries, its rate in between, "
-        "and the calls the master answered meanwhile (a sample read back on the other daemon)",
+        "the CPU time it spent, and the calls the master answered meanwhile (a sample read back "
+        "on the other daemon)",
         [
             "entries",
             "seen_s",
             "republished_s",
             "entries_per_s",
+            "daemon_cpu_s",
             "master_calls",
             "exist_calls",
             "put_start_calls",
