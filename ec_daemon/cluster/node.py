@@ -125,13 +125,11 @@ class Read:
 @dataclass(frozen=True)
 class Offered:
     """What one step of a republish did (ClusterNode.publish_again): READY entries found and
-    offered to the store, how many of those it lacked and took, whether any publish failed, and
-    the slot the walk goes on from (None: the pool's table is walked to its end, or the pool
-    is gone)."""
+    offered to the store, how many of those it lacked and took, and the slot the walk goes on
+    from (None: the pool's table is walked to its end, or the pool is gone)."""
 
     offered: int
     put: int
-    failed: bool
     next_slot: int | None
 
 
@@ -298,9 +296,9 @@ class ClusterNode:
         def work(store: StoreClient) -> Offered:
             mounted = self._mount(pool.info)
             if mounted is None:  # dropped, or made anew: nothing of this file to offer
-                return Offered(0, 0, False, None)
+                return Offered(0, 0, None)
             found, next_slot = mounted.pins.ready(first_slot, REPUBLISH_BATCH)
-            published, failures = self.published, self.failures
+            published = self.published
             # Pinned first all together, one lock and one read a run of neighbouring slots:
             # the publishes' own pins of them are then counts, with no call to the kernel.
             pinned = zip(found, mounted.pins.pin_many(found), strict=True)
@@ -310,8 +308,7 @@ class ClusterNode:
                     self._handle([Publish(pool, key, slot) for slot, key in found])
             finally:
                 mounted.pins.unpin_many(held)
-            put, failed = self.published - published, self.failures > failures
-            return Offered(len(found), put, failed, next_slot)
+            return Offered(len(found), self.published - published, next_slot)
 
         return work
 

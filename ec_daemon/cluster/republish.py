@@ -20,8 +20,9 @@ publish is, one lookup for the batch, one put for the entries the store lacks; a
 or removed since is skipped), each batch queued behind the node's other work (publishes,
 remote hits' lookups and reads), at most `rate` entries a second (`--republish-rate`): the
 event loop only awaits. A pool seen shared for the first time (created, or reopened with its
-namespace after a restart) is walked once; a walk in which a publish failed is walked again at
-the next tick, one cut short (the node disconnected) when the node is back.
+namespace after a restart) is walked once; a walk cut short (the master stopped answering) is
+walked again once the node is back. A publish the store answered with a refusal (full) is
+counted and not tried again, as a commit's is: the store's eviction is its own to make.
 `ClusterNode.republish_missing` (from any thread) has every pool walked again.
 """
 
@@ -76,7 +77,8 @@ class Republisher:
         self.mark_key = f"ecd@node:{os.urandom(16).hex()}"
         self._pools: Pools | None = None
         self._marked = False  # the mark put since the store was last found without it
-        self._walked: set[tuple[str, str]] = set()  # (engine_id, pool_uuid) offered whole since
+        # (engine_id, pool_uuid) of the pools walked to their end since the mark was last put
+        self._walked: set[tuple[str, str]] = set()
         self._task: asyncio.Task[None] | None = None
         self.republished = self.batches = 0
         self.last = 0.0  # Unix time a walk that put entries ended; 0: never
@@ -166,9 +168,9 @@ class Republisher:
 
     async def _offer(self, pool: SharedPool) -> bool:
         """Offer the store the pool's READY entries again, a batch at a time, at most `rate`
-        a second; whether every batch was offered with no publish failed."""
+        a second; whether the walk reached the end of the pool's table."""
         slot: int | None = 0
-        clean, put, due = True, 0, self._clock()
+        put, due = 0, self._clock()
         while slot is not None:
             if not self._node.connected:  # each call would fail: the walk goes on when back
                 return False
@@ -179,7 +181,6 @@ class Republisher:
                 self.batches += 1
             self.republished += step.put
             put += step.put
-            clean = clean and not step.failed
             slot = step.next_slot
             due = max(due, self._clock()) + step.offered / self._rate
             await asyncio.sleep(due - self._clock())
@@ -189,7 +190,7 @@ class Republisher:
                 "published entries of a shared pool again",
                 extra={"engine_id": pool.info.engine_id, "entries": put},
             )
-        return clean
+        return True
 
     async def _ask(self, work: Callable[[StoreClient], T]) -> T | None:
         """`work` run on the node's thread; None if it could not be (the master gone)."""
