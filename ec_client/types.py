@@ -305,6 +305,12 @@ class ClusterStats:
     leader: str = ""
     leader_changes: int = 0
     publishes_retried: int = 0
+    # The directory come back (docs/design.md §13): entries published again after the store lost
+    # them (counted in `published` too), the batches that offered them, and when the last walk
+    # that put any ended (Unix time; 0: never).
+    republished: int = 0
+    republish_batches: int = 0
+    last_republish: float = 0.0
 
 
 @dataclass(frozen=True)

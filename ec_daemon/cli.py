@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,8 +239,16 @@ def cluster_line(c: ClusterStats) -> str:
         f"{c.already_stored}, unpublishable {c.unpublishable}, gone {c.gone}, failed "
         f"{c.publish_failures} (retried {c.publishes_retried}), "
         f"dropped {c.dropped}; lookups failed {c.lookup_failures}; claims {c.claims} (lost "
-        f"{c.claims_lost}), waits for other nodes hit {c.waits_hit}, missed {c.waits_missed}"
+        f"{c.claims_lost}), waits for other nodes hit {c.waits_hit}, missed {c.waits_missed}; "
+        f"republished {c.republished} in {c.republish_batches} batches{republished_at(c)}"
     )
+
+
+def republished_at(c: ClusterStats) -> str:
+    """When the last republish that put entries ended (UTC, as the daemon's log lines say)."""
+    if not c.last_republish:
+        return ""
+    return time.strftime(", the last at %Y-%m-%dT%H:%M:%SZ", time.gmtime(c.last_republish))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -425,8 +434,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             spawned_store_daemons(master, ("256MiB", "0"), *spawned, prefix="ecd-bench-") as two,
         ):
             near, far = ((d.address, d.pid) for d in two)
-            cluster = bench_cluster.Cluster(master.address, master.metadata, master.pid, near, far)
-            bench_cluster.run_cluster(cluster, args, report)
+            cluster = bench_cluster.Cluster(
+                master.address,
+                master.metadata,
+                master.pid,
+                near,
+                far,
+                f"http://127.0.0.1:{master.metrics_port}/metrics",
+            )
+            bench_cluster.run_cluster(cluster, master.restart, args, report)
     if suites - {"costs", "restart", "cluster"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:
@@ -599,6 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--cluster-entries", type=count, default=1000, help="entries each simulated node publishes"
+    )
+    bench.add_argument(
+        "--republish-entries",
+        type=count,
+        default=100_000,
+        help="entries a daemon publishes again after the master restarted empty (cluster)",
     )
     bench.add_argument(
         "--cluster-clients",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import pytest
 import torch
 from ecd_testing import Daemon, running_daemon, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Client, Producer
 from ec_client.types import ClusterStats, PoolStats
@@ -159,9 +161,27 @@ def published(client: Client) -> int:
     return cluster_stats(client).published
 
 
+def commits_published(stats: ClusterStats) -> int:
+    """Commits published: what the node published less what it published again (a republish
+    after the store lost its directory)."""
+    return stats.published - stats.republished
+
+
 def settled(stats: ClusterStats) -> int:
-    """Publishes that ended, either way."""
-    return stats.published + stats.publish_failures
+    """Publishes of commits that ended, either way (and republishes that failed)."""
+    return commits_published(stats) + stats.publish_failures
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The cluster's metrics (`ecd_cluster_*`) of the daemon whose metrics port is `port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("ecd_cluster_")
+    }
 
 
 def pool_stats(client: Client, engine_id: str) -> PoolStats:

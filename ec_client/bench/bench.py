@@ -735,6 +735,23 @@ SECTIONS = {
         "Cluster: batched lookups one master answers (store clients on threads; medians)",
         ["clients", "batch", "lookups_per_s", "call_p50_us"],
     ),
+    "cluster_republish": (
+        "Cluster: the master killed and started again empty; seconds from its start until the "
+        "daemon published again the first and the last of its entries, its rate in between, "
+        "the CPU time it spent, and the calls the master answered meanwhile (a sample read back "
+        "on the other daemon)",
+        [
+            "entries",
+            "seen_s",
+            "republished_s",
+            "entries_per_s",
+            "daemon_cpu_s",
+            "master_calls",
+            "exist_calls",
+            "put_start_calls",
+            "read_back",
+        ],
+    ),
 }
 
 
@@ -748,19 +765,20 @@ def render(report: Report) -> str:
 
 
 @contextlib.contextmanager
-def pool_dropped(*clients: Client) -> Iterator[None]:
-    """Drop the bench's pool when the suites end, finished or failed: the daemon is left as the
+def pool_dropped(*clients: Client, pools: Sequence[str] = (POOL,)) -> Iterator[None]:
+    """Drop the bench's pools when the suites end, finished or failed: the daemon is left as the
     bench found it (a pool left behind would hold budget, and refuse the next run's geometry)."""
     try:
         yield
     finally:
         for client in clients:
-            try:
-                client.drop_pool(POOL, force=True)
-            except EcdError as exc:
-                # NOT_FOUND: no suite made it; pool_dropped: a client before this one dropped it
-                if exc.code != grpc.StatusCode.NOT_FOUND and exc.reason != "pool_dropped":
-                    raise
+            for pool in pools:
+                try:
+                    client.drop_pool(pool, force=True)
+                except EcdError as exc:
+                    # NOT_FOUND: no suite made it; pool_dropped: a client before this one did
+                    if exc.code != grpc.StatusCode.NOT_FOUND and exc.reason != "pool_dropped":
+                        raise
 
 
 def run(address: str, args: Any, report: Report) -> None:

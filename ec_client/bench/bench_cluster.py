@@ -12,16 +12,21 @@ process:
   entries in the store, and the master's memory per entry;
 - lookups: batched lookups (`batch_get_replica_desc`, as a remote hit asks, 64 keys a call) one
   master answers per second from 1, 8 and 64 store clients, each on a thread of its own (the
-  call releases the interpreter's lock).
+  call releases the interpreter's lock);
+- republish: small entries published by one daemon, then the master SIGKILLed and started again
+  with an empty directory: how long until the daemon has published them all again, and the
+  calls the master answered meanwhile (its own counters, new with the process).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +59,7 @@ class Cluster:
     master_pid: int
     near: tuple[str, int]  # puts the entries others read
     far: tuple[str, int]  # reads them
+    master_metrics: str  # the URL of the master's metrics
 
 
 def rss(pid: int) -> int:
@@ -63,6 +69,14 @@ def rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far, user and system (a figure a loaded machine's scheduling
+    does not stretch, as it does wall-clock time)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def store_client(cluster: Cluster, segment: int) -> Any:
@@ -390,11 +404,118 @@ def bench_lookups(
         )
 
 
+# ---- the directory comes back ----------------------------------------------------------------
+
+REPUBLISH_POOL = "ecd-bench-republish"
+REPUBLISH_HIDDEN = 128  # entries of one row of 128 bfloat16: 256 bytes, one block each
+REPUBLISH_BATCH = 256  # entries a put_many
+REPUBLISH_POOL_ENTRIES = 50_000  # entries a pool (a daemon's pools hold 65,536 by default at most)
+REPUBLISH_CHECKED = 256  # entries read back from the other daemon, bit for bit
+
+
+def master_calls(url: str) -> dict[str, int]:
+    """The calls the master answered since it started, by kind (its `master_*_requests_total`
+    counters), those it answered at least once."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    calls: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("master_") and name.endswith("_requests_total") and float(value):
+            calls[name.removeprefix("master_").removesuffix("_requests_total")] = int(float(value))
+    return calls
+
+
+def _republished(client: Client) -> int:
+    stats = client.stats().cluster
+    if stats is None:
+        raise RuntimeError("the daemon has no store: it needs --store-master")
+    return stats.republished
+
+
+def bench_republish(
+    cluster: Cluster,
+    restart_master: Callable[[], None],
+    near: Client,
+    far: Client,
+    entries: int,
+    report: Report,
+) -> None:
+    """`entries` entries of one small row in pools of `near` (REPUBLISH_POOL_ENTRIES a pool),
+    written before the pools were shared, then shared: the node walks them and publishes them
+    all; then the master killed and started again with an empty directory: seconds from its
+    start until `near` published the first of them again (the loss seen) and all of them, the
+    CPU time `near` spent meanwhile, the calls the master answered in that time, and a sample of
+    them read on `far` (remote hits, bit-identical)."""
+    import torch
+
+    data = torch.randn(entries, 1, REPUBLISH_HIDDEN, dtype=torch.bfloat16)
+    block = REPUBLISH_HIDDEN * data.element_size()
+    keys = [f"republish-{i}" for i in range(entries)]
+    pools = [f"{REPUBLISH_POOL}-{n}" for n in range(-(-entries // REPUBLISH_POOL_ENTRIES))]
+    with pool_dropped(near, far, pools=pools):
+        for n, pool in enumerate(pools):
+            held = range(n * REPUBLISH_POOL_ENTRIES, min((n + 1) * REPUBLISH_POOL_ENTRIES, entries))
+            # Not shared yet: a commit of a shared pool is published one by one, and its
+            # Allocate claims the key in the store first.
+            near.open_pool(pool, block, len(held) * block, max_entries=len(held))
+            producer = Producer(near, pool)
+            for first in progress(held[::REPUBLISH_BATCH], f"cluster: republish ({pool})"):
+                batch = range(first, min(first + REPUBLISH_BATCH, held.stop))
+                producer.put_many({keys[i]: data[i] for i in batch})
+            producer.flush()
+        before = _republished(near)
+        for pool in pools:
+            near.open_pool(pool, cluster_namespace=NAMESPACE)  # walked, and published
+        _wait(lambda: _republished(near) >= before + entries, "the entries to be published", 120)
+
+        republished, cpu = _republished(near), cpu_seconds(cluster.near[1])
+        restart_master()
+        started = time.perf_counter()
+        seen = 0.0
+        while (done := _republished(near) - republished) < entries:
+            if done and not seen:
+                seen = time.perf_counter() - started
+            if time.perf_counter() - started > 120:
+                raise RuntimeError(f"{done} of {entries} entries republished after 120 s")
+            time.sleep(0.1)  # a Stats call each: the daemon it asks is the one measured
+        took = time.perf_counter() - started
+        cpu = cpu_seconds(cluster.near[1]) - cpu
+        calls = master_calls(cluster.master_metrics)
+        far.open_pool(pools[0], block, REPUBLISH_CHECKED * block, cluster_namespace=NAMESPACE)
+        consumer = Consumer(far, pools[0])
+        # The other daemon's first store call since the restart may still go to the old
+        # master's connection (an empty answer) as its store client reconnects.
+        _wait(lambda: consumer.get(keys[0], "cpu", 1000) is not None, "a read on the other node")
+        sample = range(0, entries, -(-entries // REPUBLISH_CHECKED))  # at most that many
+        for i in sample:
+            got = consumer.get(keys[i], "cpu", 5000)
+            if got is None or not torch.equal(got, data[i]):
+                raise RuntimeError(f"entry {keys[i]!r} was not read back after the republish")
+    report.add(
+        "cluster_republish",
+        {
+            "entries": entries,
+            "seen_s": seen or took,
+            "republished_s": took,
+            "entries_per_s": entries / max(took - seen, 1e-3),
+            "daemon_cpu_s": cpu,
+            "master_calls": sum(calls.values()),
+            "exist_calls": calls.get("batch_exist_key", 0),
+            "put_start_calls": calls.get("put_start", 0) + calls.get("batch_put_start", 0),
+            "read_back": len(sample),
+        },
+    )
+
+
 # ---- the suite -------------------------------------------------------------------------------
 
 
-def run_cluster(cluster: Cluster, args: Any, report: Report) -> None:
-    """The cluster suite against `cluster`."""
+def run_cluster(
+    cluster: Cluster, restart_master: Callable[[], None], args: Any, report: Report
+) -> None:
+    """The cluster suite against `cluster`, whose master `restart_master` kills and starts
+    again with an empty directory."""
     with (
         Client(cluster.near[0], name="ecd-bench", role=Role.BOTH) as near,
         Client(cluster.far[0], name="ecd-bench-far", role=Role.BOTH) as far,
@@ -404,3 +525,4 @@ def run_cluster(cluster: Cluster, args: Any, report: Report) -> None:
         with nodes_process(cluster, args.cluster_entries) as nodes:
             bench_directory(cluster, far, nodes, args.cluster_entries, args.cluster_nodes, report)
             bench_lookups(nodes, args.cluster_clients, args.cluster_seconds, args.runs, report)
+        bench_republish(cluster, restart_master, near, far, args.republish_entries, report)

@@ -52,6 +52,7 @@ from ec_client.pool.layout import (
     file_at,
     read_record,
     slot_offset,
+    slots_marked,
 )
 from ec_client.types import Extent, TensorSpec
 
@@ -62,6 +63,9 @@ F_OFD_GETLK = 36
 F_OFD_SETLK = 37
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (which must be 0 for OFD locks)
 _FLOCK = struct.Struct("hhqqi4x")
+
+# Slots a scan of the slot table reads at a time (SlotPins.ready): 512 KiB.
+SCAN_SLOTS = 1024
 
 # Records kept checked, per SlotPins: the most recent commits' and hits' (about 1 KiB each),
 # enough for the entries of many steps of a busy engine, few enough to cost nothing to keep.
@@ -265,6 +269,32 @@ class SlotPins:
             with self._lock:
                 if self._fd >= 0:  # not closed meanwhile
                     self._keep(slot, raw, entry)
+
+    def ready(self, first: int, most: int) -> tuple[list[tuple[int, bytes]], int | None]:
+        """The slots and keys of up to `most` READY records from slot `first` on, as their
+        records read now, with no lock taken (a pin checks its record again), and the slot to
+        scan on from: None once the table was read to its end. Only the records it answers
+        are parsed: the others are passed over by their marks."""
+        found: list[tuple[int, bytes]] = []
+        slot = first
+        while len(found) < most:
+            count = min(SCAN_SLOTS, self._num_slots - slot)
+            if count <= 0:
+                return found, None
+            with self._lock:  # the file stays open while it is read
+                raw = self._records_bytes(slot, count) if self._fd >= 0 else b""
+            if len(raw) != count * SLOT_SIZE:  # closed, or cut short: nothing more to find
+                return found, None
+            scanned = count
+            for at in slots_marked(raw):
+                if len(found) == most:
+                    scanned = at  # the next batch begins here
+                    break
+                fields = read_record(raw, at * SLOT_SIZE)
+                if fields is not None:
+                    found.append((slot + at, fields[0]))
+            slot += scanned
+        return found, slot if slot < self._num_slots else None
 
     def unpin(self, slot: int) -> None:
         """Give one pin back; the lock goes with the slot's last. Only once every copy made under

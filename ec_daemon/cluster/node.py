@@ -66,6 +66,10 @@ log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")
 
 BATCH = 64  # commits published with one lookup and one put
+# Entries a republish (publish_again) offers with one lookup and one put: held entries walked
+# in slot order, where commits rarely queue up 64 deep. Fewer calls at the master for a node
+# republishing all it holds, all nodes at once (docs/design.md §13).
+REPUBLISH_BATCH = 512
 QUEUE_LIMIT = 4096  # commits waiting to be published; past it they are dropped (counted)
 HEARTBEAT_S = 5.0  # an idle node asks the store this often whether it answers
 PROBE_S = 0.5  # a disconnected node probes the master's port this often
@@ -125,6 +129,17 @@ class Read:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Offered:
+    """What one step of a republish did (ClusterNode.publish_again): READY entries found and
+    offered to the store, how many of those it lacked and took, and the slot the walk goes on
+    from (None: the pool's table is walked to its end, or the pool is gone)."""
+
+    offered: int
+    put: int
+    next_slot: int | None
+
+
 @dataclass
 class Mounted:
     """A shared pool's file as the publisher reads it: lock pins and its data region, mapped
@@ -160,11 +175,12 @@ class ClusterNode:
         self._shared: dict[str, SharedPool] = {}  # the event loop's: pools seen shared
         self._jobs: queue.Queue[Publish | Withdraw | Call | None] = queue.Queue()
         self._stopping = threading.Event()
+        self._republish_wanted = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ecd-cluster", daemon=True)
         # The rest is the node's thread's (the counters are read by stats() too: plain ints).
         self._store: StoreClient | None = None
         self._replicate: Any = None
-        self._headers = ctypes.create_string_buffer(BATCH * codec.HEADER.size)
+        self._headers = ctypes.create_string_buffer(REPUBLISH_BATCH * codec.HEADER.size)
         self._mounted: dict[str, Mounted] = {}
         self._regions = MappedRegions()
         # Whether the master answers: every store call of the thread goes through it (calls.py).
@@ -311,6 +327,45 @@ class ClusterNode:
             else None
             for i, (r, result) in enumerate(zip(reads, results, strict=True))
         ]
+
+    def publish_again(self, pool: SharedPool, first_slot: int) -> Callable[[StoreClient], Offered]:
+        """Work for `ask`: offer the store again the READY entries of the pool's slot table from
+        `first_slot` on, up to REPUBLISH_BATCH of them, as their commits were (each lock-pinned and
+        checked, one lookup for the batch, one put for those the store lacks: an entry evicted
+        or removed meanwhile is skipped). A republish (ec_daemon.cluster.republish) walks a
+        pool's table with it, a batch a call, in turn with the node's other work."""
+
+        def work(store: StoreClient) -> Offered:
+            mounted = self._mount(pool.info)
+            if mounted is None:  # dropped, or made anew: nothing of this file to offer
+                return Offered(0, 0, None)
+            found, next_slot = mounted.pins.ready(first_slot, REPUBLISH_BATCH)
+            published = self.published
+            # Pinned first all together, one lock and one read a run of neighbouring slots:
+            # the publishes' own pins of them are then counts, with no call to the kernel.
+            pinned = zip(found, mounted.pins.pin_many(found), strict=True)
+            held = [slot for (slot, _), entry in pinned if entry is not None]
+            try:
+                if found:
+                    self._handle([Publish(pool, key, slot) for slot, key in found])
+            finally:
+                mounted.pins.unpin_many(held)
+            return Offered(len(found), self.published - published, next_slot)
+
+        return work
+
+    def republish_missing(self) -> None:
+        """Have every shared pool's READY entries that the store lacks published again (from
+        any thread; the republisher, ec_daemon.cluster.republish, walks them at its next
+        tick): for a node that finds the store may have lost what it published, such as one
+        that rejoins after its master dropped its segment."""
+        self._republish_wanted.set()
+
+    def republish_wanted(self) -> bool:
+        """Whether republish_missing was called since this last answered (the republisher's)."""
+        wanted = self._republish_wanted.is_set()
+        self._republish_wanted.clear()
+        return wanted
 
     def stats(self) -> ClusterStats:
         return ClusterStats(

@@ -11,15 +11,18 @@ from collections.abc import Sequence
 from ec_client.types import StepResult
 from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.republish import Republisher
 
 
 class Cluster:
     """This daemon's part in the store: the node's thread, which owns the store client and
-    publishes, and the fetches that answer remote hits through it."""
+    publishes, the fetches that answer remote hits through it, and the republisher that
+    publishes again what the store lost."""
 
-    def __init__(self, node: ClusterNode, fetches: ClusterFetch) -> None:
+    def __init__(self, node: ClusterNode, fetches: ClusterFetch, republisher: Republisher) -> None:
         self._node = node
         self._fetches = fetches
+        self._republisher = republisher
 
     @property
     def connected(self) -> bool:
@@ -32,8 +35,10 @@ class Cluster:
         self._node.settle()
 
     def start(self) -> None:
-        """Join the store on the node's thread (again and again while its master is away)."""
+        """Join the store on the node's thread (again and again while its master is away), and
+        follow what the store keeps of the node's entries (on the running event loop)."""
         self._node.start()
+        self._republisher.start()
 
     async def fetch(
         self, session_id: str, engine_id: str, keys: Sequence[bytes], wait_ms: int
@@ -50,7 +55,8 @@ class Cluster:
         return await self._fetches.step(session_id, engine_id, acquires, result)
 
     async def stop(self, grace_s: float) -> None:
-        """Abort the fetches in flight, then leave the store: before the pool files close, since
-        the node reads them."""
+        """Stop republishing, abort the fetches in flight, then leave the store: before the pool
+        files close, since the node reads them."""
+        await self._republisher.stop()
         await self._fetches.close()
         await asyncio.to_thread(self._node.stop, grace_s)

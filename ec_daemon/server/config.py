@@ -370,6 +370,14 @@ SETTINGS: tuple[Setting, ...] = (
         "SECONDS",
     ),
     Setting(
+        "republish_rate",
+        _count(1, 1 << 31, "a number of entries a second"),
+        50_000,
+        "entries a second, at most, that this daemon offers the store again when the store lost "
+        "what it published (a master restarted without its directory)",
+        "ENTRIES",
+    ),
+    Setting(
         "transfer_host",
         str,
         "",
@@ -456,6 +464,7 @@ class Config:
     shutdown_grace: float
     drop_pools_on_exit: bool
     pull_timeout: float
+    republish_rate: int
     transfer_host: str
     store_master: str
     store_metadata: str

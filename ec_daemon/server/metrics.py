@@ -206,7 +206,10 @@ class StoreCollector(Collector):
 # The store's counters (ClusterStats' fields), with what each counts.
 CLUSTER_COUNTERS = (
     ("published", "Entries of shared pools written to the Mooncake Store"),
-    ("already_stored", "Commits of shared pools whose key the store had: not written again"),
+    (
+        "already_stored",
+        "Entries of shared pools offered to the store that it had: not written again",
+    ),
     ("unpublishable", "Entries of shared pools the store's format cannot express (kept local)"),
     ("gone", "Entries evicted or removed before their turn to be published"),
     ("publish_failures", "Publishes the store refused or that failed"),
@@ -218,6 +221,8 @@ CLUSTER_COUNTERS = (
     ("waits_missed", "Waits for a key another node was writing, ended without its value"),
     ("leader_changes", "Times the lead of the store's masters passed to another master"),
     ("publishes_retried", "Publishes the master did not answer, queued again once it did"),
+    ("republished", "Entries published again because the store had lost them"),
+    ("republish_batches", "Batches of entries offered to the store again (one lookup each)"),
 )
 
 
@@ -236,6 +241,11 @@ def cluster_metrics(cluster: ClusterStats) -> Iterator[Metric]:
     yield leader
     for field, doc in CLUSTER_COUNTERS:
         yield CounterMetricFamily(f"ecd_cluster_{field}", doc, value=getattr(cluster, field))
+    yield GaugeMetricFamily(
+        "ecd_cluster_last_republish_timestamp_seconds",
+        "Unix time the last republish that put entries ended (0: none since the daemon started)",
+        value=cluster.last_republish,
+    )
 
 
 def snapshot_on_loop(store: Store, loop: asyncio.AbstractEventLoop) -> Callable[[], Stats]:

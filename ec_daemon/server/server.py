@@ -36,6 +36,7 @@ from ec_daemon.cluster.leader import etcd_endpoints
 from ec_daemon.cluster.mooncake import StoreSettings, end_process_left_open
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.cluster.pending import Claims
+from ec_daemon.cluster.republish import Republisher
 from ec_daemon.cluster.tier import Cluster
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.sessions import tag
@@ -109,6 +110,7 @@ def build_store(
     hub: EventHub,
     cluster: ClusterNode | None = None,
     claims: Claims | None = None,
+    republisher: Republisher | None = None,
 ) -> Store:
     pools = PoolSettings(
         shm_dir=config.shm_dir,
@@ -132,7 +134,9 @@ def build_store(
         if cluster is None:
             return None
         stats = cluster.stats()
-        return claims.stats(stats) if claims is not None else stats
+        if claims is not None:
+            stats = claims.stats(stats)
+        return republisher.stats(stats) if republisher is not None else stats
 
     store = Store(
         StoreConfig(pools, config.lease_ttl, config.pending_timeout),
@@ -178,13 +182,15 @@ async def start(config: Config) -> Daemon:
     hub = EventHub()
     node = cluster_node(config) if config.store_master else None
     claims = Claims(node) if node is not None else None
-    store = build_store(config, budget, hub, node, claims)
+    republisher = Republisher(node, config.republish_rate) if node is not None else None
+    store = build_store(config, budget, hub, node, claims, republisher)
     adopt_pools(store)
     cluster: Cluster | None = None
-    if node is not None and claims is not None:
+    if node is not None and claims is not None and republisher is not None:
         fetches = ClusterFetch(store, node, config.pull_timeout)
         claims.bind(store, fetches.fetching, fetches.waits)
-        cluster = Cluster(node, fetches)
+        republisher.bind(store)
+        cluster = Cluster(node, fetches, republisher)
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})

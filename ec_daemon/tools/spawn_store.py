@@ -100,27 +100,51 @@ class MasterAddress:
 
 @dataclass
 class SpawnedMaster(MasterAddress):
-    """A `mooncake_master` child process on loopback."""
+    """A `mooncake_master` child process on loopback, its metrics (its own counters of the calls
+    it answered) on `metrics_port`."""
 
-    pid: int
+    metrics_port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the master was never started")
+        return self.proc.pid
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                master_command(self.rpc_port, self.http_port, self.metrics_port),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_listening(
+            self.proc, (self.rpc_port, self.http_port, self.metrics_port), 20.0, self.log
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """SIGKILL it and start it again on its ports: a master with an empty directory."""
+        self.kill()
+        self.start()
 
 
 @contextmanager
 def spawned_master(prefix: str = "ecd-") -> Iterator[SpawnedMaster]:
     """A Mooncake master on free loopback ports; killed and cleaned up on exit."""
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    log = workdir / "master.log"
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            master_command(rpc, http, metrics), stdout=out, stderr=subprocess.STDOUT
-        )
+    master = SpawnedMaster(free_port(), free_port(), free_port(), workdir / "master.log")
     try:
-        wait_listening(proc, (rpc, http), 20.0, log)
-        yield SpawnedMaster(rpc, http, proc.pid)
+        master.start()
+        yield master
     finally:
-        proc.kill()
-        proc.wait()
+        master.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

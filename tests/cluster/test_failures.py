@@ -16,6 +16,7 @@ from cluster_testing import (
     NAMESPACE,
     POOL,
     cluster_stats,
+    commits_published,
     pool_stats,
     published,
     running_master,
@@ -108,8 +109,8 @@ def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store
         for client in (ca, cb):
             client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
         producer = Producer(ca, "shared")
-        producer.put_many({"read-before": old, "unread": old})
-        wait_until(lambda: published(ca) == 2, 20)
+        producer.put("read-before", old)
+        wait_until(lambda: published(ca) == 1, 20)
         assert torch.equal(Consumer(cb, "shared").get("read-before", wait_ms=5000), old)
         reads = pool_stats(cb, "shared").remote_reads
 
@@ -144,13 +145,11 @@ def test_a_master_restart_fails_calls_fast_local_hits_never_notice_and_the_store
             key, before = f"after-{i}", cluster_stats(ca)
             producer.put(key, new)
             wait_until(lambda b=before: settled(cluster_stats(ca)) > settled(b), 5)
-            if published(ca) > before.published:
+            if commits_published(cluster_stats(ca)) > commits_published(before):
                 break
             assert time.monotonic() < deadline, "no publish lands after the restart"
         got = Consumer(cb, "shared").get(key, wait_ms=5000)
-        lost = Consumer(cb, "shared").get("unread", wait_ms=1)  # the old directory's
     assert got is not None and torch.equal(got, new)
-    assert lost is None  # never another value's bytes: nothing republishes what the master lost
 
 
 def test_a_full_store_evicts_and_a_node_whose_segment_is_full_serves_locally() -> None:

@@ -3,26 +3,12 @@ the health service `ecd.cluster` (docs/operations.md, Joining a Mooncake Store).
 
 from __future__ import annotations
 
-import urllib.request
-
 import torch
-from cluster_testing import Master, store_daemon
+from cluster_testing import Master, scrape, store_daemon
 from ecd_testing import run_ecd, wait_until
-from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Producer, check_health
 from ec_daemon.tools.spawn import free_port
-
-
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith("ecd_cluster_")
-    }
 
 
 def test_stats_metrics_and_health_say_whether_the_store_is_connected() -> None:

@@ -25,7 +25,7 @@ def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
     done = run_ecd(
         "bench", "--spawn", "--suite", "cluster", "--runs", "1", "--cluster-samples", "2",
         "--cluster-nodes", "1,2", "--cluster-entries", "10", "--cluster-clients", "1,2",
-        "--cluster-seconds", "0.2", "--output", str(output),
+        "--cluster-seconds", "0.2", "--republish-entries", "1000", "--output", str(output),
         timeout_s=180,  # a master, two daemons, four store clients, torch's import
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -40,6 +40,9 @@ def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
     assert one["daemon_rss_mib"] > 0 and one["master_rss_mib"] > 0
     assert [row["clients"] for row in figures["cluster_lookups"]] == [1, 2]
     assert all(row["lookups_per_s"] > 0 for row in figures["cluster_lookups"])
+    [republish] = figures["cluster_republish"]
+    assert (republish["entries"], republish["read_back"]) == (1000, 250)
+    assert republish["republished_s"] > 0 and republish["master_calls"] >= 3
 
 
 def test_the_cluster_suite_needs_daemons_of_its_own_and_says_so() -> None:

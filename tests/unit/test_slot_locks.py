@@ -439,3 +439,14 @@ def test_reading_ahead_after_close_reads_nothing(pins: SlotPins, parses: list[by
     pins.read_ahead(0, key(0))
     pins.read_ahead(GEOMETRY.num_slots, key(0))
     assert parses == []
+
+
+def test_ready_lists_the_ready_records_a_batch_at_a_time_and_where_to_go_on(
+    pool: PoolFile, pins: SlotPins
+) -> None:
+    _tear(pool)  # slot 1: marked READY, its record does not verify
+    assert pool.erase_slot(4)  # evicted
+    assert pins.ready(0, 3) == ([(0, key(0)), (2, key(2)), (3, key(3))], 5)
+    assert pins.ready(5, 3) == ([(5, key(5)), (6, key(6)), (7, key(7))], None)
+    assert pins.ready(7, 3) == ([(7, key(7))], None)
+    assert pins.held() == 0  # it pins nothing

@@ -646,7 +646,7 @@ class RefusedPool(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped", "lookup_failures", "claims", "claims_lost", "waits_hit", "waits_missed", "leader", "leader_changes", "publishes_retried")
+    __slots__ = ("master", "connected", "error", "published", "already_stored", "unpublishable", "gone", "publish_failures", "dropped", "lookup_failures", "claims", "claims_lost", "waits_hit", "waits_missed", "leader", "leader_changes", "publishes_retried", "republished", "republish_batches", "last_republish")
     MASTER_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -664,6 +664,9 @@ class ClusterStats(_message.Message):
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_CHANGES_FIELD_NUMBER: _ClassVar[int]
     PUBLISHES_RETRIED_FIELD_NUMBER: _ClassVar[int]
+    REPUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    REPUBLISH_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPUBLISH_FIELD_NUMBER: _ClassVar[int]
     master: str
     connected: bool
     error: str
@@ -681,7 +684,10 @@ class ClusterStats(_message.Message):
     leader: str
     leader_changes: int
     publishes_retried: int
-    def __init__(self, master: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ..., published: _Optional[int] = ..., already_stored: _Optional[int] = ..., unpublishable: _Optional[int] = ..., gone: _Optional[int] = ..., publish_failures: _Optional[int] = ..., dropped: _Optional[int] = ..., lookup_failures: _Optional[int] = ..., claims: _Optional[int] = ..., claims_lost: _Optional[int] = ..., waits_hit: _Optional[int] = ..., waits_missed: _Optional[int] = ..., leader: _Optional[str] = ..., leader_changes: _Optional[int] = ..., publishes_retried: _Optional[int] = ...) -> None: ...
+    republished: int
+    republish_batches: int
+    last_republish: float
+    def __init__(self, master: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ..., published: _Optional[int] = ..., already_stored: _Optional[int] = ..., unpublishable: _Optional[int] = ..., gone: _Optional[int] = ..., publish_failures: _Optional[int] = ..., dropped: _Optional[int] = ..., lookup_failures: _Optional[int] = ..., claims: _Optional[int] = ..., claims_lost: _Optional[int] = ..., waits_hit: _Optional[int] = ..., waits_missed: _Optional[int] = ..., leader: _Optional[str] = ..., leader_changes: _Optional[int] = ..., publishes_retried: _Optional[int] = ..., republished: _Optional[int] = ..., republish_batches: _Optional[int] = ..., last_republish: _Optional[float] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("engine_id", "snapshot", "include_pending")
