@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import tiny_model
-from e2e_testing import Engine, Engines, EngineSpec
+from e2e_testing import DAEMON_FLAGS, Engine, Engines, EngineSpec
 from ecd_testing import Daemon, running_daemon
 
 # Images the scenarios use; the baseline engine answers each once.
@@ -71,17 +71,15 @@ def baseline(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
 def daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Daemon]:
     """A real `ecd serve` on a private socket and shm directory.
 
-    --pending-timeout 300 rather than 30: these tests check single flight and the connector,
-    not the timeout (tests/unit/test_store.py and tests/vllm do), and on this loaded 2-core
-    machine a producer's first step (its encode, and vLLM's Triton kernels interpreted on CPU for
-    the first time) has taken 16-23 s with vLLM's workers pinned to one core (e2e_testing.Engine
-    unpins them), about 6 s unpinned, more beside CPU hogs: the default could abort the entry of
-    a producer that is alive and let the waiting engine encode too. A test module adds flags
-    of its own in DAEMON_ARGS."""
+    DAEMON_FLAGS (e2e_testing.py) give it --pending-timeout 300 rather than 30: these tests
+    check single flight and the connector, not the timeout (tests/unit/test_store.py and
+    tests/vllm do), and on this loaded 2-core machine a producer's first step (its encode, and
+    vLLM's Triton kernels interpreted on CPU for the first time) has taken 16-23 s with vLLM's
+    workers pinned to one core (e2e_testing.Engine unpins them), about 6 s unpinned, more beside
+    CPU hogs: the default could abort the entry of a producer that is alive and let the waiting
+    engine encode too. A test module adds flags of its own in DAEMON_ARGS."""
     extra = getattr(request.module, "DAEMON_ARGS", ())
-    with running_daemon(
-        "--max-bytes", "512MiB", "--log-level", "debug", "--pending-timeout", "300", *extra
-    ) as d:
+    with running_daemon(*DAEMON_FLAGS, *extra) as d:
         yield d
         for log in d.workdir.glob("daemon-*.log"):  # the workdir goes with the daemon
             shutil.copy(log, tmp_path)

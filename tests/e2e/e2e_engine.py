@@ -76,31 +76,54 @@ def count_steps(worker: Any) -> int:
     return int(worker._e2e_steps)
 
 
+class EncoderCounter:
+    """The counters above as methods of a server's worker (`vllm serve
+    --worker-extension-cls e2e_engine.EncoderCounter`), which its `/collective_rpc` (dev mode)
+    calls by name: an HTTP caller can name a worker method, not send a function."""
+
+    def e2e_encoder_outputs(self) -> int:
+        return count_encoder_outputs(self)
+
+
+# The engine arguments every engine of the suite shares, `LLM(...)`'s and `vllm serve`'s alike.
+ENGINE_ARGS: dict[str, Any] = {
+    "seed": 0,
+    "max_num_seqs": 8,
+    "enforce_eager": True,
+    "limit_mm_per_prompt": {"image": 1},
+    # On CPU this is the share of host memory reserved (14 GiB by default): a test runs
+    # several engines at once, each needs a few MiB of KV cache.
+    "gpu_memory_utilization": 0.05,
+    "kv_cache_memory_bytes": 64 << 20,
+}
+
+
+def ec_transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's ec_transfer_config for the spec's connector and role (None: no connector)."""
+    if spec["role"] is None:
+        return None
+    config: dict[str, Any] = {
+        "ec_connector": spec["connector"],
+        "ec_role": spec["role"],
+        "ec_connector_extra_config": spec["extra"],
+    }
+    if spec["connector"] == "ECDaemonConnector":  # vLLM's own connectors need no path
+        config["ec_connector_module_path"] = "ec_client.vllm.connector"
+    return config
+
+
 def build_llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
-    if spec["role"] is not None:
-        kwargs["ec_transfer_config"] = {
-            "ec_connector": spec["connector"],
-            "ec_role": spec["role"],
-            "ec_connector_extra_config": spec["extra"],
-        }
-        if spec["connector"] == "ECDaemonConnector":  # vLLM's own connectors need no path
-            kwargs["ec_transfer_config"]["ec_connector_module_path"] = "ec_client.vllm.connector"
+    if (config := ec_transfer_config(spec)) is not None:
+        kwargs["ec_transfer_config"] = config
     return LLM(
         model=spec["model"],
         dtype=spec["dtype"],
-        seed=0,
         max_model_len=spec["max_model_len"],
-        max_num_seqs=8,
-        enforce_eager=True,
-        limit_mm_per_prompt={"image": 1},
-        # On CPU this is the share of host memory reserved (14 GiB by default): a test runs
-        # several engines at once, each needs a few MiB of KV cache.
-        gpu_memory_utilization=0.05,
-        kv_cache_memory_bytes=64 << 20,
         disable_log_stats=not spec.get("log_stats", False),
+        **ENGINE_ARGS,
         **kwargs,
     )
 

@@ -32,6 +32,8 @@ SHM = Path("/dev/shm")
 START_TIMEOUT_S = 300.0  # imports alone take ~10 s per process on an idle 2-core machine
 CALL_TIMEOUT_S = 300.0
 CAPACITY = 64 << 20  # bytes: ECCPUConnector's ec_cpu_bytes takes no units
+# The suite's daemons' flags (conftest.py's daemon fixture says why --pending-timeout is 300).
+DAEMON_FLAGS = ("--max-bytes", "512MiB", "--log-level", "debug", "--pending-timeout", "300")
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,63 @@ class Leftovers:
         return used
 
 
+def engine_env(leftovers: Leftovers) -> dict[str, str]:
+    """The environment of an engine's processes (an `LLM` engine's or a server's): the CPU
+    workarounds in each, vLLM's IPC sockets in the directory `leftovers` takes away."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(HERE), str(REPO)]),
+        CPU_WORKAROUNDS: "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        # collective_rpc sends engine.count_encoder_outputs to the worker by pickle.
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_RPC_BASE_PATH": leftovers.rpc_dir,
+        # vLLM's CPU worker pins its threads to one core by default, the same core (0) in
+        # every engine: two engines' workers then share that core while the rest of the
+        # machine idles, and a worker's shared-memory reader busy-polls (sched_yield) for a
+        # second after each step it is sent, so an engine stepping even 20 times a second
+        # (one that holds a request for another's encode) keeps its worker spinning on the
+        # core the other engine's worker encodes on (its step took 16-23 s instead of 3 s
+        # here, and past vLLM's 300 s execute_model timeout in some runs). Unpinned, the
+        # kernel spreads them.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+
+
+def kill_group(proc: subprocess.Popen[bytes], leftovers: Leftovers | None) -> None:
+    """SIGKILL the process group `proc` leads (an engine started with start_new_session: its
+    engine core and worker too) and, once every process of it has exited (a SIGKILL is
+    delivered at once, but a process takes a moment to exit and let go of its mappings), take
+    away what they left (`leftovers`, for a group that runs vLLM). Exited, not reaped: a
+    container's init may never reap the orphans."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10.0
+    while _group_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if leftovers is not None:
+        leftovers.remove()
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of the group `pgid` has not exited yet (zombies have)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces, so after its ")"
+            state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                return True
+    return False
+
+
+def log_tail(path: Path, lines: int = 80) -> str:
+    """The last lines of an engine's log, for a failure's message."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
 class EngineFailed(RuntimeError):
     """The engine process reported an error, or died; the message holds its log's tail."""
 
@@ -143,26 +202,7 @@ class Engine:
         self.answers: list[Generated] = []  # every generate's, for the suite's report
         self._leftovers = Leftovers()
         ours, theirs = socket.socketpair()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(HERE), str(REPO)]),
-            CPU_WORKAROUNDS: "1",
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            # collective_rpc sends engine.count_encoder_outputs to the worker by pickle.
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_RPC_BASE_PATH": self._leftovers.rpc_dir,
-            # vLLM's CPU worker pins its threads to one core by default, the same core (0) in
-            # every engine: two engines' workers then share that core while the rest of the
-            # machine idles, and a worker's shared-memory reader busy-polls (sched_yield) for a
-            # second after each step it is sent, so an engine stepping even 20 times a second
-            # (one that holds a request for another's encode) keeps its worker spinning on the
-            # core the other engine's worker encodes on (its step took 16-23 s instead of 3 s
-            # here, and past vLLM's 300 s execute_model timeout in some runs). Unpinned, the
-            # kernel spreads them.
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        }
+        env = engine_env(self._leftovers)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [
@@ -215,30 +255,8 @@ class Engine:
     def kill(self) -> None:
         """SIGKILL the engine's process group (its engine core and worker too), and take away
         what they leave."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        kill_group(self.proc, self._leftovers)
         self._conn.close()
-        self._gone()
-
-    def _gone(self) -> None:
-        """Once every process of the group has exited (a SIGKILL is delivered at once, but a
-        process takes a moment to exit and let go of its mappings), take away what they left.
-        Exited, not reaped: a container's init may never reap the orphans."""
-        deadline = time.monotonic() + 10.0
-        while self._running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._leftovers.remove()
-
-    def _running(self) -> bool:
-        """Whether a process of the engine's group has not exited yet (zombies have)."""
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError):
-                # pid (comm) state ppid pgrp ...: comm may hold spaces, so after its ")"
-                state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
-                if int(pgrp) == self.proc.pid and state != "Z":
-                    return True
-        return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -251,16 +269,15 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.2):
             if self.proc.poll() is not None and not self._conn.poll(0):
-                raise EngineFailed(f"engine exited with {self.proc.returncode}:\n{self._tail()}")
+                raise EngineFailed(
+                    f"engine exited with {self.proc.returncode}:\n{log_tail(self.log_path)}"
+                )
             if time.monotonic() > deadline:
-                raise EngineFailed(f"engine silent for {timeout_s} s:\n{self._tail()}")
+                raise EngineFailed(f"engine silent for {timeout_s} s:\n{log_tail(self.log_path)}")
         status, answer = self._conn.recv()
         if status == "error":
-            raise EngineFailed(f"{answer}\nengine log:\n{self._tail()}")
+            raise EngineFailed(f"{answer}\nengine log:\n{log_tail(self.log_path)}")
         return answer
-
-    def _tail(self, lines: int = 80) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
 
 
 class Engines:
