@@ -73,7 +73,8 @@ def make_app(encoders: list[str], prefill_decode: list[str]) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await request.json()
         try:
-            answers = await asyncio.gather(*(encode(body, item) for item in media_items(body)))
+            items = media_items(body) if encoders else []  # no encoder: a router
+            answers = await asyncio.gather(*(encode(body, item) for item in items))
         except httpx.HTTPError as e:
             raise HTTPException(502, f"encoder request failed: {e!r}") from e
         params = {key: value for answer in answers for key, value in answer.items()}
