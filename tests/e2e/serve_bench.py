@@ -198,12 +198,14 @@ def run(
         result = vllm_bench_serve(args, deployment.url, deployment.servers[0].model, dataset)
         encoded = deployment.encoded() - before
     completed = result["completed"]
+    if completed < args.requests:  # not the same stream as the others': no row to compare
+        errors = [error for error in result["errors"] if error]
+        raise RuntimeError(f"{args.requests - completed} requests failed, first: {errors[:1]}")
     return {
         "configuration": name,
         "servers": len(deployment.servers),
         "start_s": start_s,
         "completed": completed,
-        "failed": args.requests - completed,
         "encoder_calls": encoded,
         "hit_rate": 1 - encoded / completed if completed else 0.0,
         "ttft_ms": {p: result[f"p{p}_ttft_ms"] for p in ("50", "90", "99")},
@@ -217,19 +219,20 @@ def run(
 
 def table(rows: list[dict[str, Any]], stream: Stream) -> str:
     """The results as a markdown table; TTFT and throughput also against the first row's (the
-    configuration with no connector, when it ran)."""
+    configuration with no connector, when it ran); the machine's load average (1 min) as each
+    configuration's stream began."""
     base = rows[0] if rows and "ttft_ms" in rows[0] else None
     lines = [
         f"{stream.requests} requests, one image each from a catalog of {stream.catalog} "
         f"(Zipf {stream.zipf}): {stream.reuse():.0%} of the requests' images seen before.",
         "",
         "| configuration | TTFT p50 | p90 | p99 | end to end p50 | p90 | requests/s "
-        "| encoder calls | hit rate |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| encoder calls | hit rate | load average |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['configuration']} | did not run: {row['error']} |||||||")
+            lines.append(f"| {row['configuration']} | did not run: {row['error']} ||||||||")
             continue
         ttft, e2el = row["ttft_ms"], row["e2el_ms"]
         against = base if base is not None and row is not base else None
@@ -238,9 +241,9 @@ def table(rows: list[dict[str, Any]], stream: Stream) -> str:
             f"| {ttft['50']:.0f} ms{versus(ttft['50'], against and against['ttft_ms']['50'])} "
             f"| {ttft['90']:.0f} ms{versus(ttft['90'], against and against['ttft_ms']['90'])} "
             f"| {ttft['99']:.0f} ms | {e2el['50']:.0f} ms | {e2el['90']:.0f} ms "
-            f"| {row['request_throughput']:.2f}"
+            f"| {row['request_throughput']:.3f}"
             f"{versus(row['request_throughput'], against and against['request_throughput'])} "
-            f"| {row['encoder_calls']} | {row['hit_rate']:.0%} |"
+            f"| {row['encoder_calls']} | {row['hit_rate']:.0%} | {row['load_average'][0]:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
