@@ -31,7 +31,7 @@ def figures() -> dict[str, Any]:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     rows = REPORT["scenarios"]
-    if not rows:
+    if not rows and not REPORT["figures"]:
         return
     terminalreporter.section("ecd end to end: engines per scenario")
     terminalreporter.write_line(

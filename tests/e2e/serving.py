@@ -11,7 +11,8 @@ Interface (test_serve.py and the serving benchmark build on it):
   (`e2e_engine.ENGINE_ARGS`), the tiny LLaVA's chat template, and `--mm-encoder-only` for an
   encoder server; it returns once `GET /health` answers 200 (`e2e_testing.EngineFailed`, with
   the log's tail, if the server exits or is not up within START_TIMEOUT_S; nothing is left
-  running then). `.url`, `.port`, `.model` (the name requests give), `.log_path`, `.log()`;
+  running then). `.url`, `.port`, `.model` (the name requests give), `.log_path`, `.log()`,
+  `.start_s` (how long its last start took, until it answered);
   `.encoded()`: the encoder outputs its worker computed since it started (one per image,
   counted where the suite counts them: e2e_engine.count_encoder_outputs, reached through the
   server's `/collective_rpc`); `.restart()`: closed and started again, same spec and port;
@@ -204,11 +205,13 @@ class Server(_HttpProcess):
         self._start()
 
     def _start(self) -> None:
+        started = time.monotonic()
         self._leftovers = Leftovers()
         env = engine_env(self._leftovers)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # its /collective_rpc, which counts encoder outputs
         self._launch(server_args(self.spec, self.port, self._chat_template, self.encoder_only), env)
         self._counted_from = self._worker_count()  # installs the counter before any request
+        self.start_s = time.monotonic() - started
 
     def restart(self) -> None:
         """Closed, then started again with the same spec on the same port (a proxy in front
