@@ -139,9 +139,13 @@ class _HttpProcess:
             )
         try:
             self._wait_healthy()
+            self._ready()
         except BaseException:
             self.kill()  # a start that failed leaves nothing behind
             raise
+
+    def _ready(self) -> None:
+        """What a start does once the process answers, before it counts as started."""
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -210,8 +214,10 @@ class Server(_HttpProcess):
         env = engine_env(self._leftovers)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # its /collective_rpc, which counts encoder outputs
         self._launch(server_args(self.spec, self.port, self._chat_template, self.encoder_only), env)
-        self._counted_from = self._worker_count()  # installs the counter before any request
         self.start_s = time.monotonic() - started
+
+    def _ready(self) -> None:
+        self._counted_from = self._worker_count()  # installs the counter before any request
 
     def restart(self) -> None:
         """Closed, then started again with the same spec on the same port (a proxy in front
