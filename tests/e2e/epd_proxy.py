@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 MEDIA = {"image_url"}  # the content items this proxy sends to an encoder (the suite sends images)
@@ -83,7 +83,11 @@ def make_app(encoders: list[str], prefill_decode: list[str]) -> FastAPI:
         url = f"{next(decoder)}/v1/chat/completions"
         if not body.get("stream"):
             answer = await client.post(url, json=body)
-            return JSONResponse(answer.json(), status_code=answer.status_code)
+            return Response(
+                answer.content,
+                status_code=answer.status_code,
+                media_type=answer.headers.get("content-type"),
+            )
         streamed = await client.send(client.build_request("POST", url, json=body), stream=True)
         chunks: AsyncIterator[bytes] = streamed.aiter_raw()
         return StreamingResponse(
