@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: install native-libs test-hosts proto docs run test test-e2e e2e-env test-gpu gpu-wheels \
-	gpu-check test-faults test-fuzz test-load test-cluster-faults bench lint format clean
+	gpu-check test-faults test-fuzz test-load test-cluster-faults bench bench-serve lint format clean
 
 install: $(STAMP) native-libs
 
@@ -107,6 +107,17 @@ test-e2e: $(E2E_STAMP) $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/ecd bench --spawn $(BENCH_ARGS)
+
+# make bench-serve: what the cache is worth under a request stream (tests/e2e/serve_bench.py,
+# docs/performance.md). vLLM OpenAI servers on the e2e environment, the model with ViT-L/14-336's
+# vision tower, deployed in each configuration in turn (no connector, ECCPUConnector, ecd in one
+# engine, two, disaggregated, two nodes); one stream of requests that repeat images sent to each by
+# vLLM's own benchmark client. Figures and plot in BENCH_SERVE_OUT; BENCH_SERVE_ARGS takes the
+# benchmark's flags (--rate, --concurrency, --requests, --reuse, --configs).
+BENCH_SERVE_OUT ?= bench-serve
+bench-serve: $(E2E_STAMP)
+	ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR):$(CURDIR)/tests:$(CURDIR)/tests/e2e \
+		$(E2E_VENV)/bin/python tests/e2e/serve_bench.py --out $(BENCH_SERVE_OUT) $(BENCH_SERVE_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests/gpu -v -s $(PYTEST_ARGS)

@@ -5,14 +5,16 @@ the wheel): written here so the suite runs a proxy nobody has to fetch.
 For a `POST /v1/chat/completions`, each image item of the request goes alone, in a chat request
 with `max_tokens` 1, to an encoder server (`ec_producer`, `--mm-encoder-only`), round-robin over
 the encoder servers across requests, all at once; once every one has answered, the whole request
-goes to the prefill/decode server (`ec_consumer`), streamed back when it asked to be. An encoder
-server's answer may carry `ec_transfer_params` (vLLM's own connectors pass a pull's address that
-way; ecd's passes nothing: the pool holds what the encoder saved), which go on to prefill/decode.
-An encoder's failure fails the request (502, or the encoder's status) before prefill/decode is
-asked. `GET /health` answers 200 once the proxy serves (it does not ask its servers).
+goes to a prefill/decode server (`ec_consumer`; round-robin over several), streamed back when it
+asked to be. An encoder server's answer may carry `ec_transfer_params` (vLLM's own connectors
+pass a pull's address that way; ecd's passes nothing: the pool holds what the encoder saved),
+which go on to prefill/decode. An encoder's failure fails the request (502, or the encoder's
+status) before prefill/decode is asked. With no encoder server the proxy is a round-robin router
+(the serving benchmark's, in front of `ec_both` engines). `GET /health` answers 200 once the
+proxy serves (it does not ask its servers).
 
-Run: `python tests/e2e/epd_proxy.py --encoder URL [--encoder URL ...] --prefill-decode URL
---port PORT` (serving.Proxy starts it so in the suite).
+Run: `python tests/e2e/epd_proxy.py [--encoder URL ...] --prefill-decode URL [--prefill-decode
+URL ...] --port PORT` (serving.Proxy starts it so in the suite).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ def media_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def make_app(encoders: list[str], prefill_decode: str) -> FastAPI:
+def make_app(encoders: list[str], prefill_decode: list[str]) -> FastAPI:
     app = FastAPI()
-    turn = itertools.cycle(encoders)  # advanced only between awaits: no lock needed
+    # Round-robin, each advanced only between awaits: no lock needed.
+    turn = itertools.cycle(encoders)
+    decoder = itertools.cycle(prefill_decode)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None))
 
     async def encode(body: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
@@ -69,13 +73,14 @@ def make_app(encoders: list[str], prefill_decode: str) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await request.json()
         try:
-            answers = await asyncio.gather(*(encode(body, item) for item in media_items(body)))
+            items = media_items(body) if encoders else []  # no encoder: a router
+            answers = await asyncio.gather(*(encode(body, item) for item in items))
         except httpx.HTTPError as e:
             raise HTTPException(502, f"encoder request failed: {e!r}") from e
         params = {key: value for answer in answers for key, value in answer.items()}
         if params:
             body = {**body, "ec_transfer_params": params}
-        url = f"{prefill_decode}/v1/chat/completions"
+        url = f"{next(decoder)}/v1/chat/completions"
         if not body.get("stream"):
             answer = await client.post(url, json=body)
             return Response(
@@ -97,12 +102,18 @@ def make_app(encoders: list[str], prefill_decode: str) -> FastAPI:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--encoder", action="append", required=True, help="an encoder server's URL")
-    parser.add_argument("--prefill-decode", required=True, help="the prefill/decode server's URL")
+    parser.add_argument(
+        "--encoder", action="append", default=[], help="an encoder server's URL (none: a router)"
+    )
+    parser.add_argument(
+        "--prefill-decode", action="append", required=True, help="a prefill/decode server's URL"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    app = make_app([url.rstrip("/") for url in args.encoder], args.prefill_decode.rstrip("/"))
+    app = make_app(
+        [url.rstrip("/") for url in args.encoder], [url.rstrip("/") for url in args.prefill_decode]
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

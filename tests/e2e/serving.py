@@ -20,8 +20,9 @@ Interface (test_serve.py and the serving benchmark build on it):
   group is killed and its leftovers removed (returns the exit status); `.kill()`: SIGKILL now.
   A context manager (closes).
 - `Proxy(encoders, prefill_decode, log_dir, name, *, port=None)` starts tests/e2e/epd_proxy.py
-  in front of the given servers (`Server`s or URLs), up once its `GET /health` answers; `.url`,
-  `.log_path`, `.close()`, `.kill()`, `.log()`; a context manager.
+  in front of the given servers (`Server`s or URLs; several prefill/decode servers take requests
+  in turn, and with no encoder the proxy is a round-robin router), up once its `GET /health`
+  answers; `.url`, `.log_path`, `.close()`, `.kill()`, `.log()`; a context manager.
 - `chat(url, model, image, *, max_tokens=MAX_TOKENS, timeout_s=CALL_TIMEOUT_S) -> Reply`: one
   streamed `/v1/chat/completions` request with the suite's prompt and the test image `image`
   (e2e_engine.image) as a base64 PNG, greedy; `Reply.tokens` (vLLM's `return_token_ids`),
@@ -242,7 +243,7 @@ class Proxy(_HttpProcess):
     def __init__(
         self,
         encoders: list[Server | str],
-        prefill_decode: Server | str,
+        prefill_decode: Server | str | list[Server | str],
         log_dir: Path,
         name: str,
         *,
@@ -258,7 +259,10 @@ class Proxy(_HttpProcess):
             argv += ["--encoder", url(encoder)]
         # Not an engine's environment: the CPU workarounds would import vLLM and torch (tens of
         # seconds here) into a process that needs neither; it leaves no vLLM files either.
-        self._launch([*argv, "--prefill-decode", url(prefill_decode)], dict(os.environ))
+        several = prefill_decode if isinstance(prefill_decode, list) else [prefill_decode]
+        for server in several:
+            argv += ["--prefill-decode", url(server)]
+        self._launch(argv, dict(os.environ))
 
 
 class ChatFailed(RuntimeError):
