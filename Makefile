@@ -169,9 +169,10 @@ test-load: $(STAMP)
 	$(PY) -m pytest tests/load -m load -s $(PYTEST_ARGS)
 
 # The cluster under faults on test hosts (tests/cluster, marked cluster_faults): partitions,
-# killed masters and nodes, slow and lossy links; the wall time of each test printed.
+# killed masters and nodes, slow and lossy links; the wall time of each test printed, and what
+# each printed (-rP: the checker's ops, faults and violations; ECD_CHECKER_SECONDS, ECD_CHECKER_SEED).
 test-cluster-faults: $(STAMP) native-libs test-hosts
-	$(PY) -m pytest tests/cluster -m cluster_faults -v --durations=0 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/cluster -m cluster_faults -v -rP --durations=0 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
