@@ -81,7 +81,7 @@ class ClusterFetch:
             elif found.state is EntryState.ABSENT and found.key not in absent:
                 absent.append(found.key)
         if absent and not self._node.connected:  # no call to the store: it would wait seconds
-            self._node.lookup_failures += 1
+            self._node.lookup_failed()
             absent = []
         timeout_s = max(wait_ms / 1000, self.timeout_s)
         if absent:
