@@ -6,7 +6,7 @@ event it emits, for publishing; the node's Stats)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ec_client.types import StepResult
 from ec_daemon.cluster.fetch import ClusterFetch
@@ -48,11 +48,16 @@ class Cluster:
         await self._fetches.fetch(session_id, engine_id, keys, wait_ms)
 
     async def step(
-        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
+        self,
+        session_id: str,
+        engine_id: str,
+        acquires: Sequence[bytes],
+        local: Callable[[bool], StepResult],
     ) -> StepResult:
-        """A Step's answer once the acquires it missed that the store has were read (its
-        misses are the caller's to count)."""
-        return await self._fetches.step(session_id, engine_id, acquires, result)
+        """A Step's answer: `local` (the core's step, given whether to count the acquires'
+        misses), then the acquires it missed that the store has read, and their misses counted
+        (ClusterFetch.step)."""
+        return await self._fetches.step(session_id, engine_id, acquires, local)
 
     async def stop(self, grace_s: float) -> None:
         """Stop republishing, abort the fetches in flight, then leave the store: before the pool
