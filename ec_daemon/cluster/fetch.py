@@ -81,7 +81,7 @@ class ClusterFetch:
             elif found.state is EntryState.ABSENT and found.key not in absent:
                 absent.append(found.key)
         if absent and not self._node.connected:  # no call to the store: it would wait seconds
-            self._node.lookup_failures += 1
+            self._node.lookup_failed()
             absent = []
         timeout_s = max(wait_ms / 1000, self.timeout_s)
         if absent:
@@ -97,13 +97,28 @@ class ClusterFetch:
         return joined + absent
 
     async def step(
-        self, session_id: str, engine_id: str, acquires: Sequence[bytes], result: StepResult
+        self,
+        session_id: str,
+        engine_id: str,
+        acquires: Sequence[bytes],
+        local: Callable[[bool], StepResult],
     ) -> StepResult:
-        """A Step's answer once the acquires it missed that the store has were fetched (its
-        misses are the caller's to count)."""
-        return await acquire_fetched(
-            self._store, self.fetch, session_id, engine_id, acquires, result
+        """A Step's answer: `local` (the core's step, given whether to count the acquires'
+        misses: not here, where the store may still answer them), then the acquires it missed
+        that the store has fetched and acquired again, and only then the misses counted. A pool
+        recreated during the fetches leaves the answer's pool_uuid empty: the answers may name
+        either file."""
+        store = self._store
+        result = await acquire_fetched(
+            store, self.fetch, session_id, engine_id, acquires, local(False)
         )
+        store.count_misses(engine_id, sum(r.status is Status.MISS for r in result.acquires))
+        if (
+            not store.has_pool(engine_id)
+            or store.pool_info(engine_id).pool_uuid != result.pool_uuid
+        ):
+            result = dataclasses.replace(result, pool_uuid="")
+        return result
 
     def fetching(self, engine_id: str, key: bytes) -> bool:
         """Whether `key` is being fetched (its PENDING entry is a read from the store's)."""

@@ -192,7 +192,7 @@ class ClusterNode:
         self.published = self.already_stored = self.unpublishable = self.gone = 0
         self.failures = self.dropped = 0
         self.failed_unsent = 0  # the event loop's: publishes failed unsent, the node disconnected
-        self.lookup_failures = 0  # the event loop's (ClusterFetch) and this thread's
+        self.lookup_failures = 0  # lookup_failed's, from the event loop and this thread
         # The master that serves (with several, the leader: leader.py), and how often the lead
         # passed to another since the node joined.
         self._etcd = etcd_endpoints(settings.master)
@@ -283,7 +283,7 @@ class ClusterNode:
             # Empty is also its answer when the master is gone: asked again in a way that tells
             # (a round trip more for an Acquire the store has none of).
             if not found and not answered(store.batch_is_exist(store_keys)):
-                self.lookup_failures += 1
+                self.lookup_failed()
             return [_memory_size(found.get(key, [])) for key in store_keys]
 
         return work
@@ -596,9 +596,14 @@ class ClusterNode:
         before the next job): where the node learns that it is back in the store."""
         log.info("the store's master answers again", extra={"master": self.settings.master})
 
+    def lookup_failed(self) -> None:
+        """Count a lookup or read not made or failed (the master did not answer): the node's
+        thread counts its own, the event loop (ClusterFetch) those it does not ask for."""
+        self.lookup_failures += 1
+
     def _refuse(self, call: Call) -> None:
         """Fail a call not made: the master does not answer."""
-        self.lookup_failures += 1
+        self.lookup_failed()
         call.future.set_exception(Unreachable(self.error))
 
     def _up(self) -> bool:

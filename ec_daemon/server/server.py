@@ -30,8 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
 from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.types import ClusterStats, WatchEvent
-from ec_daemon.cluster.fetch import ClusterFetch
+from ec_client.types import WatchEvent
 from ec_daemon.cluster.leader import etcd_endpoints
 from ec_daemon.cluster.mooncake import StoreSettings, end_process_left_open
 from ec_daemon.cluster.node import ClusterNode
@@ -105,12 +104,7 @@ def cluster_node(config: Config) -> ClusterNode:
 
 
 def build_store(
-    config: Config,
-    budget: int,
-    hub: EventHub,
-    cluster: ClusterNode | None = None,
-    claims: Claims | None = None,
-    republisher: Republisher | None = None,
+    config: Config, budget: int, hub: EventHub, cluster: Cluster | None = None
 ) -> Store:
     pools = PoolSettings(
         shm_dir=config.shm_dir,
@@ -127,22 +121,12 @@ def build_store(
         def publish(event: WatchEvent) -> None:
             hub.publish(event)
             cluster.on_event(event)
-            if claims is not None:  # after the node: a commit's publish before its marker goes
-                claims.on_event(event)
-
-    def cluster_stats() -> ClusterStats | None:
-        if cluster is None:
-            return None
-        stats = cluster.stats()
-        if claims is not None:
-            stats = claims.stats(stats)
-        return republisher.stats(stats) if republisher is not None else stats
 
     store = Store(
         StoreConfig(pools, config.lease_ttl, config.pending_timeout),
         clock=time.monotonic,
         publish=publish,
-        cluster=cluster_stats,
+        cluster=cluster.stats if cluster is not None else lambda: None,
     )
     if cluster is not None:
         cluster.bind(store)
@@ -180,17 +164,14 @@ async def start(config: Config) -> Daemon:
     for lock in locks:
         lock.acquire()
     hub = EventHub()
-    node = cluster_node(config) if config.store_master else None
-    claims = Claims(node) if node is not None else None
-    republisher = Republisher(node, config.republish_rate) if node is not None else None
-    store = build_store(config, budget, hub, node, claims, republisher)
-    adopt_pools(store)
     cluster: Cluster | None = None
-    if node is not None and claims is not None and republisher is not None:
-        fetches = ClusterFetch(store, node, config.pull_timeout)
-        claims.bind(store, fetches.fetching, fetches.waits)
-        republisher.bind(store)
-        cluster = Cluster(node, fetches, republisher)
+    if config.store_master:
+        node = cluster_node(config)
+        cluster = Cluster(
+            node, Claims(node), Republisher(node, config.republish_rate), config.pull_timeout
+        )
+    store = build_store(config, budget, hub, cluster)
+    adopt_pools(store)
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import functools
 import logging
 import time
@@ -458,26 +457,24 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         )
         # A local_only Step's acquires are answered by this node alone (a get with no wait_ms).
         cluster = None if request.local_only else self.cluster
-        result = self.store.step(
-            request.session_id,
-            engine_id,
-            request.releases,
-            valid(commits),
-            valid(aborts),
-            valid(acquires),
-            valid(allocates),
-            count_misses=cluster is None,  # else once the store had its say
-            hits=request.hits,
-        )
-        if cluster is not None:  # acquires the store can answer: fetched, and waited for
-            result = await cluster.step(request.session_id, engine_id, valid(acquires), result)
-            missed = sum(r.status is api.Status.MISS for r in result.acquires)
-            self.store.count_misses(engine_id, missed)
-        if cluster is not None and (
-            not self.store.has_pool(engine_id)
-            or self.store.pool_info(engine_id).pool_uuid != result.pool_uuid
-        ):  # recreated during the fetches: the answers may name either file
-            result = dataclasses.replace(result, pool_uuid="")
+
+        def local(count_misses: bool) -> api.StepResult:
+            return self.store.step(
+                request.session_id,
+                engine_id,
+                request.releases,
+                valid(commits),
+                valid(aborts),
+                valid(acquires),
+                valid(allocates),
+                count_misses=count_misses,
+                hits=request.hits,
+            )
+
+        if cluster is None:
+            result = local(True)
+        else:  # acquires the store can answer: fetched, waited for, its misses counted
+            result = await cluster.step(request.session_id, engine_id, valid(acquires), local)
         # Counted last, with nothing left to fail or wait for: a Step that raises left them to
         # the client's next one, so they are counted once (the hits were refreshed for eviction
         # in store.step, ahead of its allocations).

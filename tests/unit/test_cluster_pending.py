@@ -27,6 +27,8 @@ from ec_daemon.cluster.pending import (
     alive_key,
     marker_key,
 )
+from ec_daemon.cluster.republish import Republisher
+from ec_daemon.cluster.tier import Cluster
 from ec_daemon.core.store import Store
 from ec_daemon.server import config
 from ec_daemon.server.events import EventHub
@@ -86,7 +88,8 @@ def claiming(shm_dir: Path, fake: RecordingStore) -> Iterator[tuple[Claims, Stor
     node = ClusterNode(settings, connect=lambda _: (fake, None))
     claims = Claims(node, placement=lambda store: "here")
     loaded, _ = config.load({"shm_dir": str(shm_dir)}, {}, None)
-    store = build_store(loaded, 1 << 30, EventHub(), cluster=node, claims=claims)
+    cluster = Cluster(node, claims, Republisher(node, rate=1), pull_timeout_s=1)
+    store = build_store(loaded, 1 << 30, EventHub(), cluster)
 
     async def no_fill(engine_id: str, slots: Any, started: float) -> int:
         return 0

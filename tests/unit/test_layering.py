@@ -148,3 +148,35 @@ def test_the_client_library_imports_torch_only_in_its_data_path_and_above() -> N
         if name.split(".")[0] == "torch"
     }
     assert not found
+
+
+def fields_written_through(package: str) -> list[str]:
+    """Each assignment in the package's modules to a field of an object that one of its own
+    objects holds (`self._node.lookup_failures += 1`, `self._store.pool.index.counters.x = 0`)."""
+    found = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                for written in ast.walk(target):
+                    held = written.value if isinstance(written, ast.Attribute) else None
+                    if (
+                        isinstance(held, ast.Attribute)
+                        and isinstance(held.value, ast.Name)
+                        and held.value.id == "self"
+                    ):
+                        found.append(f"{module_name(path)}:{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def test_the_server_and_the_cluster_write_no_field_of_an_object_they_hold() -> None:
+    """A counter or a state is written by the object that owns it, through a method it gives:
+    the service does not count the cluster's misses in its place, the cluster does not move the
+    node's or the core's counters (docs/design.md §2)."""
+    assert not fields_written_through("ec_daemon/server")
+    assert not fields_written_through("ec_daemon/cluster")
