@@ -97,11 +97,13 @@ class SharedPool:
 
 @dataclass(frozen=True)
 class Publish:
-    """A commit to publish: the entry `key` whose record the commit wrote into `slot`."""
+    """A commit to publish: the entry `key` whose record the commit wrote into `slot`; `again`
+    when a republish offers it once more (what it cannot publish was counted at its commit)."""
 
     pool: SharedPool
     key: bytes
     slot: int
+    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,7 +349,7 @@ class ClusterNode:
             held = [slot for (slot, _), entry in pinned if entry is not None]
             try:
                 if found:
-                    self._handle([Publish(pool, key, slot) for slot, key in found])
+                    self._handle([Publish(pool, key, slot, again=True) for slot, key in found])
             finally:
                 mounted.pins.unpin_many(held)
             return Offered(len(found), self.published - published, next_slot)
@@ -526,7 +528,7 @@ class ClusterNode:
             header = codec.header(entry.spec)
         except codec.Unpublishable:
             mounted.pins.unpin(job.slot)
-            self.unpublishable += 1
+            self.unpublishable += not job.again
             return None
         block_size = mounted.info.block_size_bytes
         buffers = [

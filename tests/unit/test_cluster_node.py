@@ -21,7 +21,7 @@ from ecd_testing import REPO, wait_until
 from ec_client.types import PoolInfo, Status, TensorSpec
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings, Unreachable, connect
-from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.node import ClusterNode, SharedPool
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
 
@@ -131,6 +131,20 @@ def test_an_entry_removed_before_its_turn_is_not_published_nor_what_took_its_blo
     wait_until(lambda: node.published + node.gone == 3, 10)
     assert (node.published, node.gone) == (2, 1)
     assert fake.values == dict([value(b"first", first), value(b"third", third)])
+
+
+def test_an_entry_the_format_cannot_express_is_counted_at_its_commit_not_again_at_a_republish(
+    node_and_store: tuple[ClusterNode, Store, str],
+) -> None:
+    node, store, sid = node_and_store
+    spec = TensorSpec((ROWS, 4096), "int8", ROWS * BLOCK)  # int8: no dtype code in the format
+    [result] = store.allocate(sid, "p", [(b"int8", spec)])
+    assert [r.status for r in store.commit(sid, "p", [(b"int8", 0, result.allocation)])] == [
+        Status.OK
+    ]
+    wait_until(lambda: node.unpublishable == 1, 10)
+    offered = node.ask(node.publish_again(SharedPool("ns", store.pool_info("p")), 0)).result(10)
+    assert (offered.offered, offered.put, node.unpublishable) == (1, 0, 1)
 
 
 def test_a_publish_the_store_refuses_is_counted_and_the_commit_stands(
