@@ -73,6 +73,11 @@ def marker_in_store(master: Master, key: str) -> bool:
         store.close()
 
 
+# Daemons under libfaketime run in make test-cluster-faults: one such daemon died of SIGSEGV once
+# under a heavily loaded machine (cause not found), and make test must not hang on a flake there.
+skewed = pytest.mark.cluster_faults
+
+
 @contextmanager
 def two_nodes(master: Master, *a_args: str, b_clock: str = "") -> Iterator[tuple[Daemon, Daemon]]:
     """Two daemons joined to the store; b's wall clock `b_clock` ("+60s", "-60s") off."""
@@ -186,7 +191,7 @@ def test_a_marker_nobody_refreshes_is_taken_for_dead_within_its_bound_and_replac
     "reader_clock",
     [
         pytest.param("", id="same-clock"),
-        pytest.param("-60s", id="reader-a-minute-behind", marks=needs_faketime),
+        pytest.param("-60s", id="reader-a-minute-behind", marks=[needs_faketime, skewed]),
     ],
 )
 def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_its_bound(
@@ -207,6 +212,7 @@ def test_a_marker_whose_writers_daemon_died_holds_the_other_node_no_longer_than_
 
 
 @needs_faketime
+@skewed
 def test_a_node_whose_clock_runs_a_minute_ahead_waits_for_a_live_claim_and_reads_it_committed(
     master: Master,
 ) -> None:
@@ -230,6 +236,7 @@ def test_a_node_whose_clock_runs_a_minute_ahead_waits_for_a_live_claim_and_reads
 
 
 @needs_faketime
+@skewed
 def test_a_node_whose_clock_runs_a_minute_ahead_does_not_take_another_nodes_claim_over(
     master: Master,
 ) -> None:
