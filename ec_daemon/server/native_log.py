@@ -52,7 +52,8 @@ EXPECTED = (
         "the master does not answer (stopped, restarting, unreachable): the client's calls "
         "and pings fail and it reconnects",
         re.compile(
-            r"\] (Client not available|RPC call failed|Failed to ping master|Reconnect failed)"
+            r"\] (Client not available|(Batch )?RPC call failed|Failed to ping master"
+            r"|Reconnect failed)"
         ),
         logging.WARNING,
         MASTER_AWAY_EVERY_S,

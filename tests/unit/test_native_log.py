@@ -23,6 +23,7 @@ JOIN = [
 ]
 MASTER_AWAY = [
     "E1206 23:59:30.013065 10712 master_client.cpp:370] RPC call failed: End of file",
+    "E1207 05:05:53.588502  9985 master_client.cpp:416] Batch RPC call failed: End of file",
     "E1206 23:59:30.034538 10732 client_service.cpp:4857] Failed to ping master",
     "E1206 23:59:35.237852 10710 master_client.cpp:361] Client not available",
     "E1206 23:59:37.373741 10710 master_client.cpp:406] Client not available",
