@@ -98,7 +98,8 @@ class SharedPool:
 @dataclass(frozen=True)
 class Publish:
     """A commit to publish: the entry `key` whose record the commit wrote into `slot`; `again`
-    when a republish offers it once more (what it cannot publish was counted at its commit)."""
+    when a republish offers it once more (an entry that cannot be published, or whose publish
+    fails, was counted so at its commit: not counted again)."""
 
     pool: SharedPool
     key: bytes
@@ -161,6 +162,7 @@ class Item:
     store_key: str
     header: bytes
     buffers: list[tuple[int, int]]  # (address, length) of its bytes in the region
+    again: bool  # offered by a republish (Publish.again)
 
 
 class ClusterNode:
@@ -498,7 +500,7 @@ class ClusterNode:
         publishes = [job for job in batch if isinstance(job, Publish)]
         try:
             if publishes and not self._up():
-                self.failures += len(publishes)
+                self.failures += sum(not job.again for job in publishes)
                 self._failed("publishes failed: the store's master does not answer", self.error)
                 self._keep_for_retry(publishes)
                 publishes = []
@@ -536,7 +538,12 @@ class ClusterNode:
             for offset, length in byte_runs(entry.extents, block_size, entry.spec.nbytes)
         ]
         return Item(
-            mounted, job.slot, codec.store_key(job.pool.namespace, job.key), header, buffers
+            mounted,
+            job.slot,
+            codec.store_key(job.pool.namespace, job.key),
+            header,
+            buffers,
+            job.again,
         )
 
     def _publish(self, items: list[Item]) -> list[Item]:
@@ -545,7 +552,7 @@ class ClusterNode:
             return []
         present = self._store.batch_is_exist([item.store_key for item in items])
         if not answered(present):
-            self.failures += len(items)
+            self.failures += sum(not item.again for item in items)
             return items
         todo: dict[str, Item] = {}  # one per key: a batch may name a key twice
         for item, state in zip(items, present, strict=True):
@@ -572,7 +579,7 @@ class ClusterNode:
             elif result == OBJECT_ALREADY_EXISTS:
                 self.already_stored += 1
             else:
-                self.failures += 1
+                self.failures += not item.again
                 self._failed("a publish failed", f"the store answered {result}")
                 if not answered([result]):
                     unanswered.append(item)

@@ -22,7 +22,8 @@ remote hits' lookups and reads), at most `rate` entries a second (`--republish-r
 event loop only awaits. A pool seen shared for the first time (created, or reopened with its
 namespace after a restart) is walked once; a walk cut short (the master stopped answering) is
 walked again once the node is back. A publish the store answered with a refusal (full) is
-counted and not tried again, as a commit's is: the store's eviction is its own to make.
+not tried again, as a commit's is not: the store's eviction is its own to make. What a walk
+fails to publish, or cannot, is not counted again: its commit's publish counted it.
 `ClusterNode.republish_missing` (from any thread) has every pool walked again.
 """
 

@@ -147,6 +147,17 @@ def test_an_entry_the_format_cannot_express_is_counted_at_its_commit_not_again_a
     assert (offered.offered, offered.put, node.unpublishable) == (1, 0, 1)
 
 
+def test_a_publish_the_store_refused_is_counted_at_its_commit_not_again_at_a_republish(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
+) -> None:
+    node, store, sid = node_and_store
+    fake.put_result = -200  # NO_AVAILABLE_HANDLE: the store is full
+    put(store, sid, b"refused", 1)
+    wait_until(lambda: node.failures == 1, 10)
+    offered = node.ask(node.publish_again(SharedPool("ns", store.pool_info("p")), 0)).result(10)
+    assert (offered.offered, offered.put, node.failures) == (1, 0, 1)
+
+
 def test_a_publish_the_store_refuses_is_counted_and_the_commit_stands(
     node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
 ) -> None:
