@@ -410,6 +410,11 @@ def bench_lookups(
 REPUBLISH_POOL = "ecd-bench-republish"
 REPUBLISH_HIDDEN = 128  # entries of one row of 128 bfloat16: 256 bytes, one block each
 REPUBLISH_BATCH = 256  # entries a put_many
+# Entries a republish offers the store a batch (ec_daemon.cluster.node.REPUBLISH_BATCH): a pool's
+# walk is over after ceil(entries / this) batches, whatever the store took or refused (a store
+# the earlier suites filled may refuse some, counted at no publish: the pool was not shared when
+# they were committed).
+WALK_BATCH = 512
 REPUBLISH_POOL_ENTRIES = 50_000  # entries a pool (a daemon's pools hold 65,536 by default at most)
 REPUBLISH_CHECKED = 256  # entries read back from the other daemon, bit for bit
 
@@ -438,11 +443,8 @@ def _republished(client: Client) -> int:
     return _node_stats(client).republished
 
 
-def _offered(client: Client) -> int:
-    """Entries the node published again or whose publish the store refused: a store that the
-    earlier suites filled may refuse some of the first walk (counted, not tried again)."""
-    stats = _node_stats(client)
-    return stats.republished + stats.publish_failures
+def _batches(client: Client) -> int:
+    return _node_stats(client).republish_batches
 
 
 def bench_republish(
@@ -476,10 +478,14 @@ def bench_republish(
                 batch = range(first, min(first + REPUBLISH_BATCH, held.stop))
                 producer.put_many({keys[i]: data[i] for i in batch})
             producer.flush()
-        before = _offered(near)
+        before = _batches(near)
+        walked = before + sum(
+            -(-min(REPUBLISH_POOL_ENTRIES, entries - n * REPUBLISH_POOL_ENTRIES) // WALK_BATCH)
+            for n in range(len(pools))
+        )
         for pool in pools:
             near.open_pool(pool, cluster_namespace=NAMESPACE)  # walked, and published
-        _wait(lambda: _offered(near) >= before + entries, "the entries to be offered", 120)
+        _wait(lambda: _batches(near) >= walked, "every pool to be walked", 120)
 
         republished, cpu = _republished(near), cpu_seconds(cluster.near[1])
         restart_master()
