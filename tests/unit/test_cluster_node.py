@@ -21,7 +21,7 @@ from ecd_testing import REPO, wait_until
 from ec_client.types import PoolInfo, Status, TensorSpec
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings, Unreachable, connect
-from ec_daemon.cluster.node import ClusterNode, SharedPool
+from ec_daemon.cluster.node import ClusterNode, Offered, SharedPool
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
 
@@ -112,6 +112,11 @@ def put(store: Store, sid: str, key: bytes, fill: int) -> bytes:
     return data
 
 
+def offer_again(node: ClusterNode, store: Store) -> Offered:
+    """Pool "p" walked once by a republish from its first slot, on the node's thread."""
+    return node.ask(node.publish_again(SharedPool("ns", store.pool_info("p")), 0)).result(10)
+
+
 def value(key: bytes, data: bytes) -> tuple[str, bytes]:
     spec = TensorSpec((ROWS, 2048), "bfloat16", len(data))
     return codec.store_key("ns", key), codec.header(spec) + data
@@ -143,7 +148,7 @@ def test_an_entry_the_format_cannot_express_is_counted_at_its_commit_not_again_a
         Status.OK
     ]
     wait_until(lambda: node.unpublishable == 1, 10)
-    offered = node.ask(node.publish_again(SharedPool("ns", store.pool_info("p")), 0)).result(10)
+    offered = offer_again(node, store)
     assert (offered.offered, offered.put, node.unpublishable) == (1, 0, 1)
 
 
@@ -154,7 +159,7 @@ def test_a_publish_the_store_refused_is_counted_at_its_commit_not_again_at_a_rep
     fake.put_result = -200  # NO_AVAILABLE_HANDLE: the store is full
     put(store, sid, b"refused", 1)
     wait_until(lambda: node.failures == 1, 10)
-    offered = node.ask(node.publish_again(SharedPool("ns", store.pool_info("p")), 0)).result(10)
+    offered = offer_again(node, store)
     assert (offered.offered, offered.put, node.failures) == (1, 0, 1)
 
 
