@@ -400,7 +400,7 @@ def count_list(text: str) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ec_client.bench import bench, bench_cluster
-    from ec_daemon.tools import costs
+    from ec_daemon.tools import costs, transfer_floor
     from ec_daemon.tools.spawn import restartable_daemon, spawned_daemon
     from ec_daemon.tools.spawn_store import spawned_master, spawned_store_daemons
 
@@ -442,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 far,
                 f"http://127.0.0.1:{master.metrics_port}/metrics",
             )
-            bench_cluster.run_cluster(cluster, master.restart, args, report)
+            bench_cluster.run_cluster(cluster, master.restart, transfer_floor.read_ms, args, report)
     if suites - {"costs", "restart", "cluster"}:
         if args.spawn:
             with spawned_daemon(*spawned, prefix="ecd-bench-") as address:

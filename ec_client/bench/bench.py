@@ -707,15 +707,19 @@ SECTIONS = {
     "cluster_hit": (
         "Cluster: a remote hit (an entry only another daemon put: one lookup at the master, one "
         "read into a local entry, the copy out) vs a local get of it and vLLM's store client "
-        "reading it (medians of runs; fetch_ms: the daemon's mean lookup + read)",
+        "reading it, and the floor: the transfer engine's own read of as many bytes on the same "
+        "link (transfer_engine_bench, once a run) (medians of runs; fetch_ms: the daemon's mean "
+        "lookup + read)",
         [
             "size",
             "local_ms",
             "remote_ms",
             "vllm_ms",
+            "floor_ms",
             "fetch_ms",
             "remote_vs_local",
             "remote_vs_vllm",
+            "remote_vs_floor",
             "reads_per_hit",
         ],
     ),

@@ -6,7 +6,8 @@ process:
   master, one read into the local entry, then the copy out), against a local get of the same
   entry on the same daemon, and against vLLM's own store client reading it (vLLM 0.33's
   `mooncake_store_embedding`: `batch_get_into` a registered read buffer, the header checked, the
-  bytes copied out), side by side, sample by sample;
+  bytes copied out), side by side, sample by sample; and against the floor, the transfer
+  engine's own read of 8 MiB on the same link (`transfer_engine_bench`), once a run;
 - directory: simulated nodes, each a store client that publishes entries of its own into its
   own segment, 1, 10 and 100 of them: the daemon's resident memory and entries against the
   entries in the store, and the master's memory per entry;
@@ -158,11 +159,19 @@ def _wait_for_view(client: Client, key: str, present: bool) -> None:
 
 
 def bench_remote_hit(
-    cluster: Cluster, near: Client, far: Client, runs: int, samples: int, report: Report
+    cluster: Cluster,
+    near: Client,
+    far: Client,
+    floor: Callable[[int], float],
+    runs: int,
+    samples: int,
+    report: Report,
 ) -> None:
     """Medians over runs of each run's median remote hit, local get and vLLM read of one 8 MiB
     entry, taken in turn sample by sample, and of each run's ratios of those medians; every
-    read's bytes checked (untimed)."""
+    read's bytes checked (untimed). `floor` (milliseconds a read of so many bytes takes the
+    transport alone) is measured once a run, after its samples: the machine's load moves it as
+    much as the hit."""
     import torch
 
     tensor = torch.randn(2048, HIDDEN, dtype=torch.bfloat16)
@@ -202,6 +211,7 @@ def bench_remote_hit(
                     "local_ms": statistics.median(local) * 1e3,
                     "remote_ms": statistics.median(remote) * 1e3,
                     "vllm_ms": statistics.median(theirs) * 1e3,
+                    "floor_ms": floor(size),
                 }
             )
         [after] = far.stats(POOL).pools
@@ -218,6 +228,7 @@ def bench_remote_hit(
             "fetch_ms": (after.remote_seconds_sum - before.remote_seconds_sum) / hits * 1e3,
             "remote_vs_local": statistics.median(r["remote_ms"] / r["local_ms"] for r in rows),
             "remote_vs_vllm": statistics.median(r["remote_ms"] / r["vllm_ms"] for r in rows),
+            "remote_vs_floor": statistics.median(r["remote_ms"] / r["floor_ms"] for r in rows),
             "reads_per_hit": (after.remote_reads - before.remote_reads) / hits,
         },
     )
@@ -530,16 +541,21 @@ def bench_republish(
 
 
 def run_cluster(
-    cluster: Cluster, restart_master: Callable[[], None], args: Any, report: Report
+    cluster: Cluster,
+    restart_master: Callable[[], None],
+    floor: Callable[[int], float],
+    args: Any,
+    report: Report,
 ) -> None:
     """The cluster suite against `cluster`, whose master `restart_master` kills and starts
-    again with an empty directory."""
+    again with an empty directory, and whose link's transport alone reads so many bytes in
+    `floor` milliseconds."""
     with (
         Client(cluster.near[0], name="ecd-bench", role=Role.BOTH) as near,
         Client(cluster.far[0], name="ecd-bench-far", role=Role.BOTH) as far,
         pool_dropped(near, far),
     ):
-        bench_remote_hit(cluster, near, far, args.runs, args.cluster_samples, report)
+        bench_remote_hit(cluster, near, far, floor, args.runs, args.cluster_samples, report)
         with nodes_process(cluster, args.cluster_entries) as nodes:
             bench_directory(cluster, far, nodes, args.cluster_entries, args.cluster_nodes, report)
             bench_lookups(nodes, args.cluster_clients, args.cluster_seconds, args.runs, report)

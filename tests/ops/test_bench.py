@@ -11,6 +11,8 @@ import pytest
 from cluster_testing import needs_mooncake
 from ecd_testing import Daemon, run_ecd
 
+from ec_daemon.tools import transfer_floor
+
 
 def bench(daemon: Daemon, *flags: str) -> subprocess.CompletedProcess[str]:
     """`ecd bench` against a daemon that is already running, as an operator points it at one."""
@@ -35,6 +37,7 @@ def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
     [hit] = figures["cluster_hit"]
     assert hit["size"] == "8.0 MiB" and hit["reads_per_hit"] == 1
     assert hit["remote_ms"] > 0 and hit["local_ms"] > 0 and hit["vllm_ms"] > 0
+    assert hit["floor_ms"] > 0 and hit["remote_vs_floor"] == hit["remote_ms"] / hit["floor_ms"]
     one, two = figures["cluster_directory"]
     assert (one["nodes"], one["entries_in_store"], two["entries_in_store"]) == (1, 10, 20)
     assert one["daemon_rss_mib"] > 0 and one["master_rss_mib"] > 0
@@ -43,6 +46,16 @@ def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
     [republish] = figures["cluster_republish"]
     assert (republish["entries"], republish["read_back"]) == (1000, 250)
     assert republish["republished_s"] > 0 and republish["master_calls"] >= 3
+
+
+@needs_mooncake
+def test_the_floor_is_the_transfer_engines_own_read_timed_by_its_own_count() -> None:
+    assert transfer_floor.read_ms(1 << 20, seconds=1) > 0
+
+
+def test_a_floor_whose_transfer_engine_does_not_start_says_so_with_its_output() -> None:
+    with pytest.raises(RuntimeError, match=r"target did not start: .*unrecognized option"):
+        transfer_floor.read_ms(1 << 20, binary="/bin/ls")
 
 
 def test_the_cluster_suite_needs_daemons_of_its_own_and_says_so() -> None:

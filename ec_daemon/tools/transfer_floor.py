@@ -1,0 +1,95 @@
+"""The floor a remote hit can reach, for `ecd bench --spawn --suite cluster`: Mooncake's own
+`transfer_engine_bench` reading a block of the same size between two of its processes on
+loopback TCP (a target lending its buffer, an initiator reading from it: P2P handshake, one
+request a batch, one thread), with no master, no store client and no copy out.
+
+Measured in the same sitting as the remote hit it is compared with: on this project's shared
+machine the same read takes 3 ms idle and 15-35 ms loaded, so a floor from another time says
+nothing about a hit's overhead (docs/performance.md, *The cluster tier*)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ec_daemon.tools.spawn import free_port
+from ec_daemon.tools.spawn_store import wait_listening
+
+# The mooncake extra installs it beside the interpreter, as it does mooncake_master.
+BENCH_BINARY = str(Path(sys.executable).with_name("transfer_engine_bench"))
+START_TIMEOUT_S = 20.0
+HANDSHAKE = re.compile(r"P2P handshake, listening on [\d.]+:(\d+)")
+DATA_PORT = re.compile(r"TcpTransport: listen on port (\d+)")
+COMPLETED = re.compile(r"Test completed: duration ([\d.]+), batch count (\d+)")
+
+
+def bench_command(mode: str, nbytes: int, *flags: str, binary: str = BENCH_BINARY) -> list[str]:
+    """`transfer_engine_bench` as a target or an initiator on loopback TCP, with a buffer of
+    two blocks of `nbytes` (the initiator reads into its own, from the target's)."""
+    return [
+        binary,
+        f"--mode={mode}",
+        "--protocol=tcp",
+        "--metadata_server=P2PHANDSHAKE",
+        f"--local_server_name=127.0.0.1:{free_port()}",
+        f"--buffer_size={2 * nbytes}",
+        *flags,
+    ]
+
+
+def target_ports(log: Path, proc: subprocess.Popen[bytes]) -> tuple[int, int]:
+    """The target's handshake and data ports, once its log names both (it picks them itself,
+    whatever its server name says); RuntimeError, with its log, if it does not within
+    START_TIMEOUT_S."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log.read_text(errors="replace")
+        handshake, data = HANDSHAKE.search(text), DATA_PORT.search(text)
+        if handshake and data:
+            return int(handshake.group(1)), int(data.group(1))
+        time.sleep(0.05)
+    raise RuntimeError(f"transfer_engine_bench's target did not start: {log.read_text()}")
+
+
+def read_ms(nbytes: int, seconds: int = 1, binary: str = BENCH_BINARY) -> float:
+    """Milliseconds one read of `nbytes` takes, as the mean over `seconds` of reads one after
+    another (the transfer engine's own count of them)."""
+    workdir = Path(tempfile.mkdtemp(prefix="ecd-bench-floor-"))
+    log = workdir / "target.log"
+    try:
+        with log.open("wb") as out:
+            target = subprocess.Popen(
+                bench_command("target", nbytes, binary=binary), stdout=out, stderr=out
+            )
+        try:
+            handshake, data = target_ports(log, target)
+            wait_listening(target, (handshake, data), START_TIMEOUT_S, log)
+            done = subprocess.run(
+                bench_command(
+                    "initiator",
+                    nbytes,
+                    f"--segment_id=127.0.0.1:{handshake}",
+                    f"--block_size={nbytes}",
+                    "--batch_size=1",
+                    "--threads=1",
+                    f"--duration={seconds}",
+                    binary=binary,
+                ),
+                capture_output=True,
+                text=True,
+                timeout=seconds + 30,
+            )
+        finally:
+            target.kill()
+            target.wait()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    completed = COMPLETED.search(done.stdout + done.stderr)
+    if done.returncode != 0 or completed is None or not int(completed.group(2)):
+        raise RuntimeError(f"transfer_engine_bench's initiator read nothing: {done.stderr[-2000:]}")
+    return float(completed.group(1)) / int(completed.group(2)) * 1e3
