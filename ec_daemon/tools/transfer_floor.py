@@ -1,7 +1,8 @@
 """The floor a remote hit can reach, for `ecd bench --spawn --suite cluster`: Mooncake's own
-`transfer_engine_bench` reading a block of the same size between two of its processes on
-loopback TCP (a target lending its buffer, an initiator reading from it: P2P handshake, one
-request a batch, one thread), with no master, no store client and no copy out.
+`transfer_engine_bench` reading a block of the same size between two of its processes over TCP
+(a target lending its buffer, an initiator reading from it: P2P handshake, one request a batch,
+one thread), with no master, no store client and no copy out. On loopback, or between two hosts
+(`Side`: the test hosts' network namespaces, tests/link_figures.py).
 
 Measured in the same sitting as the remote hit it is compared with: on this project's shared
 machine the same read takes 3 ms idle and 15-35 ms loaded, so a floor from another time says
@@ -15,10 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ec_daemon.tools.spawn import free_port
-from ec_daemon.tools.spawn_store import wait_listening
 
 # The mooncake extra installs it beside the interpreter, as it does mooncake_master.
 BENCH_BINARY = str(Path(sys.executable).with_name("transfer_engine_bench"))
@@ -28,52 +29,74 @@ DATA_PORT = re.compile(r"TcpTransport: listen on port (\d+)")
 COMPLETED = re.compile(r"Test completed: duration ([\d.]+), batch count (\d+)")
 
 
-def bench_command(mode: str, nbytes: int, *flags: str, binary: str = BENCH_BINARY) -> list[str]:
-    """`transfer_engine_bench` as a target or an initiator on loopback TCP, with a buffer of
-    two blocks of `nbytes` (the initiator reads into its own, from the target's)."""
+@dataclass(frozen=True)
+class Side:
+    """Where the target or the initiator runs: the address the other reaches it at, and the
+    argv prefix that runs a command there (none: this host)."""
+
+    address: str = "127.0.0.1"
+    launcher: tuple[str, ...] = ()
+
+
+LOOPBACK = Side()
+
+
+def bench_command(
+    mode: str, side: Side, nbytes: int, *flags: str, binary: str = BENCH_BINARY
+) -> list[str]:
+    """`transfer_engine_bench` as a target or an initiator over TCP on `side`, with a buffer of
+    two blocks of `nbytes` (the initiator reads into its own, from the target's). Its server
+    name's port is only a name: with a P2P handshake it listens on ports it picks."""
     return [
+        *side.launcher,
         binary,
         f"--mode={mode}",
         "--protocol=tcp",
         "--metadata_server=P2PHANDSHAKE",
-        f"--local_server_name=127.0.0.1:{free_port()}",
+        f"--local_server_name={side.address}:{free_port()}",
         f"--buffer_size={2 * nbytes}",
         *flags,
     ]
 
 
-def target_ports(log: Path, proc: subprocess.Popen[bytes]) -> tuple[int, int]:
-    """The target's handshake and data ports, once its log names both (it picks them itself,
-    whatever its server name says); RuntimeError, with its log, if it does not within
+def handshake_port(log: Path, proc: subprocess.Popen[bytes]) -> int:
+    """The target's handshake port, once its log says it listens on it and on its data port
+    (it logs each once listening); RuntimeError, with its log, if it does not within
     START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
         text = log.read_text(errors="replace")
         handshake, data = HANDSHAKE.search(text), DATA_PORT.search(text)
         if handshake and data:
-            return int(handshake.group(1)), int(data.group(1))
+            return int(handshake.group(1))
         time.sleep(0.05)
     raise RuntimeError(f"transfer_engine_bench's target did not start: {log.read_text()}")
 
 
-def read_ms(nbytes: int, seconds: int = 1, binary: str = BENCH_BINARY) -> float:
-    """Milliseconds one read of `nbytes` takes, as the mean over `seconds` of reads one after
-    another (the transfer engine's own count of them)."""
+def read_ms(
+    nbytes: int,
+    seconds: int = 1,
+    binary: str = BENCH_BINARY,
+    target: Side = LOOPBACK,
+    initiator: Side = LOOPBACK,
+) -> float:
+    """Milliseconds one read of `nbytes` by `initiator` from `target` takes, as the mean over
+    `seconds` of reads one after another (the transfer engine's own count of them)."""
     workdir = Path(tempfile.mkdtemp(prefix="ecd-bench-floor-"))
     log = workdir / "target.log"
     try:
         with log.open("wb") as out:
-            target = subprocess.Popen(
-                bench_command("target", nbytes, binary=binary), stdout=out, stderr=out
+            process = subprocess.Popen(
+                bench_command("target", target, nbytes, binary=binary), stdout=out, stderr=out
             )
         try:
-            handshake, data = target_ports(log, target)
-            wait_listening(target, (handshake, data), START_TIMEOUT_S, log)
+            handshake = handshake_port(log, process)
             done = subprocess.run(
                 bench_command(
                     "initiator",
+                    initiator,
                     nbytes,
-                    f"--segment_id=127.0.0.1:{handshake}",
+                    f"--segment_id={target.address}:{handshake}",
                     f"--block_size={nbytes}",
                     "--batch_size=1",
                     "--threads=1",
@@ -85,8 +108,8 @@ def read_ms(nbytes: int, seconds: int = 1, binary: str = BENCH_BINARY) -> float:
                 timeout=seconds + 30,
             )
         finally:
-            target.kill()
-            target.wait()
+            process.kill()
+            process.wait()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     completed = COMPLETED.search(done.stdout + done.stderr)

@@ -14,6 +14,7 @@ from ecd_testing import wait_until
 from hosts_testing import PREFIX, Hosts, hosts_missing, master_on, node_on, running_hosts
 
 from ec_client import Consumer, Producer
+from ec_daemon.tools import transfer_floor
 
 
 def test_two_nodes_on_their_own_addresses_hit_remotely_across_a_1ms_link_bit_identical(
@@ -42,6 +43,19 @@ def test_two_nodes_on_their_own_addresses_hit_remotely_across_a_1ms_link_bit_ide
     assert (stats.remote_hits, stats.remote_reads) == (1, 1)
     for address, log in logs.items():  # each names its segment, which others reach, by its host
         assert f"segment={address}:" in log, log
+
+
+def test_the_transfer_engines_floor_reads_from_one_host_over_a_shaped_link_to_another(
+    hosts: Hosts,
+) -> None:
+    reader, holder = hosts.add("reader"), hosts.add("holder")
+    hosts.shape(holder, delay_ms=1.0)  # the round trip on the requests' side (link_figures.py)
+    floor_ms = transfer_floor.read_ms(
+        1 << 20,
+        target=transfer_floor.Side(holder.address, holder.launcher),
+        initiator=transfer_floor.Side(reader.address, reader.launcher),
+    )
+    assert floor_ms > 0
 
 
 @pytest.mark.skipif(bool(hosts_missing()), reason=hosts_missing())
