@@ -10,23 +10,32 @@ nothing about a hit's overhead (docs/performance.md, *The cluster tier*)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ec_daemon.cluster.mooncake import INSTALL_HINT
 from ec_daemon.tools.spawn import free_port
 
-# The mooncake extra installs it beside the interpreter, as it does mooncake_master.
-BENCH_BINARY = str(Path(sys.executable).with_name("transfer_engine_bench"))
 START_TIMEOUT_S = 20.0
 HANDSHAKE = re.compile(r"P2P handshake, listening on [\d.]+:(\d+)")
 DATA_PORT = re.compile(r"TcpTransport: listen on port (\d+)")
 COMPLETED = re.compile(r"Test completed: duration ([\d.]+), batch count (\d+)")
+
+
+def bench_binary() -> str:
+    """The mooncake package's own `transfer_engine_bench`: the command of that name the wheel
+    puts beside the interpreter is a Python wrapper that runs it as a child, which a kill of the
+    wrapper would leave running."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"transfer_engine_bench comes with the mooncake package: {INSTALL_HINT}")
+    return str(Path(spec.submodule_search_locations[0]) / "transfer_engine_bench")
 
 
 @dataclass(frozen=True)
@@ -41,9 +50,7 @@ class Side:
 LOOPBACK = Side()
 
 
-def bench_command(
-    mode: str, side: Side, nbytes: int, *flags: str, binary: str = BENCH_BINARY
-) -> list[str]:
+def bench_command(mode: str, side: Side, nbytes: int, *flags: str, binary: str) -> list[str]:
     """`transfer_engine_bench` as a target or an initiator over TCP on `side`, with a buffer of
     two blocks of `nbytes` (the initiator reads into its own, from the target's). Its server
     name's port is only a name: with a P2P handshake it listens on ports it picks."""
@@ -76,12 +83,14 @@ def handshake_port(log: Path, proc: subprocess.Popen[bytes]) -> int:
 def read_ms(
     nbytes: int,
     seconds: int = 1,
-    binary: str = BENCH_BINARY,
+    binary: str = "",
     target: Side = LOOPBACK,
     initiator: Side = LOOPBACK,
 ) -> float:
     """Milliseconds one read of `nbytes` by `initiator` from `target` takes, as the mean over
-    `seconds` of reads one after another (the transfer engine's own count of them)."""
+    `seconds` of reads one after another (the transfer engine's own count of them); `binary`:
+    the package's own by default."""
+    binary = binary or bench_binary()
     workdir = Path(tempfile.mkdtemp(prefix="ecd-bench-floor-"))
     log = workdir / "target.log"
     try:

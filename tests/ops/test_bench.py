@@ -3,6 +3,7 @@ serving again; `--suite cluster` spawns a Mooncake master and two daemons in its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -51,6 +52,24 @@ def test_the_cluster_suite_spawns_a_master_and_daemons_and_prints_its_tables(
 @needs_mooncake
 def test_the_floor_is_the_transfer_engines_own_read_timed_by_its_own_count() -> None:
     assert transfer_floor.read_ms(1 << 20, seconds=1) > 0
+
+
+def running(binary: str) -> set[int]:
+    """The processes running `binary`."""
+    pids = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if cmdline.read_bytes().split(b"\0")[0] == binary.encode():
+                pids.add(int(cmdline.parent.name))
+    return pids
+
+
+@needs_mooncake
+def test_the_floor_leaves_no_transfer_engine_running() -> None:
+    binary = transfer_floor.bench_binary()
+    before = running(binary)
+    transfer_floor.read_ms(1 << 20, seconds=1)
+    assert running(binary) - before == set()
 
 
 def test_a_floor_whose_transfer_engine_does_not_start_says_so_with_its_output() -> None:
