@@ -1,6 +1,7 @@
-"""EventHub alone: waiters (the waits' asyncio side) settle on any event about their key, a dropped pool settles all of its
-waiters, Watch subscriptions filter by pool, overflow and shutdown end a stream (one that begins
-after the shutdown at once), and a stop can wait for the ended streams' calls to send their ends."""
+"""EventHub alone: waiters (the waits' asyncio side) settle on any event about their key, a
+dropped pool settles all of its waiters, Watch subscriptions filter by pool, overflow and shutdown
+end a stream (one that begins after the shutdown at once), and a stop can wait for the ended
+streams' calls to send their ends."""
 
 from __future__ import annotations
 
