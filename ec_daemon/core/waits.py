@@ -146,8 +146,8 @@ class Waits:
     def on_event(self, event: WatchEvent) -> None:
         """Every event of the core: any other than an allocation settles its key's ENTRY waits
         (READY, or gone); a dropped pool settles every key of the pool."""
-        if event.type is EventType.PENDING:
-            return
+        if event.type is EventType.PENDING or not self._waits:  # every commit publishes: the
+            return  # common case, no wait in progress, costs one test
         if event.type is EventType.POOL_DROPPED:
             subjects = [s for s in self._waits if s[0] is For.ENTRY and s[1] == event.engine_id]
         else:
