@@ -21,8 +21,10 @@ For the keys of one Acquire that are ABSENT here, in a shared pool, while the no
 A fetch is bounded by the longer of its first asker's wait_ms and the fetch timeout: a lookup
 still queued for the node's thread then never runs, a read still running is given up on (its
 entries go, their blocks held until it is over). An asker waits for the keys being fetched up
-to the longer of its wait_ms and the fetch timeout, and LATE_LOOP_S more. Counted per pool
-(remote_hits, remote_misses, remote_bytes, remote_reads, remote_seconds).
+to the longer of its wait_ms and the fetch timeout, and waits.LATE_S more: the fetches in
+flight and the waits for them are the core's waits' (ec_daemon.core.waits), as is the deadline
+rule. Counted per pool (remote_hits, remote_misses, remote_bytes, remote_reads,
+remote_seconds).
 """
 
 from __future__ import annotations
@@ -40,23 +42,25 @@ from ec_daemon.cluster import codec, pending
 from ec_daemon.cluster.node import ClusterNode, Read
 from ec_daemon.core.errors import CoreError
 from ec_daemon.core.store import PullSlot, Store
+from ec_daemon.core.waits import For, WaitFor, Waits, Work
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")
 
-# How long past its fetches' own bound an asker still waits for them: on a loaded loop its timer
-# could fire before theirs, answering an entry about to go as still PENDING.
-LATE_LOOP_S = 0.5
-
 
 class ClusterFetch:
-    """The fetches from the store in flight, one per (pool, key)."""
+    """The fetches from the store, one per (pool, key) in flight (`Waits.start`)."""
 
-    def __init__(self, store: Store, node: ClusterNode, timeout_s: float) -> None:
+    def __init__(
+        self, store: Store, node: ClusterNode, timeout_s: float, waits: Waits, wait_for: WaitFor
+    ) -> None:
+        """waits: the daemon's, which the fetches are registered with; wait_for: what waits
+        for them (EventHub.wait_for)."""
         self._store = store
         self._node = node
         self.timeout_s = timeout_s
-        self._fetching: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        self._waits = waits
+        self._wait_for = wait_for
         self._tasks: set[asyncio.Task[None]] = set()
         self.waits = pending.RemoteWaits(store, node, self.fill)
 
@@ -70,30 +74,27 @@ class ClusterFetch:
         if not namespace:
             return []
         self._store.may_consume(session_id)
-        waits: set[asyncio.Future[None]] = set()
+        waits = self._waits
         absent: list[bytes] = []
         joined: list[bytes] = []
         for found in self._store.lookup(engine_id, keys):
-            fetching = self._fetching.get((engine_id, found.key))
-            if fetching is not None:
-                waits.add(fetching)
+            if waits.fetching(engine_id, found.key):
                 joined.append(found.key)
             elif found.state is EntryState.ABSENT and found.key not in absent:
                 absent.append(found.key)
         if absent and not self._node.connected:  # no call to the store: it would wait seconds
             self._node.lookup_failed()
             absent = []
-        timeout_s = max(wait_ms / 1000, self.timeout_s)
         if absent:
-            done = asyncio.get_running_loop().create_future()
-            for key in absent:
-                self._fetching[(engine_id, key)] = done
-            task = asyncio.create_task(self._fetch(engine_id, namespace, absent, timeout_s, done))
+            work = waits.start(engine_id, absent)
+            deadline = waits.deadline(wait_ms / 1000, self.timeout_s)
+            task = asyncio.create_task(self._fetch(namespace, work, deadline))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            waits.add(done)
-        if waits:
-            await asyncio.wait(waits, timeout=timeout_s + LATE_LOOP_S)
+        if joined or absent:
+            await self._wait_for(
+                For.FETCH, engine_id, joined + absent, waits.joining(wait_ms / 1000, self.timeout_s)
+            )
         return joined + absent
 
     async def step(
@@ -120,20 +121,11 @@ class ClusterFetch:
             result = dataclasses.replace(result, pool_uuid="")
         return result
 
-    def fetching(self, engine_id: str, key: bytes) -> bool:
-        """Whether `key` is being fetched (its PENDING entry is a read from the store's)."""
-        return (engine_id, key) in self._fetching
-
-    async def _fetch(
-        self,
-        engine_id: str,
-        namespace: str,
-        keys: list[bytes],
-        timeout_s: float,
-        done: asyncio.Future[None],
-    ) -> None:
+    async def _fetch(self, namespace: str, work: Work, deadline: float) -> None:
+        """Fetch the work's keys until `deadline` (time.monotonic()), then tell the waits it is
+        over, whatever it found."""
         started = time.monotonic()
-        deadline = started + timeout_s
+        engine_id, keys = work.engine_id, work.keys
         try:
             store_keys = [codec.store_key(namespace, key) for key in keys]
             markers = [pending.marker_key(namespace, key) for key in keys]
@@ -163,10 +155,7 @@ class ClusterFetch:
             why = str(exc) or type(exc).__name__  # a timeout's text is empty
             log.info("a fetch from the store failed", extra={"engine_id": engine_id, "why": why})
         finally:
-            for key in keys:
-                if self._fetching.get((engine_id, key)) is done:
-                    del self._fetching[(engine_id, key)]
-            done.set_result(None)
+            self._waits.finish(work)
 
     async def fill(
         self,
@@ -180,7 +169,7 @@ class ClusterFetch:
         read is given up on at `deadline` (time.monotonic(); by default the fetch timeout after
         `started`). Returns how many were committed."""
         if deadline is None:
-            deadline = started + self.timeout_s
+            deadline = self._waits.deadline(0, self.timeout_s, since=started)
         unread = [slot for slot, _ in slots]
         committed = 0
         try:

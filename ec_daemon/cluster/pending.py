@@ -66,6 +66,7 @@ from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreClient, own_segment
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.core.store import PullSlot, Store
+from ec_daemon.core.waits import deadline
 
 log = logging.getLogger("ecd.cluster")
 
@@ -274,8 +275,9 @@ class Awaited:
     seen_at: float  # time.monotonic() when this node made it or saw the beat change
 
     def dead(self, now: float) -> bool:
-        """Whether its writer is taken for dead: its beat unchanged longer than its bound."""
-        return now - self.seen_at > self.marker.bound_s
+        """Whether its writer is taken for dead: its beat unchanged longer than its bound (the
+        waits' deadline rule, from when it was last seen)."""
+        return now > deadline(self.seen_at, 0.0, self.marker.bound_s)
 
 
 # Reads the values of placeholders whose values landed into their extents and commits them (or

@@ -15,6 +15,7 @@ from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.cluster.pending import Claims
 from ec_daemon.cluster.republish import Republisher
 from ec_daemon.core.store import Store
+from ec_daemon.core.waits import WaitFor, Waits
 
 
 class Cluster:
@@ -32,11 +33,12 @@ class Cluster:
         self._pull_timeout_s = pull_timeout_s
         self._bound: ClusterFetch | None = None
 
-    def bind(self, store: Store) -> None:
-        """Give the parts the store they serve (before its pools are adopted)."""
-        fetches = ClusterFetch(store, self._node, self._pull_timeout_s)
+    def bind(self, store: Store, waits: Waits, wait_for: WaitFor) -> None:
+        """Give the parts the store they serve (before its pools are adopted), and the daemon's
+        waits, which the fetches are registered with, and what waits for them."""
+        fetches = ClusterFetch(store, self._node, self._pull_timeout_s, waits, wait_for)
         self._node.bind(store)
-        self._claims.bind(store, fetches.fetching, fetches.waits)
+        self._claims.bind(store, waits.fetching, fetches.waits)
         self._republisher.bind(store)
         self._bound = fetches
 

@@ -1,4 +1,6 @@
-"""Fan-out of core events to the RPCs that wait on them: Acquire with wait_ms and Watch streams.
+"""Fan-out of core events to the RPCs that wait on them: the waits (ec_daemon.core.waits, whose
+asyncio side this is: an Acquire's wait_ms, an asker joining fetches from the cluster's store)
+and Watch streams.
 
 The core publishes synchronously from inside a handler; waiters are asyncio futures and queues on
 the same (single) event loop, so a waiter registered in the same synchronous step as the lookup
@@ -9,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import defaultdict
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ec_client.types import EventType, WatchEvent
 from ec_daemon.core.errors import CoreError
+from ec_daemon.core.waits import For, Outcome, Waits
 
 
 class StreamEnd(enum.Enum):
@@ -56,53 +60,45 @@ class Subscription:
 
 
 class EventHub:
-    def __init__(self, watch_queue_limit: int = 100_000) -> None:
-        self._waiters: dict[tuple[str, bytes], list[asyncio.Future[None]]] = defaultdict(list)
+    def __init__(self, watch_queue_limit: int = 100_000, waits: Waits | None = None) -> None:
+        """waits: the daemon's (by default on time.monotonic, the clock of its deadlines)."""
+        self.waits = waits if waits is not None else Waits(time.monotonic)
         self._subscriptions: set[Subscription] = set()
         self._watch_queue_limit = watch_queue_limit
-        self.waits_ended = False  # the daemon is stopping: no wait lasts any longer
         self.streams_shut = False  # the daemon is stopping: every Watch stream ends at once
         self._ending: set[asyncio.Future[Any]] = set()  # the calls of streams shut_down ended
 
     def publish(self, event: WatchEvent) -> None:
-        # Any other event about a key settles its waiters: it became READY or went away. A
-        # dropped pool settles every waiter of that pool. An allocation settles nothing: the
-        # waiters wait for the commit.
-        settled: list[tuple[str, bytes]]
-        if event.type is EventType.PENDING:
-            settled = []
-        elif event.type is EventType.POOL_DROPPED:
-            settled = [k for k in self._waiters if k[0] == event.engine_id]
-        else:
-            settled = [(event.engine_id, event.key)]
-        for waiter_key in settled:
-            for future in self._waiters.pop(waiter_key, []):
-                if not future.done():
-                    future.set_result(None)
+        self.waits.on_event(event)
         for subscription in self._subscriptions:
             subscription.offer(event)
 
-    async def wait_settled(self, engine_id: str, keys: list[bytes], timeout_s: float) -> None:
-        """Return once every key was committed or went away, or after timeout_s, or once the
-        daemon is stopping (`waits_ended`).
+    async def wait_for(
+        self, kind: For, engine_id: str, keys: Sequence[bytes], deadline: float
+    ) -> Outcome:
+        """Wait for every key (Waits.register), until `deadline` (the waits' clock) at the
+        latest, and answer how the wait ended.
 
-        The waiters are registered before the first await: a caller that looked the keys up in
-        the same synchronous step misses no event."""
-        if self.waits_ended:
-            return
+        The wait is registered before the first await: a caller that looked the keys up in the
+        same synchronous step misses no event. A caller that goes away (cancelled) leaves
+        nothing behind."""
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[None]] = [loop.create_future() for _ in keys]
-        for key, future in zip(keys, futures, strict=True):
-            self._waiters[(engine_id, key)].append(future)
+        ended: asyncio.Future[Outcome] = loop.create_future()
+
+        def end(outcome: Outcome) -> None:
+            if not ended.done():  # cancelled: its waiter has gone, and forgets the wait
+                ended.set_result(outcome)
+
+        wait = self.waits.register(kind, engine_id, keys, deadline, end)
+        if ended.done():
+            return ended.result()
+        waits = self.waits
+        timer = loop.call_later(max(deadline - waits.clock(), 0), waits.expire, deadline)
         try:
-            await asyncio.wait(futures, timeout=timeout_s)
+            return await ended
         finally:
-            for key, future in zip(keys, futures, strict=True):
-                waiting = self._waiters.get((engine_id, key), [])
-                if future in waiting:
-                    waiting.remove(future)
-                    if not waiting:
-                        del self._waiters[(engine_id, key)]
+            timer.cancel()
+            waits.cancel(wait)
 
     def subscribe(
         self,
@@ -142,10 +138,6 @@ class EventHub:
             await asyncio.wait(set(self._ending), timeout=timeout_s)
 
     def end_waits(self) -> None:
-        """The daemon is about to stop: every wait returns now, and any later one at once."""
-        self.waits_ended = True
-        for futures in self._waiters.values():
-            for future in futures:
-                if not future.done():
-                    future.set_result(None)
-        self._waiters.clear()
+        """The daemon is about to stop: every wait for an entry returns now, and any later one
+        at once (Waits.shut_down)."""
+        self.waits.shut_down()

@@ -129,7 +129,7 @@ def build_store(
         cluster=cluster.stats if cluster is not None else lambda: None,
     )
     if cluster is not None:
-        cluster.bind(store)
+        cluster.bind(store, hub.waits, hub.wait_for)
     return store
 
 

@@ -26,6 +26,7 @@ from ec_daemon.cluster.tier import Cluster
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.sessions import tag
 from ec_daemon.core.store import Store
+from ec_daemon.core.waits import For, Outcome
 from ec_daemon.server import validate, wire
 from ec_daemon.server.auth import Action, Changes, Guard, identity
 from ec_daemon.server.events import EventHub, StreamEnd, Subscription
@@ -386,7 +387,7 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
         keys = list(request.keys)
         checked = wire.checked_keys(keys)
         # One deadline for both waits: a fetch's wait counts against wait_ms.
-        deadline = asyncio.get_running_loop().time() + wait_ms / 1000
+        deadline = self.hub.waits.deadline(wait_ms / 1000)
         if self.cluster is not None:  # keys of a shared pool the store has: fetched, waited for
             await self.cluster.fetch(request.session_id, engine_id, valid(checked), wait_ms)
         if wait_ms:
@@ -405,19 +406,18 @@ class EncoderCacheService(pb_grpc.EncoderCacheServicer):
     async def _wait_ready(
         self, session_id: str, engine_id: str, keys: list[bytes], deadline: float
     ) -> None:
-        """Wait until every key is READY or the deadline (the event loop's time) has passed. A
-        key PENDING or not there yet is waited for; one aborted meanwhile is waited for again
-        (another producer may take it over). Each round's lookup and its waiters' registration
-        happen in one synchronous step (wait_settled registers before it first awaits), so no
-        commit slips between them. Pins are taken only after the wait, so a caller that gives up
-        while waiting holds nothing, and a wait the daemon's shutdown ends is UNAVAILABLE, safe
-        to retry."""
-        loop = asyncio.get_running_loop()
-        while (waits := self.store.keys_to_wait_for(session_id, engine_id, keys)) and (
-            left := deadline - loop.time()
-        ) > 0:
-            await self.hub.wait_settled(engine_id, waits, left)
-            if self.hub.waits_ended:
+        """Wait until every key is READY or the deadline (the waits' clock) has passed. A key
+        PENDING or not there yet is waited for; one aborted meanwhile is waited for again
+        (another producer may take it over). Each round's lookup and its wait's registration
+        happen in one synchronous step (EventHub.wait_for registers before it first awaits), so
+        no commit slips between them. Pins are taken only after the wait, so a caller that gives
+        up while waiting holds nothing, and a wait the daemon's shutdown ends is UNAVAILABLE,
+        safe to retry."""
+        while waits := self.store.keys_to_wait_for(session_id, engine_id, keys):
+            ended = await self.hub.wait_for(For.ENTRY, engine_id, waits, deadline)
+            if ended is Outcome.EXPIRED:
+                return
+            if ended is Outcome.SHUT_DOWN:
                 raise CoreError(
                     Code.UNAVAILABLE,
                     "ecd is shutting down: the wait ended before its time and nothing was pinned; "

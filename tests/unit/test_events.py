@@ -1,12 +1,14 @@
-"""EventHub alone: waiters settle on any event about their key, a dropped pool settles all of its
-waiters, Watch subscriptions filter by pool, overflow and shutdown end a stream (one that begins
-after the shutdown at once), and a stop can wait for the ended streams' calls to send their ends."""
+"""EventHub alone: waiters (the waits' asyncio side) settle on any event about their key, a
+dropped pool settles all of its waiters, Watch subscriptions filter by pool, overflow and shutdown
+end a stream (one that begins after the shutdown at once), and a stop can wait for the ended
+streams' calls to send their ends."""
 
 from __future__ import annotations
 
 import asyncio
 
 from ec_client.types import EventType, WatchEvent
+from ec_daemon.core.waits import For, Outcome
 from ec_daemon.server.events import EventHub, StreamEnd
 
 
@@ -14,9 +16,16 @@ def event(type: EventType, key: bytes = b"k", engine_id: str = "p") -> WatchEven
     return WatchEvent(type, engine_id, key, 1, "epoch")
 
 
+async def wait_settled(
+    hub: EventHub, engine_id: str, keys: list[bytes], timeout_s: float
+) -> Outcome:
+    """A wait for the keys' entries, timeout_s from now at the latest."""
+    return await hub.wait_for(For.ENTRY, engine_id, keys, hub.waits.deadline(timeout_s))
+
+
 async def test_a_waiter_returns_when_its_key_is_committed() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 5.0))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"k"], 5.0))
     await asyncio.sleep(0)
     assert not waiting.done()
     hub.publish(event(EventType.COMMITTED))
@@ -25,7 +34,7 @@ async def test_a_waiter_returns_when_its_key_is_committed() -> None:
 
 async def test_a_waiter_returns_when_its_key_goes_away() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 5.0))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"k"], 5.0))
     await asyncio.sleep(0)
     hub.publish(event(EventType.ABORTED))
     await asyncio.wait_for(waiting, 1.0)
@@ -33,7 +42,7 @@ async def test_a_waiter_returns_when_its_key_goes_away() -> None:
 
 async def test_a_waiter_of_several_keys_waits_for_every_one() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"a", b"b"], 5.0))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"a", b"b"], 5.0))
     await asyncio.sleep(0)
     hub.publish(event(EventType.COMMITTED, b"a"))
     await asyncio.sleep(0.01)
@@ -44,7 +53,7 @@ async def test_a_waiter_of_several_keys_waits_for_every_one() -> None:
 
 async def test_events_of_other_pools_and_keys_do_not_wake_a_waiter() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 0.2))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"k"], 0.2))
     await asyncio.sleep(0)
     hub.publish(event(EventType.COMMITTED, b"other"))
     hub.publish(event(EventType.COMMITTED, b"k", engine_id="q"))
@@ -55,7 +64,7 @@ async def test_events_of_other_pools_and_keys_do_not_wake_a_waiter() -> None:
 
 async def test_a_dropped_pool_settles_all_its_waiters() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"a", b"b"], 5.0))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"a", b"b"], 5.0))
     await asyncio.sleep(0)
     hub.publish(event(EventType.POOL_DROPPED, b""))
     await asyncio.wait_for(waiting, 1.0)
@@ -63,8 +72,8 @@ async def test_a_dropped_pool_settles_all_its_waiters() -> None:
 
 async def test_a_waiter_that_timed_out_leaves_nothing_behind() -> None:
     hub = EventHub()
-    await hub.wait_settled("p", [b"k"], 0.01)
-    assert not hub._waiters
+    await wait_settled(hub, "p", [b"k"], 0.01)
+    assert hub.waits.waiting() == 0
 
 
 async def test_a_subscription_sees_only_its_pool() -> None:
@@ -122,17 +131,17 @@ async def test_streams_ended_gives_up_on_a_call_after_its_timeout() -> None:
 
 async def test_ending_waits_settles_every_waiter_and_every_later_wait_at_once() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 60.0))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"k"], 60.0))
     await asyncio.sleep(0)
     hub.end_waits()
     await asyncio.wait_for(waiting, 1.0)
-    await asyncio.wait_for(hub.wait_settled("q", [b"k"], 60.0), 1.0)
-    assert not hub._waiters
+    await asyncio.wait_for(wait_settled(hub, "q", [b"k"], 60.0), 1.0)
+    assert hub.waits.waiting() == 0
 
 
 async def test_an_allocation_does_not_settle_a_waiter_its_commit_does() -> None:
     hub = EventHub()
-    waiting = asyncio.create_task(hub.wait_settled("p", [b"k"], 5.0))
+    waiting = asyncio.create_task(wait_settled(hub, "p", [b"k"], 5.0))
     await asyncio.sleep(0)
     hub.publish(event(EventType.PENDING))
     await asyncio.sleep(0.01)
