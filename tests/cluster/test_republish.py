@@ -181,3 +181,27 @@ def test_an_entry_whose_copy_in_the_store_went_is_put_back_by_another_node_that_
         store.close()
     assert remote_hits(writer, held) == {"held": True}
     assert cluster_stats(reader).republished > before.republished  # the reader's node put it
+
+
+@pytest.mark.cluster_faults
+def test_a_daemon_killed_and_restarted_at_once_puts_back_what_its_old_segment_took() -> None:
+    # The checker's finding: the restarted daemon's walk finds the key still listed (its old
+    # segment goes at the master's client TTL, 10 s) and skips it; the value goes with it.
+    with (
+        running_master() as master,
+        store_daemon(master, "--republish-every", "1") as near,
+        store_daemon(master, "--store-segment-bytes", "0") as far,
+        near.client() as writer,
+        far.client() as reader,
+    ):
+        for client in (writer, reader):
+            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        held = tensors("held")
+        published_from(writer, held)  # into near's segment, the only one
+
+        near.restart(signal.SIGKILL)
+        writer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)  # adopted, walked
+        wait_until(lambda: cluster_stats(writer).already_stored == 1, 10)
+        assert cluster_stats(writer).republished == 0  # found listed, skipped
+        assert remote_hits(reader, held) == {"held": True}
+        assert cluster_stats(writer).republished == 1
