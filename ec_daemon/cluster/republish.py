@@ -15,9 +15,9 @@ went with its old segment).
 
 The mark missing, it is put back first (so that a loss after that is seen at the next check),
 then every shared pool is walked: its slot table read a batch of READY entries at a time on the
-node's thread (`ClusterNode.publish_again`: each entry lock-pinned and checked as a commit's
-publish is, one lookup for the batch, one put for the entries the store lacks; an entry evicted
-or removed since is skipped), each batch queued behind the node's other work (publishes,
+node's thread (`ClusterNode.publish_again`: one lookup for the batch, then each entry the store
+lacks lock-pinned and checked as a commit's publish is and put, one put for them; an entry
+evicted or removed since is skipped), each batch queued behind the node's other work (publishes,
 remote hits' lookups and reads), at most `rate` entries a second (`--republish-rate`): the
 event loop only awaits. A pool seen shared for the first time (created, or reopened with its
 namespace after a restart) is walked once; a walk cut short (the master stopped answering) is
