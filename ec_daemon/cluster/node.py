@@ -344,6 +344,8 @@ class ClusterNode:
             if mounted is None:  # dropped, or made anew: nothing of this file to offer
                 return Offered(0, 0, None)
             found, next_slot = mounted.pins.ready(first_slot, REPUBLISH_BATCH)
+            if not found:  # the table read to its end: nothing to ask the store
+                return Offered(0, 0, next_slot)
             # Looked up before any pin: a periodic walk finds the store holding nearly all it
             # offers, and pinning each would cost the thread ~20 us an entry (2 s a walk of
             # 100,000) and keep the daemon from evicting a whole batch during the call. A key
