@@ -334,24 +334,38 @@ class ClusterNode:
 
     def publish_again(self, pool: SharedPool, first_slot: int) -> Callable[[StoreClient], Offered]:
         """Work for `ask`: offer the store again the READY entries of the pool's slot table from
-        `first_slot` on, up to REPUBLISH_BATCH of them, as their commits were (each lock-pinned and
-        checked, one lookup for the batch, one put for those the store lacks: an entry evicted
-        or removed meanwhile is skipped). A republish (ec_daemon.cluster.republish) walks a
-        pool's table with it, a batch a call, in turn with the node's other work."""
+        `first_slot` on, up to REPUBLISH_BATCH of them: one lookup for the batch, then those
+        the store lacks as their commits were (each lock-pinned and checked, one put: an entry
+        evicted or removed meanwhile is skipped). A republish (ec_daemon.cluster.republish)
+        walks a pool's table with it, a batch a call, in turn with the node's other work."""
 
         def work(store: StoreClient) -> Offered:
             mounted = self._mount(pool.info)
             if mounted is None:  # dropped, or made anew: nothing of this file to offer
                 return Offered(0, 0, None)
             found, next_slot = mounted.pins.ready(first_slot, REPUBLISH_BATCH)
+            if not found:  # the table read to its end: nothing to ask the store
+                return Offered(0, 0, next_slot)
+            # Looked up before any pin: a periodic walk finds the store holding nearly all it
+            # offers, and pinning each would cost the thread ~20 us an entry (2 s a walk of
+            # 100,000) and keep the daemon from evicting a whole batch during the call. A key
+            # the lookup named is checked by its pin (a record read unpinned may be gone).
+            present = store.batch_is_exist([codec.store_key(pool.namespace, k) for _, k in found])
+            if not answered(present):  # the walk is cut short: walked again once back
+                return Offered(len(found), 0, next_slot)
+            lacking = [entry for entry, state in zip(found, present, strict=True) if state != 1]
+            self.already_stored += len(found) - len(lacking)
             published = self.published
             # Pinned first all together, one lock and one read a run of neighbouring slots:
             # the publishes' own pins of them are then counts, with no call to the kernel.
-            pinned = zip(found, mounted.pins.pin_many(found), strict=True)
+            pinned = zip(lacking, mounted.pins.pin_many(lacking), strict=True)
             held = [slot for (slot, _), entry in pinned if entry is not None]
             try:
-                if found:
-                    self._handle([Publish(pool, key, slot, again=True) for slot, key in found])
+                if lacking:
+                    batch: list[Publish | Withdraw | Call] = [
+                        Publish(pool, key, slot, again=True) for slot, key in lacking
+                    ]
+                    self._handle(batch, looked_up=True)
             finally:
                 mounted.pins.unpin_many(held)
             return Offered(len(found), self.published - published, next_slot)
@@ -495,7 +509,9 @@ class ClusterNode:
             batch.append(job)
         return batch
 
-    def _handle(self, batch: list[Publish | Withdraw | Call]) -> None:
+    def _handle(self, batch: list[Publish | Withdraw | Call], looked_up: bool = False) -> None:
+        """Publish the batch's publishes (`looked_up`: the store was just found lacking each),
+        then unmount or run what ends it."""
         items: list[Item] = []
         publishes = [job for job in batch if isinstance(job, Publish)]
         try:
@@ -510,7 +526,8 @@ class ClusterNode:
                 if item is not None:
                     pinned[id(item)] = job
                     items.append(item)
-            self._keep_for_retry([pinned[id(item)] for item in self._publish(items)])
+            unanswered = self._publish(items, looked_up)
+            self._keep_for_retry([pinned[id(item)] for item in unanswered])
         finally:
             for item in items:
                 item.mounted.pins.unpin(item.slot)
@@ -546,11 +563,16 @@ class ClusterNode:
             job.again,
         )
 
-    def _publish(self, items: list[Item]) -> list[Item]:
-        """Publish the items; returns those that failed because the master did not answer."""
+    def _publish(self, items: list[Item], looked_up: bool = False) -> list[Item]:
+        """Publish the items, those the store has not written again (`looked_up`: it lacked
+        each a moment ago, not asked again; one it took meanwhile is refused as existing);
+        returns those that failed because the master did not answer."""
         if not items or self._store is None:
             return []
-        present = self._store.batch_is_exist([item.store_key for item in items])
+        if looked_up:
+            present = [0] * len(items)
+        else:
+            present = self._store.batch_is_exist([item.store_key for item in items])
         if not answered(present):
             self.failures += sum(not item.again for item in items)
             return items

@@ -15,13 +15,22 @@ went with its old segment).
 
 The mark missing, it is put back first (so that a loss after that is seen at the next check),
 then every shared pool is walked: its slot table read a batch of READY entries at a time on the
-node's thread (`ClusterNode.publish_again`: each entry lock-pinned and checked as a commit's
-publish is, one lookup for the batch, one put for the entries the store lacks; an entry evicted
-or removed since is skipped), each batch queued behind the node's other work (publishes,
+node's thread (`ClusterNode.publish_again`: one lookup for the batch, then each entry the store
+lacks lock-pinned and checked as a commit's publish is and put, one put for them; an entry
+evicted or removed since is skipped), each batch queued behind the node's other work (publishes,
 remote hits' lookups and reads), at most `rate` entries a second (`--republish-rate`): the
 event loop only awaits. A pool seen shared for the first time (created, or reopened with its
 namespace after a restart) is walked once; a walk cut short (the master stopped answering) is
-walked again once the node is back. A publish the store answered with a refusal (full) is
+walked again once the node is back.
+
+The mark speaks for this node's own segment and the directory as a whole, not for one value: a
+value this node holds but did not put (it found the key stored at its commit, or read it from
+the store) lives in another node's segment, or in this node's segment of an earlier run, and it
+goes with that segment (its node died: the master drops it after its `--client_ttl`) or when
+someone removes it, with the mark still there. So each shared pool is also walked again `every`
+seconds after its last walk ended (`--republish-every`): the same walk, one lookup per batch of
+entries, a put only for those the store lacks, so that such an entry is a remote hit again
+within that period and a walk. A publish the store answered with a refusal (full) is
 not tried again, as a commit's is not: the store's eviction is its own to make. What a walk
 fails to publish, or cannot, is not counted again: its commit's publish counted it.
 `ClusterNode.republish_missing` (from any thread) has every pool walked again.
@@ -67,19 +76,24 @@ class Republisher:
         self,
         node: ClusterNode,
         rate: int,
+        every: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        """rate: entries offered to the store a second, at most (--republish-rate)."""
+        """rate: entries offered to the store a second, at most (--republish-rate); every:
+        seconds from a pool's walk to its next (--republish-every; 0: none but those a lost
+        mark or republish_missing asks for)."""
         self._node = node
         self._rate = rate
+        self._every = every
         self._clock = clock
         self._wall = wall
         self.mark_key = f"ecd@node:{os.urandom(16).hex()}"
         self._pools: Pools | None = None
         self._marked = False  # the mark put since the store was last found without it
-        # (engine_id, pool_uuid) of the pools walked to their end since the mark was last put
-        self._walked: set[tuple[str, str]] = set()
+        # (engine_id, pool_uuid) of the pools walked to their end since the mark was last put:
+        # when (self._clock) the last walk of each ended
+        self._walked: dict[tuple[str, str], float] = {}
         self._task: asyncio.Task[None] | None = None
         self.republished = self.batches = 0
         self.last = 0.0  # Unix time a walk that put entries ended; 0: never
@@ -154,11 +168,16 @@ class Republisher:
         return result in (0, OBJECT_ALREADY_EXISTS)
 
     async def _walk(self) -> None:
-        """Walk each shared pool not walked whole since the store last lost the mark."""
+        """Walk each shared pool not walked whole since the store last lost the mark, or not
+        for `every` seconds."""
         for pool in self._shared():
             walked = (pool.info.engine_id, pool.info.pool_uuid)
-            if walked not in self._walked and await self._offer(pool):
-                self._walked.add(walked)
+            if self._due(walked) and await self._offer(pool):
+                self._walked[walked] = self._clock()
+
+    def _due(self, walked: tuple[str, str]) -> bool:
+        ended = self._walked.get(walked)
+        return ended is None or (self._every > 0 and self._clock() - ended >= self._every)
 
     def _shared(self) -> list[SharedPool]:
         pools = self._pools

@@ -378,6 +378,16 @@ SETTINGS: tuple[Setting, ...] = (
         "ENTRIES",
     ),
     Setting(
+        "republish_every",
+        _seconds(0),
+        60.0,
+        "seconds between this daemon's walks of each shared pool that offer the store every "
+        "entry it lacks (one lookup per 512 entries held): an entry whose copy in the store went "
+        "(the node that lent its memory died, it was removed) is a remote hit again within this "
+        "and the walk; 0: only when the store lost what this daemon published",
+        "SECONDS",
+    ),
+    Setting(
         "transfer_host",
         str,
         "",
@@ -465,6 +475,7 @@ class Config:
     drop_pools_on_exit: bool
     pull_timeout: float
     republish_rate: int
+    republish_every: float
     transfer_host: str
     store_master: str
     store_metadata: str

@@ -167,9 +167,8 @@ async def start(config: Config) -> Daemon:
     cluster: Cluster | None = None
     if config.store_master:
         node = cluster_node(config)
-        cluster = Cluster(
-            node, Claims(node), Republisher(node, config.republish_rate), config.pull_timeout
-        )
+        republisher = Republisher(node, config.republish_rate, config.republish_every)
+        cluster = Cluster(node, Claims(node), republisher, config.pull_timeout)
     store = build_store(config, budget, hub, cluster)
     adopt_pools(store)
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())

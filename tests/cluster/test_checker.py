@@ -37,6 +37,10 @@ KEYS = 48  # the keys puts and gets pick from: 768 blocks, three times a pool
 SMALL_POOL = {**POOL, "capacity_bytes": 1 << 20}  # 256 blocks: 16 values, so puts evict
 WAIT_MS = 1500
 PULL_TIMEOUT_S = 2.0  # each node's --pull-timeout: a read cut off misses within it
+# Each node's --republish-every: a node walks its pool this often, putting back what the store
+# lacks (an entry whose value was in a killed node's segment, gone at the master's client TTL).
+REPUBLISH_EVERY_S = 2.0
+CLIENT_TTL_S = 10.0  # the master's --client_ttl (Mooncake's default)
 
 
 def value(key: str, writer: str, attempt: int) -> torch.Tensor:
@@ -223,10 +227,14 @@ class Run:
         just before its reads: the reads of the keys before it brought values into each node's
         small pool, evicting others. First every node connected, and a mark check's period
         (docs/design.md §13): a master restarted last, without HA, has an empty directory until
-        each node's next check finds its mark gone and republishes."""
+        each node's next check finds its mark gone and republishes; and the values a killed
+        daemon's segment held leave the store a client TTL after the kill, put back by the
+        nodes that hold them at their next walk."""
         for node in self.nodes:
             wait_until(lambda n=node: cluster_stats(n.client("final")).connected, 30)
-        time.sleep(MARK_EVERY_S + 1.0)
+        kills = [fault.start for fault in self.history.faults if fault.kind == "kill-node"]
+        lost_at = max(kills, default=0.0) + CLIENT_TTL_S
+        time.sleep(max(MARK_EVERY_S, lost_at - time.monotonic() + REPUBLISH_EVERY_S) + 1.0)
         for key in sorted({op.key for op in self.history.ops}):
             holders = {
                 node.name
@@ -247,7 +255,14 @@ def cluster(hosts: Hosts) -> Iterator[tuple[Master, Host, list[Node]]]:
         for name in NODES:
             host = hosts.add(name)
             daemon = stack.enter_context(
-                node_on(host, master, "--pull-timeout", str(PULL_TIMEOUT_S))
+                node_on(
+                    host,
+                    master,
+                    "--pull-timeout",
+                    str(PULL_TIMEOUT_S),
+                    "--republish-every",
+                    str(REPUBLISH_EVERY_S),
+                )
             )
             nodes.append(Node(name, host, daemon))
         for node in nodes:

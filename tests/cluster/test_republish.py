@@ -1,9 +1,10 @@
 """The directory comes back (docs/design.md §13): when the store has lost what a node published
 (its master restarted with an empty directory, or the node's own segment gone with an earlier
 run of its daemon), the node publishes its shared pools' READY entries again, and every entry
-some node still holds is a remote hit again, bit-identical. A real `mooncake_master`, SIGKILLed
-and started again on its ports, and two real daemons: one that writes and lends the store its
-segment (every value is in it), one that reads and lends none."""
+some node still holds is a remote hit again, bit-identical; so does a node whose entry's copy in
+the store went, at its next walk (--republish-every). A real `mooncake_master`, SIGKILLed and
+started again on its ports, and two real daemons: one that writes and lends the store its
+segment (every value is in it), one that reads, lends none and walks its pools every second."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from cluster_testing import (
     published,
     running_master,
     scrape,
+    store_client,
     store_daemon,
 )
 from ecd_testing import Daemon, run_ecd, wait_until
 
 from ec_client import Client, Consumer, Producer
+from ec_daemon.cluster import codec
 from ec_daemon.tools.spawn import free_port
 
 # How long a node may take to have the store hold again what it lost: a node asks for its mark
@@ -49,7 +52,7 @@ def nodes() -> Iterator[Nodes]:
     with (
         running_master() as master,
         store_daemon(master, "--metrics-port", str(port)) as near,
-        store_daemon(master, "--store-segment-bytes", "0") as far,
+        store_daemon(master, "--store-segment-bytes", "0", "--republish-every", "1") as far,
     ):
         yield Nodes(master, near, far, port)
 
@@ -158,3 +161,47 @@ def test_a_restarted_daemon_republishes_what_its_old_segment_held_then_a_master_
     assert remote_hits(reader, {**first, **later}) == dict.fromkeys([*first, *later], True)
     everything = len(first) + len(first) + len(later)
     wait_until(lambda: cluster_stats(writer).republished == everything, 5)
+
+
+def test_an_entry_whose_copy_in_the_store_went_is_put_back_by_another_node_that_holds_it(
+    nodes: Nodes, clients: tuple[Client, Client]
+) -> None:
+    writer, reader = clients
+    held = tensors("held")
+    published_from(writer, held)
+    assert remote_hits(reader, held) == {"held": True}  # the reader's node holds it too
+    writer.evict("shared", ["held"])  # now only the reader's node holds it
+    before = cluster_stats(reader)
+
+    store = store_client(nodes.master)  # the store's copy, the writer's, removed
+    try:
+        store.batch_remove([codec.store_key(NAMESPACE, b"held")], True)
+        assert store.is_exist(codec.store_key(NAMESPACE, b"held")) == 0
+    finally:
+        store.close()
+    assert remote_hits(writer, held) == {"held": True}
+    assert cluster_stats(reader).republished > before.republished  # the reader's node put it
+
+
+@pytest.mark.cluster_faults
+def test_a_daemon_killed_and_restarted_at_once_puts_back_what_its_old_segment_took() -> None:
+    # The checker's finding: the restarted daemon's walk finds the key still listed (its old
+    # segment goes at the master's client TTL, 10 s) and skips it; the value goes with it.
+    with (
+        running_master() as master,
+        store_daemon(master, "--republish-every", "1") as near,
+        store_daemon(master, "--store-segment-bytes", "0") as far,
+        near.client() as writer,
+        far.client() as reader,
+    ):
+        for client in (writer, reader):
+            client.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)
+        held = tensors("held")
+        published_from(writer, held)  # into near's segment, the only one
+
+        near.restart(signal.SIGKILL)
+        writer.open_pool("shared", **POOL, cluster_namespace=NAMESPACE)  # adopted, walked
+        wait_until(lambda: cluster_stats(writer).already_stored == 1, 10)
+        assert cluster_stats(writer).republished == 0  # found listed, skipped
+        assert remote_hits(reader, held) == {"held": True}
+        assert cluster_stats(writer).republished == 1

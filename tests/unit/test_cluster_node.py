@@ -163,6 +163,22 @@ def test_a_publish_the_store_refused_is_counted_at_its_commit_not_again_at_a_rep
     assert (offered.offered, offered.put, node.failures) == (1, 0, 1)
 
 
+def test_a_republish_keeps_no_entry_the_store_has_from_eviction_while_it_asks(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
+) -> None:
+    node, store, sid = node_and_store
+    put(store, sid, b"held", 1)
+    wait_until(lambda: node.published == 1, 10)
+    fake.gate.clear()
+    fake.entered.clear()
+    walk = node.ask(node.publish_again(SharedPool("ns", store.pool_info("p")), 0))
+    assert fake.entered.wait(10)  # the walk's lookup waits on the store
+    [evicted] = store.evict("p", [b"held"])
+    fake.gate.set()
+    assert walk.result(10) == Offered(1, 0, None)
+    assert evicted.status is Status.OK, evicted.message
+
+
 def test_a_publish_the_store_refuses_is_counted_and_the_commit_stands(
     node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
 ) -> None:
