@@ -166,6 +166,7 @@ def test_nodes_cut_from_the_master_hit_locally_and_the_others_serve_each_other(
     assert all(t is not None and torch.equal(t, before) for t in local)
 
 
+@pytest.mark.cluster_faults  # a 7 s cut and three processes on test hosts: ~20 s
 def test_a_node_cut_from_the_master_is_back_within_a_second_of_the_heal_and_reads_remotely(
     hosts: Hosts,
 ) -> None:
