@@ -4,11 +4,9 @@ Loss noticed at once): the node back within a second of the heal, not when TCP n
 A call the store client sent over a link that then dropped every packet is resent by the kernel
 on a timer that doubles each time (0.2 s, 0.4 s, ... up to 2 minutes); a connection asked for
 meanwhile is asked again the same way. Once the link heals, such a connection goes on only when
-its timer next fires: up to 3.3 s after the heal of a 10 s cut and 5 s after a 30 s one,
-measured (a call the client sends after its own 30 s timeout queues behind the same unanswered
-bytes). The node's thread,
-which owns the store client, waits in that call all along, and nothing it could call hurries
-the kernel's timer.
+its timer next fires: 3.1-3.8 s after the heal of a 10 s cut, measured. The node's thread, which
+owns the store client, waits in that call all along, and nothing it could call hurries the
+kernel's timer.
 
 So while the node is disconnected, a watch of its own (a thread: a probe blocks up to its
 timeout) asks every PROBE_S whether the master's port accepts a new connection. Once it does,
