@@ -101,11 +101,11 @@ class Unreachable(Exception):
     """The store cannot be joined now; the message says why."""
 
 
-def reachable(address: str) -> None:
-    """Unreachable unless HOST:PORT accepts a TCP connection within REACH_TIMEOUT_S."""
+def reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Unreachable unless HOST:PORT accepts a TCP connection within timeout_s."""
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), REACH_TIMEOUT_S).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
     except (OSError, ValueError) as exc:
         raise Unreachable(f"{address}: {exc}") from None
 

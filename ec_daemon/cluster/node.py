@@ -25,7 +25,8 @@ then on the node calls the store no more (each call would wait seconds for it: ~
 master killed, 30 s for one that does not answer): publishes and lookups fail at once, counted,
 what was queued before is failed by `settle` (every second, from the event loop), and the
 thread probes the master's port every PROBE_S; it calls the store again once the port accepts a
-connection. A dropped pool's region is unregistered and
+connection. A call the thread is held in by a cut link is freed once the link heals, by a watch
+of the node's own (ec_daemon.cluster.unstall). A dropped pool's region is unregistered and
 unmapped in turn. The remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same
 thread, in turn with the publishes (`ask`): one thread owns the store client, the mappings and
 the header buffer.
@@ -61,6 +62,7 @@ from ec_daemon.cluster.mooncake import (
     reachable,
 )
 from ec_daemon.cluster.regions import MappedRegions, Region, byte_runs
+from ec_daemon.cluster.unstall import PROBE_S, Watch
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")
@@ -72,7 +74,6 @@ BATCH = 64  # commits published with one lookup and one put
 REPUBLISH_BATCH = 512
 QUEUE_LIMIT = 4096  # commits waiting to be published; past it they are dropped (counted)
 HEARTBEAT_S = 5.0  # an idle node asks the store this often whether it answers
-PROBE_S = 0.5  # a disconnected node probes the master's port this often
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # joining the store again backs off between these
 LOG_EVERY_S = 10.0
 OBJECT_ALREADY_EXISTS = -705
@@ -181,6 +182,8 @@ class ClusterNode:
         self._stopping = threading.Event()
         self._republish_wanted = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ecd-cluster", daemon=True)
+        # While disconnected, the link's heal frees a call the thread waits on (unstall.py).
+        self._watch = Watch(lambda: self.joined and not self.connected, lambda: self.leader)
         # The rest is the node's thread's (the counters are read by stats() too: plain ints).
         self._store: StoreClient | None = None
         self._replicate: Any = None
@@ -237,6 +240,7 @@ class ClusterNode:
 
     def start(self) -> None:
         self._thread.start()
+        self._watch.start()
 
     def on_event(self, event: WatchEvent) -> None:
         """Every event the core emits (on the event loop): a commit in a shared pool is queued
@@ -430,6 +434,7 @@ class ClusterNode:
         """Stop publishing and leave the store (blocking: call it off the event loop). A thread
         still inside a store call after timeout_s is left to the process's exit."""
         self._stopping.set()
+        self._watch.stop()
         self._jobs.put_nowait(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():

@@ -2,7 +2,7 @@
 Several nodes): a partition degrades the cluster, never corrupts it. A node cut from the node
 that holds an entry while reading it misses cleanly within --pull-timeout and gives the entry's
 blocks back; nodes cut from the master serve their local entries, and the nodes still with it
-serve each other."""
+serve each other; a node whose link to the master heals is back within a second."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ SLACK_S = 3.0  # a loaded machine's scheduling delays
 # Mooncake 0.3.13's store client waits this long for a batch of transfers, then fails it: a read
 # from a node cut off mid-way is over (its blocks given back) no sooner.
 TRANSFER_WAIT_S = 60.0
+# How long a cut lasts past the call it holds: TCP resends that call's bytes 0.2, 0.6, 1.4, 3.0,
+# 6.2 and 12.6 s after it was sent, so a node that waited for the resend would be back 5 s
+# after this heal.
+CUT_S = 7.0
+REJOIN_S = 1.0  # docs/operations.md, Partitions: back within a second of the heal
 
 
 def open_shared(*clients: Client) -> None:
@@ -159,3 +164,36 @@ def test_nodes_cut_from_the_master_hit_locally_and_the_others_serve_each_other(
     assert torch.equal(got["before"], before) and torch.equal(got["after"], after)
     assert (read.remote_hits, read.remote_misses) == (2, 0)
     assert all(t is not None and torch.equal(t, before) for t in local)
+
+
+@pytest.mark.cluster_faults  # a 7 s cut and three processes on test hosts: ~20 s
+def test_a_node_cut_from_the_master_is_back_within_a_second_of_the_heal_and_reads_remotely(
+    hosts: Hosts,
+) -> None:
+    on_master, on_a, on_b = hosts.add("master"), hosts.add("node-a"), hosts.add("node-b")
+    rows = torch.randn(16, 2048, dtype=torch.bfloat16)
+    with master_on(on_master) as master, ExitStack() as stack:
+        a = stack.enter_context(node_on(on_a, master))
+        ca = stack.enter_context(a.client())
+        wait_until(lambda: cluster_stats(ca).connected, 20)  # it joins after serving
+        open_shared(ca)
+        Producer(ca, "shared").put("remote", rows)  # in a's segment: b has none yet
+        wait_until(lambda: published(ca) == 1, 20)
+        b = stack.enter_context(node_on(on_b, master))
+        cb = stack.enter_context(b.client())
+        wait_until(lambda: cluster_stats(cb).connected, 20)
+        open_shared(cb)
+        hosts.cut(on_b, on_master)
+        cut_at = time.monotonic()
+        [lookup] = cb.step("shared", acquires=[b"elsewhere"]).acquires  # the call the cut holds
+        wait_until(lambda: not cluster_stats(cb).connected, 1.0 + SLACK_S)
+        time.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))
+        hosts.heal(on_b, on_master)
+        healed_at = time.monotonic()
+        wait_until(lambda: cluster_stats(cb).connected, 30)
+        back_s = time.monotonic() - healed_at
+        got = Consumer(cb, "shared").get("remote", wait_ms=5000)
+    print(f"back {back_s:.2f} s after the heal of a {CUT_S:g} s cut")
+    assert lookup.status is Status.MISS
+    assert back_s < REJOIN_S + 1.0, back_s  # a second more: a loaded machine's delays
+    assert got is not None and torch.equal(got, rows)
