@@ -39,7 +39,7 @@ read (a setting of another connector, left in a shared config) is warned about, 
 
 `ecd_pins` and `ecd_pin_share` (of earlier versions: when cached items were pinned by a round
 trip on the scheduler thread) are ignored, with a warning: cached items are now pinned with no
-round trip (lock pins, see scheduler.py), so there is nothing left to choose. So is
+round trip (lock pins, see loads.py), so there is nothing left to choose. So is
 `ecd_pending_wait_ms` (a cap on how long a request waited for an item being encoded elsewhere):
 such a request now waits until that encode is committed or aborted, and the daemon bounds how
 long that can be (docs/design.md §4, *Single flight*).
@@ -58,7 +58,7 @@ import torch
 from ec_client.control._connection import Options, await_daemon
 from ec_client.data.mover import dtype_name
 from ec_client.pool.layout import ENGINE_ID_PATTERN
-from ec_client.types import Role
+from ec_client.types import Role, TensorSpec
 from ec_client.units import parse_size
 
 if TYPE_CHECKING:
@@ -138,6 +138,17 @@ class ConnectorConfig:
         is there fails at once."""
         t = self.connect_timeout_s
         await_daemon(Options.make(self.address, None, Role.BOTH, t, t, None), t)
+
+    def loadable(self, spec: TensorSpec) -> bool:
+        """Encoder outputs are (rows, width) in the model dtype, a row as wide as a block (the
+        model's width); anything else is not ours. The daemon reads a value of any width from
+        its store (it does not know the model's): another model's, under a namespace that
+        names this model, is never loaded here."""
+        return (
+            len(spec.shape) == 2
+            and spec.dtype == self.dtype
+            and spec.nbytes == spec.shape[0] * self.block_size_bytes
+        )
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
