@@ -502,7 +502,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ecd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands)
+    _add_queries(commands)
+    _add_removals(commands)
+    _add_bench(commands)
+    return parser
 
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = add_command(
         commands,
         "serve",
@@ -513,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_module.add_arguments(serve)
 
+
+def _add_queries(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands that read the daemon: health, stats, ls."""
     health = add_command(
         commands, "health", cmd_health, client=True, help="check the daemon (exit 0 if SERVING)"
     )
@@ -535,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", nargs="?", metavar="POOL", help="this pool's entries [default: list the pools]"
     )
 
+
+def _add_removals(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands that take entries or pools away: evict, delete, drop."""
     for name, run, what in (
         ("evict", cmd_evict, "evict READY unpinned entries of a pool, as eviction would"),
         ("delete", cmd_delete, "delete entries of a pool in any state (a pinned one goes at its "
@@ -563,6 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop it even with entries PENDING or pinned; remove a refused file whatever it holds",
     )
 
+
+def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = add_command(
         commands,
         "bench",
@@ -604,6 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="10000,100000",
         help="entries in the pool when the daemon is killed, one daemon each (restart)",
     )
+    _add_bench_cluster_arguments(bench)
+    bench.add_argument("--output", help="also write the figures as JSON to this file")
+
+
+def _add_bench_cluster_arguments(bench: argparse.ArgumentParser) -> None:
+    """The flags of `ecd bench --suite cluster`."""
     bench.add_argument(
         "--cluster-samples", type=count, default=10, help="reads of each kind per run (cluster)"
     )
@@ -631,8 +652,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--cluster-seconds", type=float, default=2.0, help="duration per client count (cluster)"
     )
-    bench.add_argument("--output", help="also write the figures as JSON to this file")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

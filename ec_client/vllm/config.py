@@ -39,7 +39,7 @@ read (a setting of another connector, left in a shared config) is warned about, 
 
 `ecd_pins` and `ecd_pin_share` (of earlier versions: when cached items were pinned by a round
 trip on the scheduler thread) are ignored, with a warning: cached items are now pinned with no
-round trip (lock pins, see scheduler.py), so there is nothing left to choose. So is
+round trip (lock pins, see loads.py), so there is nothing left to choose. So is
 `ecd_pending_wait_ms` (a cap on how long a request waited for an item being encoded elsewhere):
 such a request now waits until that encode is committed or aborted, and the daemon bounds how
 long that can be (docs/design.md §4, *Single flight*).
@@ -58,7 +58,7 @@ import torch
 from ec_client.control._connection import Options, await_daemon
 from ec_client.data.mover import dtype_name
 from ec_client.pool.layout import ENGINE_ID_PATTERN
-from ec_client.types import Role
+from ec_client.types import Role, TensorSpec
 from ec_client.units import parse_size
 
 if TYPE_CHECKING:
@@ -139,6 +139,17 @@ class ConnectorConfig:
         t = self.connect_timeout_s
         await_daemon(Options.make(self.address, None, Role.BOTH, t, t, None), t)
 
+    def loadable(self, spec: TensorSpec) -> bool:
+        """Encoder outputs are (rows, width) in the model dtype, a row as wide as a block (the
+        model's width); anything else is not ours. The daemon reads a value of any width from
+        its store (it does not know the model's): another model's, under a namespace that
+        names this model, is never loaded here."""
+        return (
+            len(spec.shape) == 2
+            and spec.dtype == self.dtype
+            and spec.nbytes == spec.shape[0] * self.block_size_bytes
+        )
+
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
         import vllm
@@ -148,69 +159,29 @@ class ConnectorConfig:
             raise ValueError("ECDaemonConnector needs an ec_transfer_config")
         extra: dict[str, Any] = dict(ec.ec_connector_extra_config or {})
         check_keys(extra)
-        for key, why in IGNORED.items():
-            if key in extra:
-                log.warning(
-                    "ec_connector_extra_config %s=%r is ignored: %s; remove it",
-                    key,
-                    extra[key],
-                    why,
-                )
+        _warn_ignored(extra)
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         # What VllmConfig.is_mm_encoder_only reads, asked of model_config so that a stand-in
         # config (ec_client/vllm/offline.py) answers it too.
         multimodal = model.multimodal_config
         encoder_only = multimodal is not None and multimodal.mm_encoder_only
-        if images_are_named_by_request(vllm_config):
-            log.warning(
-                "this engine names each image by its request, not its content: with prefix "
-                "caching off and mm_processor_cache_gb=0, vLLM gives an image without a "
-                "multi_modal_uuid an identifier of its request, so no encoder cache (ecd's or "
-                "vLLM's own) can ever find it again and every image is encoded anew. Set "
-                "--mm-processor-cache-gb above 0 (or keep prefix caching on), or send "
-                "multi_modal_uuids with the requests"
-            )
-
-        dtype = model.dtype
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"model dtype {dtype!r} is not a torch dtype")
-        width = int(model.get_inputs_embeds_size())
+        _warn_if_images_are_named_by_request(vllm_config)
+        dtype, width, capacity = _geometry(vllm_config, extra)
         name = dtype_name(dtype)
-        capacity = _size(extra, "ec_cpu_bytes")
-        block = width * dtype.itemsize
-        if capacity < block:
-            raise ValueError(
-                f"ec_cpu_bytes={capacity} is smaller than one block ({block} bytes: embedding "
-                f"width {width} x {dtype.itemsize}-byte {name})"
-            )
-
-        pool = extra.get("ecd_pool")
-        private = pool is None
-        if private:
-            pool = f"{vllm_config.instance_id}_dp{parallel.data_parallel_index}"
-        if not isinstance(pool, str) or not ENGINE_ID_PATTERN.fullmatch(pool):
-            raise ValueError(
-                f"ecd_pool {pool!r} is not a pool name: use 1-128 of A-Z a-z 0-9 . _ -, "
-                "starting with a letter or digit"
-            )
+        pool, private = _pool_name(vllm_config, extra)
         address = extra.get("ecd_address")
         # Only the first pipeline stage builds input embeddings, so its TP x PCP workers are the
         # ones that load; a pin may go once each of them reported its copy landed.
         loaders = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
         alone = _worker_is_alone(parallel.distributed_executor_backend, loaders)
-        namespace = extra.get("ecd_cluster_namespace", AUTO)
-        if not isinstance(namespace, str):
-            raise ValueError(
-                f'ecd_cluster_namespace must be a string ("auto", "" or a namespace), got '
-                f"{namespace!r}"
-            )
+        namespace = _namespace_setting(extra)
         return cls(
             address=str(address) if address else None,
             pool=pool,
             pool_is_private=private,
             capacity_bytes=capacity,
-            block_size_bytes=block,
+            block_size_bytes=width * dtype.itemsize,
             dtype=name,
             compat_key=f"{model.model}|{name}|{width}|vllm {vllm.__version__}",
             is_producer=bool(ec.is_ec_producer),
@@ -227,6 +198,73 @@ class ConnectorConfig:
             ),
             namespace_if_store=namespace == AUTO,
         )
+
+
+def _warn_if_images_are_named_by_request(vllm_config: VllmConfig) -> None:
+    if images_are_named_by_request(vllm_config):
+        log.warning(
+            "this engine names each image by its request, not its content: with prefix "
+            "caching off and mm_processor_cache_gb=0, vLLM gives an image without a "
+            "multi_modal_uuid an identifier of its request, so no encoder cache (ecd's or "
+            "vLLM's own) can ever find it again and every image is encoded anew. Set "
+            "--mm-processor-cache-gb above 0 (or keep prefix caching on), or send "
+            "multi_modal_uuids with the requests"
+        )
+
+
+def _warn_ignored(extra: dict[str, Any]) -> None:
+    """Say which settings of earlier versions are given and mean nothing now (IGNORED)."""
+    for key, why in IGNORED.items():
+        if key in extra:
+            log.warning(
+                "ec_connector_extra_config %s=%r is ignored: %s; remove it",
+                key,
+                extra[key],
+                why,
+            )
+
+
+def _geometry(vllm_config: VllmConfig, extra: dict[str, Any]) -> tuple[torch.dtype, int, int]:
+    """The model's dtype, its embedding width (a block is one row) and the pool's capacity,
+    which holds at least one block."""
+    model = vllm_config.model_config
+    dtype = model.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"model dtype {dtype!r} is not a torch dtype")
+    width = int(model.get_inputs_embeds_size())
+    capacity = _size(extra, "ec_cpu_bytes")
+    block = width * dtype.itemsize
+    if capacity < block:
+        raise ValueError(
+            f"ec_cpu_bytes={capacity} is smaller than one block ({block} bytes: embedding "
+            f"width {width} x {dtype.itemsize}-byte {dtype_name(dtype)})"
+        )
+    return dtype, width, capacity
+
+
+def _pool_name(vllm_config: VllmConfig, extra: dict[str, Any]) -> tuple[str, bool]:
+    """The pool's name (`ecd_pool`), and whether it is the private default, named for this run
+    as ECCPUConnector names its region."""
+    pool = extra.get("ecd_pool")
+    private = pool is None
+    if private:
+        pool = f"{vllm_config.instance_id}_dp{vllm_config.parallel_config.data_parallel_index}"
+    if not isinstance(pool, str) or not ENGINE_ID_PATTERN.fullmatch(pool):
+        raise ValueError(
+            f"ecd_pool {pool!r} is not a pool name: use 1-128 of A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return pool, private
+
+
+def _namespace_setting(extra: dict[str, Any]) -> str:
+    """`ecd_cluster_namespace` as given: AUTO, "" or a namespace."""
+    namespace = extra.get("ecd_cluster_namespace", AUTO)
+    if not isinstance(namespace, str):
+        raise ValueError(
+            f'ecd_cluster_namespace must be a string ("auto", "" or a namespace), got {namespace!r}'
+        )
+    return namespace
 
 
 AUTO = "auto"

@@ -154,6 +154,42 @@ def _commit_seq(slot_and_fields: tuple[int, RecordFields]) -> int:
     return slot_and_fields[1][5]
 
 
+def _in_commit_order(
+    records: list[tuple[int, RecordFields]],
+) -> tuple[list[tuple[int, RecordFields]], set[int]]:
+    """The records, oldest commit first, and the slots they name; ValueError if one slot is
+    named twice."""
+    in_order = sorted(records, key=_commit_seq)
+    slots = {slot for slot, _ in in_order}
+    if len(slots) != len(in_order):
+        twice = next(s for s, n in collections.Counter(s for s, _ in in_order).items() if n > 1)
+        raise ValueError(f"slot table names slot {twice} twice")
+    return in_order, slots
+
+
+@dataclass(slots=True)
+class _Adopted:
+    """What a restore adopts from a slot table: the entries by key (oldest commit first), those
+    set aside (superseded by a newer record of their key, or doomed), every extent, and the
+    blocks of the entries."""
+
+    entries: dict[bytes, Entry]
+    superseded: list[Entry]
+    used: list[tuple[int, int]]
+    blocks: int
+
+    def drop_doomed(self, doomed: Sequence[tuple[int, RecordFields]]) -> None:
+        """Set aside the entries of doomed records (removed while a reader lock-pinned them),
+        unless a newer record of their key took their place."""
+        for slot, fields in doomed:
+            entry = self.entries.get(fields[0])
+            if entry is not None and entry.slot == slot:
+                del self.entries[entry.key]
+                entry.removed = entry.doomed = True
+                self.superseded.append(entry)
+                self.blocks -= entry.blocks
+
+
 class SlotJournal(Protocol):
     """Where READY entries are recorded so they survive a daemon restart (the pool file)."""
 
@@ -235,12 +271,25 @@ class PoolIndex:
         once, the least built per entry: a restart with 100,000 entries waits on it
         (docs/performance.md, *A warm restart*).
         """
+        in_order, slots = _in_commit_order([*records, *doomed])
+        adopted = self._adopt(in_order)
+        adopted.drop_doomed(doomed)
+        self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, adopted.used)
+        self._entries = adopted.entries
+        # Oldest commit first: a key's place in the dict is its first record's, which is where
+        # on_ready one record at a time would have left it too.
+        self._policy.on_ready_many(adopted.entries)
+        self._evictable_blocks, self._evictable_entries = adopted.blocks, len(adopted.entries)
+        # Past every record's, doomed ones' included: a commit_seq is never given twice.
+        self._commit_seq = _commit_seq(in_order[-1]) if in_order else 0
+        self._free_slots = [s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in slots]
+        for entry in adopted.superseded:
+            self._place(entry)
+
+    def _adopt(self, in_order: list[tuple[int, RecordFields]]) -> _Adopted:
+        """An entry for each record, oldest commit first: the newer record of a key supersedes
+        the older. ValueError for extents that do not match their record's size."""
         now = self._clock()
-        in_order = sorted([*records, *doomed], key=_commit_seq)
-        slots = {slot for slot, _ in in_order}
-        if len(slots) != len(in_order):
-            twice = next(s for s, n in collections.Counter(s for s, _ in in_order).items() if n > 1)
-            raise ValueError(f"slot table names slot {twice} twice")
         # One spec, and its size in blocks, for the entries of one shape, dtype and size (most
         # of a pool's): a spec is never changed, only replaced (PoolIndex.commit).
         specs: dict[tuple[tuple[int, ...], str, int], tuple[TensorSpec, int]] = {}
@@ -292,24 +341,7 @@ class PoolIndex:
                 True,  # recorded
             )
             blocks += size
-        for slot, fields in doomed:
-            entry = entries.get(fields[0])
-            if entry is not None and entry.slot == slot:  # no newer record of its key took it
-                del entries[entry.key]
-                entry.removed = entry.doomed = True
-                superseded.append(entry)
-                blocks -= entry.blocks
-        self._allocator = ExtentAllocator.with_used(self.geometry.num_blocks, used)
-        self._entries = entries
-        # Oldest commit first: a key's place in the dict is its first record's, which is where
-        # on_ready one record at a time would have left it too.
-        self._policy.on_ready_many(entries)
-        self._evictable_blocks, self._evictable_entries = blocks, len(entries)
-        # Past every record's, doomed ones' included: a commit_seq is never given twice.
-        self._commit_seq = _commit_seq(in_order[-1]) if in_order else 0
-        self._free_slots = [s for s in range(self.geometry.num_slots - 1, -1, -1) if s not in slots]
-        for entry in superseded:
-            self._place(entry)
+        return _Adopted(entries, superseded, used, blocks)
 
     # ---- producer side -------------------------------------------------------------------------
 

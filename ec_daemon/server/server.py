@@ -134,6 +134,78 @@ def build_store(
 
 
 async def start(config: Config) -> Daemon:
+    guard, page_tokens = load_credentials(config)
+    tls = tcp_credentials(config)
+    check_directories(config)
+    locks = [
+        checks.DirectoryLock(config.shm_dir / ".ecd.lock", f"shm directory {config.shm_dir}"),
+        checks.DirectoryLock(
+            config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
+        ),
+    ]
+    budget = checks.resolve_budget(config.shm_dir, config.max_bytes, config.entries_per_pool)
+    for lock in locks:
+        lock.acquire()
+    hub = EventHub()
+    cluster = build_cluster(config)
+    store = build_store(config, budget, hub, cluster)
+    adopt_pools(store)
+    warn_environment(config, budget)
+    metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
+    metrics.page_tokens = page_tokens
+    metrics_server = (
+        metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None
+    )
+    server, service, channel, health_servicer = build_server(
+        config, store, hub, metrics, guard, cluster
+    )
+    listen(server, config, tls)
+    await server.start()
+    secure_socket(config)
+
+    daemon = Daemon(
+        config,
+        store,
+        hub,
+        server,
+        health_servicer,
+        locks,
+        service,
+        metrics,
+        metrics_server,
+        channel=channel,
+        cluster=cluster,
+    )
+    await begin_serving(daemon)
+    log_serving(daemon, budget, tls is not None, guard.enabled)
+    return daemon
+
+
+def log_serving(daemon: Daemon, budget: int, tls: bool, tokens: bool) -> None:
+    config = daemon.config
+    log.info(
+        "serving",
+        extra={
+            "socket": str(config.socket),
+            "tcp": config.tcp or "off",
+            "tls": "mutual" if config.tls_client_ca else "on" if tls else "off",
+            "auth": "tokens+acl" if config.acl_file else "tokens" if tokens else "off",
+            "metrics": (
+                f"{config.metrics_host}:{config.metrics_port}" if daemon.metrics_server else "off"
+            ),
+            "store": config.store_master or "off",
+            "shm_dir": str(config.shm_dir),
+            "max_bytes": budget,
+            "pools": len(daemon.store.engine_ids()),
+            "boot_epoch": daemon.store.boot_epoch,
+            "pid": os.getpid(),
+        },
+    )
+
+
+def load_credentials(config: Config) -> tuple[auth.Guard, frozenset[str] | None]:
+    """The guard of the token file and access list, and the metrics page's tokens; a file that
+    cannot be used stops the start."""
     try:
         guard = auth.guard_from_files(config.token_file, config.acl_file, config.trust_all_tokens)
         page_tokens = metrics_tokens(config)
@@ -145,7 +217,11 @@ async def start(config: Config) -> Daemon:
             "delete and drop every pool",
             extra={"token_file": str(config.token_file)},
         )
-    tls = tcp_credentials(config)
+    return guard, page_tokens
+
+
+def check_directories(config: Config) -> None:
+    """Nothing but a stale socket at --socket; a usable shm directory (of huge pages, if asked)."""
     checks.check_socket_path(config.socket)
     checks.check_shm_dir(config.shm_dir)
     if config.hugepages:
@@ -154,23 +230,23 @@ async def start(config: Config) -> Daemon:
             checks.parse_mounts(checks.MOUNTS.read_text()),
             checks.shmem_huge_policy(),
         )
-    locks = [
-        checks.DirectoryLock(config.shm_dir / ".ecd.lock", f"shm directory {config.shm_dir}"),
-        checks.DirectoryLock(
-            config.socket.with_name(config.socket.name + ".lock"), f"socket {config.socket}"
-        ),
-    ]
-    budget = checks.resolve_budget(config.shm_dir, config.max_bytes, config.entries_per_pool)
-    for lock in locks:
-        lock.acquire()
-    hub = EventHub()
-    cluster: Cluster | None = None
-    if config.store_master:
-        node = cluster_node(config)
-        republisher = Republisher(node, config.republish_rate, config.republish_every)
-        cluster = Cluster(node, Claims(node), republisher, config.pull_timeout)
-    store = build_store(config, budget, hub, cluster)
-    adopt_pools(store)
+
+
+def build_cluster(config: Config) -> Cluster | None:
+    """The cluster tier with --store-master (not started yet); None without."""
+    if not config.store_master:
+        return None
+    node = cluster_node(config)
+    return Cluster(
+        node,
+        Claims(node),
+        Republisher(node, config.republish_rate, config.republish_every),
+        config.pull_timeout,
+    )
+
+
+def warn_environment(config: Config, budget: int) -> None:
+    """Say what will run badly here (not a tmpfs, memlock), and what would on a GPU."""
     findings = checks.environment_findings(config.shm_dir, budget, checks.gpu_present())
     for check, problem in findings.warnings.items():
         log.warning("startup check: running, but badly", extra={"check": check, "problem": problem})
@@ -179,12 +255,18 @@ async def start(config: Config) -> Daemon:
             "startup check: no GPU on this machine, so a problem only for GPU engines",
             extra={"check": check, "problem": problem},
         )
-    metrics = Metrics(snapshot_on_loop(store, asyncio.get_running_loop()))
-    metrics.page_tokens = page_tokens
-    metrics_server = (
-        metrics.serve(config.metrics_host, config.metrics_port) if config.metrics_port else None
-    )
 
+
+def build_server(
+    config: Config,
+    store: Store,
+    hub: EventHub,
+    metrics: Metrics,
+    guard: auth.Guard,
+    cluster: Cluster | None,
+) -> tuple[grpc.aio.Server, EncoderCacheService, FdChannel | None, health_aio.HealthServicer]:
+    """The gRPC server with its services (not listening yet), and the fd channel granted
+    clients' pool files are handed over on."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -217,6 +299,11 @@ async def start(config: Config) -> Daemon:
     reflection.enable(
         server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
     )
+    return server, service, channel, health_servicer
+
+
+def listen(server: grpc.aio.Server, config: Config, tls: grpc.ServerCredentials | None) -> None:
+    """The server's ports: the Unix socket, and --tcp (TLS if given)."""
     bind_unix_socket(server, config)
     if config.tcp and tls is not None:
         server.add_secure_port(config.tcp, tls)
@@ -226,51 +313,24 @@ async def start(config: Config) -> Daemon:
             extra={"tcp": config.tcp},
         )
         server.add_insecure_port(config.tcp)
-    await server.start()
-    secure_socket(config)
 
-    daemon = Daemon(
-        config,
-        store,
-        hub,
-        server,
-        health_servicer,
-        locks,
-        service,
-        metrics,
-        metrics_server,
-        channel=channel,
-        cluster=cluster,
-    )
-    if cluster is not None:
-        cluster.start()
-        daemon.tasks.append(asyncio.create_task(follow_cluster(health_servicer, cluster)))
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+async def begin_serving(daemon: Daemon) -> None:
+    """Join the store (with one), health SERVING, the background tasks, READY=1."""
+    health = daemon.health
+    if daemon.cluster is not None:
+        daemon.cluster.start()
+        daemon.tasks.append(asyncio.create_task(follow_cluster(health, daemon.cluster)))
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    store = daemon.store
     daemon.tasks.append(asyncio.create_task(reap_sessions(store)))
     daemon.tasks.append(asyncio.create_task(settle_producers(store)))
-    daemon.tasks.append(asyncio.create_task(check_pools(store, config.pool_check_interval)))
+    daemon.tasks.append(asyncio.create_task(check_pools(store, daemon.config.pool_check_interval)))
     interval = systemd.watchdog_interval_s()
     if interval:
         daemon.tasks.append(asyncio.create_task(feed_watchdog(interval)))
     systemd.notify("READY=1")
-    log.info(
-        "serving",
-        extra={
-            "socket": str(config.socket),
-            "tcp": config.tcp or "off",
-            "tls": "mutual" if config.tls_client_ca else "on" if tls else "off",
-            "auth": "tokens+acl" if config.acl_file else "tokens" if guard.enabled else "off",
-            "metrics": f"{config.metrics_host}:{config.metrics_port}" if metrics_server else "off",
-            "store": config.store_master or "off",
-            "shm_dir": str(config.shm_dir),
-            "max_bytes": budget,
-            "pools": len(store.engine_ids()),
-            "boot_epoch": store.boot_epoch,
-            "pid": os.getpid(),
-        },
-    )
-    return daemon
 
 
 def metrics_tokens(config: Config) -> frozenset[str] | None:

@@ -104,7 +104,9 @@ def test_a_consumer_whose_view_has_not_heard_of_a_committed_item_loads_it(
     producer = engine(role="ec_producer", pool=SHARED)
     consumer = engine(role="ec_consumer", pool=SHARED)
     producer.save("p1", "img-a")
-    monkeypatch.setattr(consumer.scheduler, "view", Unheard(consumer.scheduler.view, b"img-a"))
+    monkeypatch.setattr(
+        consumer.scheduler.connection, "view", Unheard(consumer.scheduler.view, b"img-a")
+    )
     held, result = consumer.admit(request("c1", "img-a"))
     assert held == 1 and not result.step.encode
     assert result.loaded == {"img-a": digest(encoder_output("img-a"))}
@@ -117,7 +119,9 @@ def test_a_consumer_whose_view_has_not_heard_of_an_item_being_written_waits_for_
     consumer = engine(role="ec_consumer", pool=SHARED)
     encoding = producer.schedule([request("p1", "img-a")])
     producer.answered()  # allocated: PENDING in the pool
-    monkeypatch.setattr(consumer.scheduler, "view", Unheard(consumer.scheduler.view, b"img-a"))
+    monkeypatch.setattr(
+        consumer.scheduler.connection, "view", Unheard(consumer.scheduler.view, b"img-a")
+    )
     waiting = request("c1", "img-a")
     assert consumer.step(waiting).step.held == {"c1"}  # asked
     assert consumer.step(waiting).step.held == {"c1"}  # answered PENDING: held on
