@@ -75,6 +75,7 @@ DEFAULT_REQUESTS = 48  # the docstring says why
 # p90 at least this much below no connector's, and at least as low as ECCPUConnector's.
 TARGET_P50, TARGET_P90 = -0.32, -0.46
 NO_CONNECTOR, ECCPU = "no connector", "vLLM ECCPUConnector, ec_both"
+CALIBRATION = "no connector, closed loop (the rate's calibration)"
 # Configurations the benchmark cannot start here, listed in every table with the reason.
 CANNOT_RUN = {
     "vLLM's Mooncake Store encoder cache (ECMooncakeConnector, cross_encoder_cache)": (
@@ -259,7 +260,7 @@ def run(
     }
 
 
-def table(rows: list[dict[str, Any]], stream: Stream) -> str:
+def table(rows: list[dict[str, Any]], stream: Stream, concurrency: int) -> str:
     """The results as a markdown table: TTFT and throughput also against no connector's (when it
     ran), whether each configuration met the targets, the machine's load average (1 min) as each
     configuration's stream began; a configuration that did not run says why."""
@@ -277,10 +278,12 @@ def table(rows: list[dict[str, Any]], stream: Stream) -> str:
             f"{images} images of {IMAGE_TOKENS} tokens; one request at a time it serves "
             f"{stream.in_engine_hits(images)} of the stream's {repeats} repeats."
         )
-    rates = {row["rate"] for row in ran.values() if row["rate"] is not None}
+    rates = {row["rate"] for row in ran.values() if row["configuration"] != CALIBRATION}
     lines += [
-        f"Poisson arrivals at {', '.join(f'{rate:.3f}' for rate in sorted(rates))} requests/s "
-        "(the closed-loop row's throughput, when it ran).",
+        "Arrivals: "
+        + ", ".join("closed loop" if r is None else f"Poisson at {r:.3f} requests/s" for r in rates)
+        + f", at most {concurrency} in flight (a Poisson rate unless given: the calibration "
+        "row's throughput).",
         f"Targets: TTFT p50 and p90 at least {-TARGET_P50:.0%} and {-TARGET_P90:.0%} below no "
         "connector's, and no higher than ECCPUConnector's.",
         "",
@@ -293,7 +296,8 @@ def table(rows: list[dict[str, Any]], stream: Stream) -> str:
             lines.append(f"| {row['configuration']} | did not run: {row['error']} ||||||||||")
             continue
         ttft, e2el = row["ttft_ms"], row["e2el_ms"]
-        against = base if base is not None and row is not base and row["rate"] else None
+        calibration = row["configuration"] == CALIBRATION
+        against = base if base is not None and row is not base and not calibration else None
         lines.append(
             f"| {row['configuration']} "
             f"| {ttft['50']:.0f} ms{versus(ttft['50'], against and against['ttft_ms']['50'])} "
@@ -310,7 +314,7 @@ def table(rows: list[dict[str, Any]], stream: Stream) -> str:
 def targets(row: dict[str, Any], base: dict[str, Any] | None, eccpu: dict[str, Any] | None) -> str:
     """Which targets `row` met: its TTFT p50 and p90 against no connector's, and both against
     ECCPUConnector's; nothing for the baselines' own rows and the calibration."""
-    if row is base or row["rate"] is None:
+    if row is base or row["configuration"] == CALIBRATION:
         return ""
     if base is None:
         return "no baseline ran"
@@ -367,9 +371,6 @@ CHOICES: dict[str, tuple[str, Starter]] = {
 }
 
 
-CALIBRATION = "no connector, closed loop (the rate's calibration)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
@@ -423,7 +424,7 @@ def main() -> None:
             rows.append({"configuration": name, "error": f"not in this run's --configs ({key})"})
     rows += [{"configuration": name, "error": why} for name, why in CANNOT_RUN.items()]
     report(args, stream, rows, time.perf_counter() - started)
-    print(table(rows, stream))
+    print(table(rows, stream, args.concurrency))
 
 
 def report(
@@ -437,7 +438,7 @@ def report(
         "rows": rows,
     }
     (args.out / "serve.json").write_text(json.dumps(summary, indent=2))
-    (args.out / "serve.md").write_text(table(rows, stream))
+    (args.out / "serve.md").write_text(table(rows, stream, args.concurrency))
     plot(rows, args.out / "serve-ttft.png")
 
 
