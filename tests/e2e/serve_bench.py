@@ -415,7 +415,7 @@ def main() -> None:
     if rate is None:
         calibration = measure(CALIBRATION, no_connector, math.inf)
         if "error" in calibration:
-            sys.exit("bench-serve: no rate: the calibration did not run")
+            sys.exit(f"bench-serve: no rate, the calibration did not run: {calibration['error']}")
         rate = float(calibration["request_throughput"])
     for key, (name, start) in CHOICES.items():
         if key in selected:
