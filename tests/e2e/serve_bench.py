@@ -57,7 +57,8 @@ import tiny_model
 from cluster_testing import running_master, store_daemon
 from e2e_testing import EngineSpec
 from ecd_testing import running_daemon
-from serve_stream import Stream, catalog_for
+from serve_stream import DEFAULT_REQUESTS, Stream, catalog_for
+from serve_table import CALIBRATION, ECCPU, NO_CONNECTOR, calibrated_rate, table
 from serving import Proxy, Server, chat
 
 MAX_MODEL_LEN = 1024  # a prompt holds 576 image tokens
@@ -69,13 +70,6 @@ serving.START_TIMEOUT_S = 900.0
 # logging as a deployment's daemon does, not at debug.
 DAEMON_ARGS = ("--max-bytes", "1GiB", "--pending-timeout", "300")
 POOL = "bench"
-IMAGE_TOKENS = tiny_model.VIT_L_336.image_tokens
-DEFAULT_REQUESTS = 48  # the docstring says why
-# vLLM #56242's figures for its store-backed encoder cache, the issue's targets: TTFT p50 and
-# p90 at least this much below no connector's, and at least as low as ECCPUConnector's.
-TARGET_P50, TARGET_P90 = -0.32, -0.46
-NO_CONNECTOR, ECCPU = "no connector", "vLLM ECCPUConnector, ec_both"
-CALIBRATION = "no connector, closed loop (the rate's calibration)"
 # Configurations the benchmark cannot start here, listed in every table with the reason.
 CANNOT_RUN = {
     "vLLM's Mooncake Store encoder cache (ECMooncakeConnector, cross_encoder_cache)": (
@@ -260,84 +254,6 @@ def run(
     }
 
 
-def table(rows: list[dict[str, Any]], stream: Stream, concurrency: int) -> str:
-    """The results as a markdown table: TTFT and throughput also against no connector's (when it
-    ran), whether each configuration met the targets, the machine's load average (1 min) as each
-    configuration's stream began; a configuration that did not run says why."""
-    ran = {row["configuration"]: row for row in rows if "ttft_ms" in row}
-    base, eccpu = ran.get(NO_CONNECTOR), ran.get(ECCPU)
-    lines = [
-        f"{stream.requests} requests, one image each from a catalog of {stream.catalog} "
-        f"(Zipf {stream.zipf}): {stream.reuse():.0%} of the requests' images seen before.",
-    ]
-    if sizes := {row["encoder_cache_tokens"] for row in ran.values()}:
-        images = min(sizes) // IMAGE_TOKENS
-        repeats = round(stream.reuse() * stream.requests)
-        lines.append(
-            f"vLLM's own encoder cache: {'/'.join(map(str, sorted(sizes)))} tokens an engine, "
-            f"{images} images of {IMAGE_TOKENS} tokens; one request at a time it serves "
-            f"{stream.in_engine_hits(images)} of the stream's {repeats} repeats."
-        )
-    rates = {row["rate"] for row in ran.values() if row["configuration"] != CALIBRATION}
-    lines += [
-        "Arrivals: "
-        + ", ".join("closed loop" if r is None else f"Poisson at {r:.3f} requests/s" for r in rates)
-        + f", at most {concurrency} in flight (a Poisson rate unless given: the calibration "
-        "row's throughput).",
-        f"Targets: TTFT p50 and p90 at least {-TARGET_P50:.0%} and {-TARGET_P90:.0%} below no "
-        "connector's, and no higher than ECCPUConnector's.",
-        "",
-        "| configuration | TTFT p50 | p90 | p99 | end to end p50 | p90 | requests/s "
-        "| encoder calls | hit rate | targets | load average |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['configuration']} | did not run: {row['error']} ||||||||||")
-            continue
-        ttft, e2el = row["ttft_ms"], row["e2el_ms"]
-        calibration = row["configuration"] == CALIBRATION
-        against = base if base is not None and row is not base and not calibration else None
-        lines.append(
-            f"| {row['configuration']} "
-            f"| {ttft['50']:.0f} ms{versus(ttft['50'], against and against['ttft_ms']['50'])} "
-            f"| {ttft['90']:.0f} ms{versus(ttft['90'], against and against['ttft_ms']['90'])} "
-            f"| {ttft['99']:.0f} ms | {e2el['50']:.0f} ms | {e2el['90']:.0f} ms "
-            f"| {row['request_throughput']:.3f}"
-            f"{versus(row['request_throughput'], against and against['request_throughput'])} "
-            f"| {row['encoder_calls']} | {row['hit_rate']:.0%} | {targets(row, base, eccpu)} "
-            f"| {row['load_average'][0]:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def targets(row: dict[str, Any], base: dict[str, Any] | None, eccpu: dict[str, Any] | None) -> str:
-    """Which targets `row` met: its TTFT p50 and p90 against no connector's, and both against
-    ECCPUConnector's; nothing for the baselines' own rows and the calibration."""
-    if row is base or row["configuration"] == CALIBRATION:
-        return ""
-    if base is None:
-        return "no baseline ran"
-    ttft = row["ttft_ms"]
-    found = [
-        f"p50 {met(ttft['50'] <= (1 + TARGET_P50) * base['ttft_ms']['50'])}",
-        f"p90 {met(ttft['90'] <= (1 + TARGET_P90) * base['ttft_ms']['90'])}",
-    ]
-    if eccpu is not None and row is not eccpu:
-        low = all(ttft[p] <= eccpu["ttft_ms"][p] for p in ("50", "90"))
-        found.append(f"vs ECCPU {met(low)}")
-    return ", ".join(found)
-
-
-def met(ok: bool) -> str:
-    return "met" if ok else "not met"
-
-
-def versus(value: float, baseline: float | None) -> str:
-    """`value`'s change against `baseline`'s, as " (-12%)"; nothing with no baseline."""
-    return "" if not baseline else f" ({value / baseline - 1:+.0%})"
-
-
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Each configuration's TTFT distribution, as the share of requests whose first token came
     within a time (log scale: hits and encodes differ tenfold)."""
@@ -361,8 +277,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 CHOICES: dict[str, tuple[str, Starter]] = {
-    "none": ("no connector", no_connector),
-    "eccpu": ("vLLM ECCPUConnector, ec_both", eccpu),
+    "none": (NO_CONNECTOR, no_connector),
+    "eccpu": (ECCPU, eccpu),
     "ecd": ("ecd, ec_both", ecd_one),
     "ecd-rr": ("ecd, 2 ec_both engines, round-robin", ecd_two),
     "ecd-epd1": ("ecd, 1 encoder + prefill/decode, proxy", disaggregated(1)),
@@ -413,10 +329,7 @@ def main() -> None:
 
     rate = args.rate
     if rate is None:
-        calibration = measure(CALIBRATION, no_connector, math.inf)
-        if "error" in calibration:
-            sys.exit(f"bench-serve: no rate, the calibration did not run: {calibration['error']}")
-        rate = float(calibration["request_throughput"])
+        rate = calibrated_rate(measure(CALIBRATION, no_connector, math.inf))
     for key, (name, start) in CHOICES.items():
         if key in selected:
             measure(name, start, rate)

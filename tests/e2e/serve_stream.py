@@ -34,6 +34,9 @@ from e2e_engine import image
 FIRST_IMAGE = 1000  # the catalog's images are e2e_engine.image(FIRST_IMAGE + rank)
 
 
+DEFAULT_REQUESTS = 48  # serve_bench.py's docstring says why
+
+
 @dataclass(frozen=True)
 class Stream:
     requests: int
