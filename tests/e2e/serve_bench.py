@@ -31,7 +31,7 @@ calibration row of the table). `--configs none --rate inf` is that measurement a
 
 How long: on a quiet 2-core machine a server starts in about 30 s, an encode takes about a
 second and a hit a tenth of that, so the calibration and each configuration's stream take 1-2
-min: the default run (the calibration and 7 configurations, 11 servers) about 20-25 min. On a
+min: the default run (the calibration and 7 configurations, 13 servers) about 20-25 min. On a
 loaded machine, many times that.
 """
 

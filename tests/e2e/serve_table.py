@@ -1,7 +1,7 @@
 """The serving benchmark's table (serve_bench.py, `make bench-serve`): each configuration's TTFT
 and throughput against no connector's, whether it met the issue's targets, the machine's load as
 its stream began, and why a configuration did not run; and the rate the calibration row sets.
-Pure: no server, no vLLM, so `make test` checks it (tests/ops/test_serve_table.py)."""
+Pure: no server, no vLLM, so `make test` checks it (tests/ops/test_serve_bench.py)."""
 
 from __future__ import annotations
 
