@@ -113,7 +113,8 @@ bench: $(STAMP)
 # vision tower, deployed in each configuration in turn (no connector, ECCPUConnector, ecd in one
 # engine, two, disaggregated, two nodes); one stream of requests that repeat images sent to each by
 # vLLM's own benchmark client. Figures and plot in BENCH_SERVE_OUT; BENCH_SERVE_ARGS takes the
-# benchmark's flags (--rate, --concurrency, --requests, --reuse, --configs).
+# benchmark's flags (--rate, default calibrated to the no-connector server's saturation;
+# --concurrency, --requests, --reuse, --configs).
 BENCH_SERVE_OUT ?= bench-serve
 bench-serve: $(E2E_STAMP)
 	ECD_E2E_CACHE=$(E2E_CACHE) PYTHONPATH=$(CURDIR):$(CURDIR)/tests:$(CURDIR)/tests/e2e \

@@ -76,6 +76,12 @@ def count_steps(worker: Any) -> int:
     return int(worker._e2e_steps)
 
 
+def encoder_cache_tokens(worker: Any) -> int:
+    """In the worker: the size of the engine's own encoder cache, in tokens (vLLM sets it to
+    max_num_batched_tokens, whose default for an OpenAI server on CPU is 2048)."""
+    return int(worker.vllm_config.scheduler_config.encoder_cache_size)
+
+
 class EncoderCounter:
     """The counters above as methods of a server's worker (`vllm serve
     --worker-extension-cls e2e_engine.EncoderCounter`), which its `/collective_rpc` (dev mode)
@@ -83,6 +89,9 @@ class EncoderCounter:
 
     def e2e_encoder_outputs(self) -> int:
         return count_encoder_outputs(self)
+
+    def e2e_encoder_cache_tokens(self) -> int:
+        return encoder_cache_tokens(self)
 
 
 # The engine arguments every engine of the suite shares, `LLM(...)`'s and `vllm serve`'s alike.

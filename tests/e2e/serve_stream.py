@@ -13,6 +13,10 @@ image first (after "USER: "), so in one engine vLLM's prefix cache serves a repe
 tokens up to the image's last KV block, which holds the request's own text too: never the whole
 image, so every repeat still needs its encoder output, from vLLM's own encoder cache in that
 engine or from a connector.
+
+vLLM's own encoder cache in an engine holds a few images (serve_bench.py says how many for its
+servers) and evicts the one released longest ago; `in_engine_hits` says how many of a stream's
+repeats such a cache serves, so a stream can be sized to leave a connector most repeats to save.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import base64
 import io
 import json
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from e2e_engine import image
 
 FIRST_IMAGE = 1000  # the catalog's images are e2e_engine.image(FIRST_IMAGE + rank)
+
+
+DEFAULT_REQUESTS = 48  # serve_bench.py's docstring says why
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,23 @@ class Stream:
         """The share of requests whose image an earlier request sent."""
         images = self.images()
         return 1 - len(set(images)) / len(images)
+
+    def in_engine_hits(self, capacity: int) -> int:
+        """The repeats an engine's own encoder cache of `capacity` images serves when the
+        requests come one at a time: vLLM's EncoderCacheManager keeps a released image until
+        room is needed and then evicts the one released longest ago (with requests in flight
+        together, an image they hold is not evicted, so the count moves a little)."""
+        held: OrderedDict[int, None] = OrderedDict()
+        hits = 0
+        for rank in self.images():
+            if rank in held:
+                hits += 1
+                held.move_to_end(rank)
+                continue
+            held[rank] = None
+            if len(held) > capacity:
+                held.popitem(last=False)
+        return hits
 
     def write(self, path: Path) -> None:
         """The stream as `CustomImageDataset`'s JSONL (`prompt`, `image_files`), one line per

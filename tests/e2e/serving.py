@@ -15,7 +15,8 @@ Interface (test_serve.py and the serving benchmark build on it):
   `.start_s` (how long its last start took, until it answered);
   `.encoded()`: the encoder outputs its worker computed since it started (one per image,
   counted where the suite counts them: e2e_engine.count_encoder_outputs, reached through the
-  server's `/collective_rpc`); `.restart()`: closed and started again, same spec and port;
+  server's `/collective_rpc`); `.encoder_cache_tokens()`: the size of vLLM's own encoder cache
+  in its engine, in tokens; `.restart()`: closed and started again, same spec and port;
   `.close(timeout_s)`: SIGTERM, as an operator stops it, then whatever is left of its process
   group is killed and its leftovers removed (returns the exit status); `.kill()`: SIGKILL now.
   A context manager (closes).
@@ -229,14 +230,20 @@ class Server(_HttpProcess):
         """The encoder outputs (one per image) its worker computed since it started."""
         return self._worker_count() - self._counted_from
 
+    def encoder_cache_tokens(self) -> int:
+        """The size of vLLM's own encoder cache in this server's engine, in tokens."""
+        return max(self._worker_rpc("e2e_encoder_cache_tokens"))
+
     def _worker_count(self) -> int:
+        return sum(self._worker_rpc("e2e_encoder_outputs"))
+
+    def _worker_rpc(self, method: str) -> list[int]:
+        """An e2e_engine.EncoderCounter method's answer from each worker."""
         answer = httpx.post(
-            f"{self.url}/collective_rpc",
-            json={"method": "e2e_encoder_outputs"},
-            timeout=CALL_TIMEOUT_S,
+            f"{self.url}/collective_rpc", json={"method": method}, timeout=CALL_TIMEOUT_S
         )
         answer.raise_for_status()
-        return sum(int(count) for count in answer.json()["results"])
+        return [int(value) for value in answer.json()["results"]]
 
 
 class Proxy(_HttpProcess):
