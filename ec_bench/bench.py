@@ -35,8 +35,8 @@ import grpc
 
 from ec_client import AllocateItem, Client, EcdError, Role, StepResult
 from ec_client.control import _connection
-from ec_client.types import AllocateResult, Extent, Key, Status
-from ec_client.units import format_size
+from ec_protocol.types import AllocateResult, Extent, Key, Status
+from ec_protocol.units import format_size
 
 if TYPE_CHECKING:
     import torch
@@ -167,8 +167,8 @@ def client_costs(items: int, rounds: int) -> dict[str, float]:
     """Microseconds per item the client spends on a Step carrying one batch of Allocate, Commit,
     Acquire or Release: building the request, serializing it, parsing the daemon's reply (made
     up here, as the daemon packs it). Medians over rounds."""
-    from ec_client._proto.ecd.v1 import ecd_pb2 as pb
     from ec_client.control import _wire
+    from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
 
     keys = [f"img-{i:04d}-0123456789abcdef" for i in range(items)]
     rows, width = 256, 3584

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from ec_bench.bench import Report, _wait, pool_dropped, progress
 from ec_client import Client, Consumer, Producer, Role
-from ec_client.bench.bench import Report, _wait, pool_dropped, progress
-from ec_client.types import ClusterStats
-from ec_client.units import format_size
+from ec_protocol.types import ClusterStats
+from ec_protocol.units import format_size
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""python -m ec_client.vllm.bench: the scheduler side's cost, ecd against ECCPUConnector.
+"""python -m ec_bench.vllm: the scheduler side's cost, ecd against ECCPUConnector.
 
 The scheduler side is the part of a connector that runs inside vLLM's scheduler loop, so its
 cost is paid by every request of the engine. This drives one engine's scheduler side through the
@@ -72,12 +72,12 @@ from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
-from ec_client.errors import EcdError
-from ec_client.pool.layout import tensor_nbytes
-from ec_client.units import format_size, parse_size
 from ec_client.vllm.connector import ECDaemonConnector
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata, WorkerRank
 from ec_client.vllm.offline import finish_step, image_request, offline_config, schedule_step
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import tensor_nbytes
+from ec_protocol.units import format_size, parse_size
 
 
 @dataclass
@@ -296,7 +296,7 @@ def median_outcome(outcomes: list[Outcome]) -> Outcome:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m ec_client.vllm.bench", description=__doc__.split("\n\n")[0]
+        prog="python -m ec_bench.vllm", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--address", help="the daemon (default: ECD_ADDRESS or default socket)")
     parser.add_argument("--items", type=int, default=64, help="requests, one image each")

@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 from ec_client.control.aio import AsyncClient
 from ec_client.control.client import Client, check_health
 from ec_client.control.tls import TLSFiles
-from ec_client.errors import EcdError
-from ec_client.types import (
+from ec_protocol.errors import EcdError
+from ec_protocol.types import (
     AcquireResult,
     AllocateItem,
     AllocateResult,

@@ -27,11 +27,11 @@ from typing import Any
 import grpc
 
 from ec_client import Client, EcdError, ItemResult, Role, TLSFiles, __version__, check_health
-from ec_client.address import default_target
-from ec_client.types import ClusterStats, RefusedPool
-from ec_client.units import format_size, parse_size
 from ec_daemon.server import config as config_module
 from ec_daemon.server.checks import StartupError
+from ec_protocol.address import default_target
+from ec_protocol.types import ClusterStats, RefusedPool
+from ec_protocol.units import format_size, parse_size
 
 
 def display_key(key: bytes) -> str:
@@ -399,7 +399,7 @@ def count_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ec_client.bench import bench, bench_cluster
+    from ec_bench import bench, bench_cluster
     from ec_daemon.tools import costs, transfer_floor
     from ec_daemon.tools.spawn import restartable_daemon, spawned_daemon
     from ec_daemon.tools.spawn_store import spawned_master, spawned_store_daemons

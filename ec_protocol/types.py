@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ec_client.pool.layout import tensor_nbytes
+from ec_protocol.pool.layout import tensor_nbytes
 
 Key = str | bytes
 
@@ -147,7 +147,7 @@ class PoolInfo:
     created: bool
     cluster_namespace: str = ""  # shared through the daemon's Mooncake Store under it; "" not
     # What this OpenPool's reply gave to redeem for the pool's file on the daemon's fd channel
-    # (ec_client/pool/fd_passing.py); "" for none. Good once, for seconds: no part of the value.
+    # (ec_protocol/pool/fd_passing.py); "" for none. Good once, for seconds: no part of the value.
     fd_ticket: str = field(default="", compare=False, repr=False)
 
 

@@ -1,8 +1,8 @@
 """Generate the Python protobuf and gRPC modules from proto/ (used by `make proto` and by the
 freshness test, so both run exactly the same protoc command).
 
-The proto path is mapped onto the import package `ec_client._proto`, so generated modules import
-each other as `ec_client._proto.ecd.v1...` instead of a top-level `ecd` package.
+The proto path is mapped onto the import package `ec_protocol._proto`, so generated modules import
+each other as `ec_protocol._proto.ecd.v1...` instead of a top-level `ecd` package.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-PACKAGE = "ec_client/_proto"
+PACKAGE = "ec_protocol/_proto"
 
 
 def proto_files() -> list[Path]:
@@ -35,7 +35,7 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    # Every directory from ec_client/_proto down to the modules is a regular package.
+    # Every directory from ec_protocol/_proto down to the modules is a regular package.
     package_root = out_root / PACKAGE
     for module in package_root.rglob("*_pb2*.py"):
         directory = module.parent

@@ -22,13 +22,13 @@ from ecd_testing import Daemon, running_daemon, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Client, Producer
-from ec_client.types import ClusterStats, PoolStats
 from ec_daemon.cluster.mooncake import INSTALL_HINT
 from ec_daemon.tools.spawn import free_port
 from ec_daemon.tools.spawn_store import (
     MASTER_BINARY as MASTER_BINARY,  # where the tests look for it
 )
 from ec_daemon.tools.spawn_store import MasterAddress, master_command, wait_listening
+from ec_protocol.types import ClusterStats, PoolStats
 
 # A shared pool as vLLM would name it: its namespace, rows of 2048 bf16 as blocks.
 NAMESPACE = "embedding@model:test/llava@revision:default@encoder:e1@dtype:bfloat16@protocol:v3"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ec_client.types import PoolInfo, Role, TensorSpec, WatchEvent
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
+from ec_protocol.types import PoolInfo, Role, TensorSpec, WatchEvent
 
 
 class FakeClock:

@@ -23,10 +23,10 @@ from typing import Any
 
 from ec_client import Client
 from ec_client.data.mapping import PoolMapping
-from ec_client.pool import slot_locks
-from ec_client.pool.layout import RecordFields, read_record
 from ec_daemon.tools import spawn
 from ec_daemon.tools.spawn import serve_command, wait_serving
+from ec_protocol.pool import slot_locks
+from ec_protocol.pool.layout import RecordFields, read_record
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARGS = ("--max-bytes", "256MiB", "--lease-ttl", "2", "--log-level", "debug")

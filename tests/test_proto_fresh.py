@@ -1,4 +1,4 @@
-"""The generated protobuf modules in ec_client/_proto are what proto/ generates today."""
+"""The generated protobuf modules in ec_protocol/_proto are what proto/ generates today."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ import numpy as np
 from ecd_testing import REPO, assert_blocks_accounted
 
 from ec_client import Client, EntryState
-from ec_client.types import Key, key_bytes
+from ec_protocol.types import Key, key_bytes
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from ec_client.control._session import SessionState
 from ec_client.control.outbox import Outbox, OutboxBatch, batch_sender
 from ec_client.control.ready_view import ReadyView, Views
 from ec_client.control.tls import TLSFiles
-from ec_client.types import PoolInfo, Role, StepResult
+from ec_protocol.types import PoolInfo, Role, StepResult
 
 
 class BaseClient:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 
-from ec_client import token_file
-from ec_client.address import default_target
 from ec_client.control.tls import TLSFiles
-from ec_client.errors import EcdError
-from ec_client.types import Role
+from ec_protocol import token_file
+from ec_protocol.address import default_target
+from ec_protocol.errors import EcdError
+from ec_protocol.types import Role
 
 MAX_MESSAGE_BYTES = 64 << 20
 # Delays between tries while the daemon is away: doubled from the first up to the last.

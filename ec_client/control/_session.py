@@ -64,10 +64,10 @@ from ec_client.control._connection import (
     unix_socket_path,
 )
 from ec_client.control.outbox import OutboxBatch
-from ec_client.errors import EcdError
-from ec_client.pool import fd_passing
-from ec_client.pool.life_marks import LifeMarks
-from ec_client.types import PoolInfo, StepResult
+from ec_protocol.errors import EcdError
+from ec_protocol.pool import fd_passing
+from ec_protocol.pool.life_marks import LifeMarks
+from ec_protocol.types import PoolInfo, StepResult
 
 T = TypeVar("T")
 
@@ -200,7 +200,7 @@ class SessionState:
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic  # for the plans' deadlines
     # The session's life mark on each pool file it opened: the daemon ends the session the
-    # moment this process dies, rather than one lease later (ec_client/pool/life_marks.py).
+    # moment this process dies, rather than one lease later (ec_protocol/pool/life_marks.py).
     life: LifeMarks = field(default_factory=LifeMarks)
 
     def check_open(self) -> None:
@@ -401,7 +401,7 @@ class SessionState:
         self.life.mark(info.engine_id, info.path, self.session_id, info.pool_uuid)
 
     def _receive_pool_file(self, info: PoolInfo) -> None:
-        """Redeem the reply's ticket for the pool's file (ec_client/pool/fd_passing.py), so that
+        """Redeem the reply's ticket for the pool's file (ec_protocol/pool/fd_passing.py), so that
         this process maps the pool whether or not it may open the file by its path: one exchange
         on a local socket, at once (the ticket is good for seconds), even for AsyncClient, whose
         loop it holds as briefly as the life mark's open. Without one, or refused, the file is

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from grpc_health.v1 import health_pb2
 
-from ec_client import types as api
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.pool.layout import tensor_nbytes
+from ec_protocol import types as api
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.pool.layout import tensor_nbytes
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

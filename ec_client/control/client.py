@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_client.control import _wire
 from ec_client.control._base import BaseClient
 from ec_client.control._connection import (
@@ -50,8 +49,9 @@ from ec_client.control._session import Done, Pause, Plan, Probe, Reopen, Send, a
 from ec_client.control.outbox import OutboxBatch
 from ec_client.control.ready_view import ReadyView
 from ec_client.control.tls import TLSFiles
-from ec_client.errors import EcdError
-from ec_client.types import (
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_protocol.errors import EcdError
+from ec_protocol.types import (
     AcquireResult,
     AllocateItem,
     AllocateResult,

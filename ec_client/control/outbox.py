@@ -54,8 +54,8 @@ from typing import Any, Protocol
 import grpc
 
 from ec_client.control import _wire
-from ec_client.errors import EcdError
-from ec_client.types import (
+from ec_protocol.errors import EcdError
+from ec_protocol.types import (
     MAX_HITS_PER_STEP,
     MAX_MISSES_PER_STEP,
     AllocateItem,

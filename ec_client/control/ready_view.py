@@ -17,7 +17,7 @@ someone opens the pool with its geometry again.
 
 Each local READY key comes with its slot in the pool file (the events carry it), where a reader
 takes a lock pin and finds the entry's record (`slot`: docs/design.md §5,
-ec_client/pool/slot_locks.py): a hit with no round trip. A slot from the view is a hint too: the
+ec_protocol/pool/slot_locks.py): a hit with no round trip. A slot from the view is a hint too: the
 lock pin checks the record. Whoever takes those pins can have each committed entry's slot told to it
 as the event comes
 (`on_committed`), on this thread: to read the record ahead, off its own hot path.
@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from ec_client.control._connection import FIRST_BACKOFF_S, MAX_BACKOFF_S
-from ec_client.errors import EcdError
-from ec_client.types import EventType, Key, WatchEvent, key_bytes
+from ec_protocol.errors import EcdError
+from ec_protocol.types import EventType, Key, WatchEvent, key_bytes
 
 log = logging.getLogger("ec_client")
 

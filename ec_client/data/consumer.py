@@ -7,7 +7,7 @@ written after wait_ms) as None. Steps of a get (docs/design.md §12):
 
 1. The client follows the pool's READY keys and their slots (ReadyView, fed by Watch). A key it
    does not know is a miss, answered at once. A key it knows READY here is pinned by a lock pin
-   on its slot (ec_client/pool/slot_locks.py: a shared lock, about 2 us, no daemon; the batch's
+   on its slot (ec_protocol/pool/slot_locks.py: a shared lock, about 2 us, no daemon; the batch's
    together, SlotPins.pin_many), which also reads the entry's record (extents, shape, dtype,
    checksum): a local hit makes no round trip. A lock pin that finds another entry in the slot
    (the view was behind an eviction) is a miss.
@@ -48,10 +48,10 @@ from ec_client.control.client import Client
 from ec_client.control.outbox import DeferredOp
 from ec_client.data.endpoint import PoolEndpoint, item_errors
 from ec_client.data.mover import Load, TensorMover, Transfer, wait_all
-from ec_client.errors import EcdError
-from ec_client.pool.layout import LayoutError
-from ec_client.pool.slot_locks import PinnedEntry, SlotPins
-from ec_client.types import Extent, Key, LeaseResult, Status, TensorSpec, key_bytes
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import LayoutError
+from ec_protocol.pool.slot_locks import PinnedEntry, SlotPins
+from ec_protocol.types import Extent, Key, LeaseResult, Status, TensorSpec, key_bytes
 
 log = logging.getLogger("ec_client")
 

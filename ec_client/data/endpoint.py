@@ -10,10 +10,10 @@ import torch
 from ec_client.control.client import Client
 from ec_client.data.mapping import PoolMapping
 from ec_client.data.mover import TensorMover, cuda_device
-from ec_client.errors import EcdError
-from ec_client.pool.layout import file_at
-from ec_client.pool.slot_locks import SlotPins
-from ec_client.types import ItemResult, LeaseResult
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import file_at
+from ec_protocol.pool.slot_locks import SlotPins
+from ec_protocol.types import ItemResult, LeaseResult
 
 
 class PoolEndpoint:

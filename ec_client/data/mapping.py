@@ -41,10 +41,10 @@ from ec_client.data.cuda_runtime import (
     CudaRuntime,
     cuda_runtime,
 )
-from ec_client.errors import EcdError
-from ec_client.pool.fd_passing import ChannelError, open_pool_file
-from ec_client.pool.layout import HEADER_SIZE, Header, LayoutError
-from ec_client.types import Extent, PoolInfo
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.fd_passing import ChannelError, open_pool_file
+from ec_protocol.pool.layout import HEADER_SIZE, Header, LayoutError
+from ec_protocol.types import Extent, PoolInfo
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python lacks the name
 # cudaHostRegister of one huge range has failed on recent drivers: register in pieces of about

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from ec_client.data.mapping import PoolMapping, Span, split_at
-from ec_client.pool.layout import DTYPES, MAX_NDIM
-from ec_client.types import Extent, TensorSpec
+from ec_protocol.pool.layout import DTYPES, MAX_NDIM
+from ec_protocol.types import Extent, TensorSpec
 
 
 def dtype_name(dtype: torch.dtype) -> str:

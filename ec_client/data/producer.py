@@ -42,8 +42,8 @@ from ec_client.control.outbox import DeferredOp
 from ec_client.data.endpoint import PoolEndpoint, item_errors
 from ec_client.data.mapping import stale
 from ec_client.data.mover import TensorMover, Transfer, spec_of, wait_all
-from ec_client.errors import EcdError
-from ec_client.types import AllocateItem, AllocateResult, ItemResult, Key, Status, key_bytes
+from ec_protocol.errors import EcdError
+from ec_protocol.types import AllocateItem, AllocateResult, ItemResult, Key, Status, key_bytes
 
 log = logging.getLogger("ec_client")
 

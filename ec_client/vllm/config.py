@@ -57,9 +57,9 @@ import torch
 
 from ec_client.control._connection import Options, await_daemon
 from ec_client.data.mover import dtype_name
-from ec_client.pool.layout import ENGINE_ID_PATTERN
-from ec_client.types import Role, TensorSpec
-from ec_client.units import parse_size
+from ec_protocol.pool.layout import ENGINE_ID_PATTERN
+from ec_protocol.types import Role, TensorSpec
+from ec_protocol.units import parse_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

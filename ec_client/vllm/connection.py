@@ -35,11 +35,11 @@ import grpc
 
 from ec_client.control.client import Client
 from ec_client.control.outbox import Outbox
-from ec_client.errors import EcdError
-from ec_client.pool.layout import LayoutError
-from ec_client.pool.slot_locks import SlotPins
-from ec_client.types import PoolInfo, Role, Stats
 from ec_client.vllm.config import ConnectorConfig
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import LayoutError
+from ec_protocol.pool.slot_locks import SlotPins
+from ec_protocol.types import PoolInfo, Role, Stats
 
 log = logging.getLogger("ec_client.vllm")
 

@@ -8,8 +8,8 @@ from wrong embeddings. The decision cannot be taken back when the step's metadat
 `take_unavailable_requests` is read only after the step ran. So the connector answers True only
 for entries it already holds a pin on. A pin is of one of two kinds:
 
-- a *lock pin* (docs/design.md §5, ec_client/pool/slot_locks.py): a shared lock on the entry's slot
-  in the pool file, taken by the scheduler side itself, with no round trip, for an entry READY
+- a *lock pin* (docs/design.md §5, ec_protocol/pool/slot_locks.py): a shared lock on the entry's
+  slot in the pool file, taken by the scheduler side itself, with no round trip, for an entry READY
   in this daemon's pool whose slot the ready view knows. It is given back here (`take_unlocks`)
   and it outlives a daemon restart: the lock belongs to the file.
 - a *lease pin*: a lease ID from an Acquire, for what a lock pin cannot take: an entry
@@ -42,8 +42,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.metadata import LoadOrder, WorkerRank
+from ec_protocol.types import AcquireResult, Extent, Status, TensorSpec
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from ec_client.types import Extent, PoolInfo, TensorSpec
+from ec_protocol.types import Extent, PoolInfo, TensorSpec
 
 
 @dataclass(frozen=True)

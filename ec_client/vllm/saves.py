@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from ec_client.types import AllocateResult, Status, TensorSpec
 from ec_client.vllm.metadata import SaveOrder
+from ec_protocol.types import AllocateResult, Status, TensorSpec
 
 log = logging.getLogger("ec_client.vllm")
 

@@ -7,8 +7,8 @@ state (docs/design.md §12). Per step:
 
     ensure_cache_available   from local state, no round trip: a needed item READY in this
         daemon's pool whose slot the ready view knows is pinned right there, by a lock on its
-        slot in the pool file (a lock pin: docs/design.md §5, ec_client/pool/slot_locks.py), and its
-        request admitted in the same call; the hit goes to the daemon with the next Step (its
+        slot in the pool file (a lock pin: docs/design.md §5, ec_protocol/pool/slot_locks.py), and
+        its request admitted in the same call; the hit goes to the daemon with the next Step (its
         counters and LRU order). The items a lock pin cannot take are pinned in the background
         and their request waits one step (see loads.py): those committed a moment ago whose
         slot the view has not heard yet, and an item the view lacks where misses are asked (in
@@ -69,9 +69,6 @@ from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
     get_encoder_output_width,
 )
 
-from ec_client.errors import EcdError
-from ec_client.pool.layout import tensor_nbytes
-from ec_client.types import TensorSpec
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.connection import (
     CALL_TIMEOUT_S,
@@ -85,6 +82,9 @@ from ec_client.vllm.loads import LOCK_MISSED, LoadBook, LockMissed, Pin
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
 from ec_client.vllm.saves import SaveBook
 from ec_client.vllm.steps import Steps
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import tensor_nbytes
+from ec_protocol.types import TensorSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

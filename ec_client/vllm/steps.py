@@ -29,8 +29,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ec_client.control.outbox import NOT_DELIVERED, Answered, DeferredOp, Outbox
-from ec_client.errors import EcdError
-from ec_client.types import (
+from ec_client.vllm.config import ConnectorConfig
+from ec_client.vllm.connection import Connection
+from ec_client.vllm.loads import LoadBook
+from ec_client.vllm.saves import SaveBook
+from ec_protocol.errors import EcdError
+from ec_protocol.types import (
     AllocateItem,
     ItemResult,
     LeaseResult,
@@ -38,10 +42,6 @@ from ec_client.types import (
     StepResult,
     TensorSpec,
 )
-from ec_client.vllm.config import ConnectorConfig
-from ec_client.vllm.connection import Connection
-from ec_client.vllm.loads import LoadBook
-from ec_client.vllm.saves import SaveBook
 
 log = logging.getLogger("ec_client.vllm")
 

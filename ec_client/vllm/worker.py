@@ -49,14 +49,14 @@ from vllm.distributed.parallel_state import (
 from ec_client.control.client import Client
 from ec_client.data.mapping import PoolMapping
 from ec_client.data.mover import Load, TensorMover, Transfer, spec_of, wait_all
-from ec_client.errors import EcdError
-from ec_client.types import PoolInfo
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.metadata import (
     ECDaemonConnectorMetadata,
     ECDaemonWorkerMetadata,
     WorkerRank,
 )
+from ec_protocol.errors import EcdError
+from ec_protocol.types import PoolInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 
-from ec_client.types import TensorSpec
+from ec_protocol.types import TensorSpec
 
 HEADER = struct.Struct("<IIQQ")
 MAGIC = 0x4D4F4F4E

@@ -37,12 +37,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
-from ec_client.types import EntryState, Status, StepResult
 from ec_daemon.cluster import codec, pending
 from ec_daemon.cluster.node import ClusterNode, Read
 from ec_daemon.core.errors import CoreError
 from ec_daemon.core.store import PullSlot, Store
 from ec_daemon.core.waits import For, WaitFor, Waits, Work
+from ec_protocol.types import EntryState, Status, StepResult
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")

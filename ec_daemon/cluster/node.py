@@ -7,7 +7,7 @@ node's own does the rest, in order: it joins the store (again and again, backing
 master cannot be reached: the daemon serves locally meanwhile), then takes the queued commits a
 batch at a time and for each
 
-1. pins the entry by a lock pin on its slot, as any reader does (ec_client.pool.slot_locks: the
+1. pins the entry by a lock pin on its slot, as any reader does (ec_protocol.pool.slot_locks: the
    daemon's own index cannot erase the slot's record, hence cannot reuse the entry's blocks,
    while the pin holds), and checks that the slot still holds the key; an entry evicted or
    removed meanwhile is skipped (`gone`), so the bytes published are always the committed
@@ -47,9 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ec_client.pool.layout import LayoutError
-from ec_client.pool.slot_locks import SlotPins
-from ec_client.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.calls import MasterState, WatchedStore
 from ec_daemon.cluster.leader import NoLeader, View, etcd_endpoints, read_view
@@ -63,6 +60,9 @@ from ec_daemon.cluster.mooncake import (
 )
 from ec_daemon.cluster.regions import MappedRegions, Region, byte_runs
 from ec_daemon.cluster.unstall import PROBE_S, Watch
+from ec_protocol.pool.layout import LayoutError
+from ec_protocol.pool.slot_locks import SlotPins
+from ec_protocol.types import ClusterStats, EventType, Extent, PoolInfo, TensorSpec, WatchEvent
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")

@@ -27,7 +27,7 @@ has answers success without writing (Mooncake 0.3.x). So ecd writes a *marker* o
   removes the marker after the value's publish (same queue, so in that order: a reader never
   finds neither while the value is on its way); an abort, an eviction or a delete of the entry
   removes it at once (a producer's death is an abort: the life marks of
-  ec_client/pool/life_marks.py). Removals are forced: a reader's lookup holds a lease on the
+  ec_protocol/pool/life_marks.py). Removals are forced: a reader's lookup holds a lease on the
   marker that would refuse them.
 - **A reader** (`RemoteWaits`): an Acquire's lookup at the master (ec_daemon.cluster.fetch) asks
   for the value and the marker in the same batch; a key with no value but a marker is read once
@@ -61,12 +61,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ec_client.types import ClusterStats, EventType, WatchEvent
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreClient, own_segment
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.core.store import PullSlot, Store
 from ec_daemon.core.waits import deadline
+from ec_protocol.types import ClusterStats, EventType, WatchEvent
 
 log = logging.getLogger("ecd.cluster")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client.types import Extent
+from ec_protocol.types import Extent
 
 
 def byte_runs(extents: Sequence[Extent], block_size: int, nbytes: int) -> Iterator[tuple[int, int]]:

@@ -46,9 +46,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from ec_client.types import ClusterStats, PoolInfo
 from ec_daemon.cluster.mooncake import StoreClient, answered, own_segment
 from ec_daemon.cluster.node import OBJECT_ALREADY_EXISTS, ClusterNode, SharedPool
+from ec_protocol.types import ClusterStats, PoolInfo
 
 log = logging.getLogger("ecd.cluster")
 T = TypeVar("T")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from ec_client.types import ClusterStats, StepResult, WatchEvent
 from ec_daemon.cluster.fetch import ClusterFetch
 from ec_daemon.cluster.node import ClusterNode
 from ec_daemon.cluster.pending import Claims
 from ec_daemon.cluster.republish import Republisher
 from ec_daemon.core.store import Store
 from ec_daemon.core.waits import WaitFor, Waits
+from ec_protocol.types import ClusterStats, StepResult, WatchEvent
 
 
 class Cluster:

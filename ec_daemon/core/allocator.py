@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from sortedcontainers import SortedDict, SortedList
 
-from ec_client.types import Extent
+from ec_protocol.types import Extent
 
 
 class ExtentAllocator:

@@ -14,7 +14,7 @@ Lifecycle of an entry:
   once but keeps its blocks until its last pin is released, so a consumer never reads blocks that
   were handed to someone else.
 - Readers also pin READY entries with no round trip, by a shared lock on the slot's lock byte
-  (docs/design.md §5, ec_client/pool/slot_locks.py), which this index never sees until it tries to
+  (docs/design.md §5, ec_protocol/pool/slot_locks.py), which this index never sees until it tries to
   erase the slot's record: the journal's `erase_slot` takes the byte's exclusive lock first and
   refuses while a reader holds it. So eviction passes over locked entries (as over pinned
   ones), and a locked entry that is removed anyway (Delete) leaves the index at once but keeps
@@ -41,10 +41,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ec_client.pool.layout import Geometry, RecordFields, SlotRecord, max_extents
-from ec_client.types import EntryState, EventType, Extent, PoolStats, Status, TensorSpec
 from ec_daemon.core.allocator import ExtentAllocator
 from ec_daemon.core.eviction import EvictionPolicy
+from ec_protocol.pool.layout import Geometry, RecordFields, SlotRecord, max_extents
+from ec_protocol.types import EntryState, EventType, Extent, PoolStats, Status, TensorSpec
 
 
 @dataclass(eq=False, slots=True)

@@ -14,8 +14,9 @@ import time
 import uuid
 from pathlib import Path
 
-from ec_client.pool import life_marks
-from ec_client.pool.layout import (
+from ec_daemon.core.errors import Code, CoreError, Reason
+from ec_protocol.pool import life_marks
+from ec_protocol.pool.layout import (
     HEADER_SIZE,
     MAGIC,
     SLOT_DOOMED_MARK,
@@ -32,9 +33,8 @@ from ec_client.pool.layout import (
     slots_marked,
     slots_written,
 )
-from ec_client.pool.slot_locks import lock_exclusive, locked_slots, unlock
-from ec_client.units import format_size
-from ec_daemon.core.errors import Code, CoreError, Reason
+from ec_protocol.pool.slot_locks import lock_exclusive, locked_slots, unlock
+from ec_protocol.units import format_size
 
 _MARK = struct.Struct("<I")
 SlotRecords = list[tuple[int, RecordFields]]  # records read from a slot table, by slot
@@ -272,7 +272,7 @@ class PoolFile:
 
     def life_marked(self, session_id: str) -> bool:
         """Whether the session's client holds its life mark on this file now (a probe, see
-        ec_client/pool/life_marks.py)."""
+        ec_protocol/pool/life_marks.py)."""
         return self._fd >= 0 and life_marks.held(self._fd, session_id)
 
     def close(self) -> None:

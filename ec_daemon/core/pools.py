@@ -13,7 +13,7 @@ pool's).
 
 The budget (max_bytes) bounds the pools' capacities together (their blocks, what clients ask for
 in capacity_bytes), so a pool as large as the budget fits; each file also holds its header and
-slot table, at most about 2% more (see ec_client.pool.layout), counted apart as reserved bytes.
+slot table, at most about 2% more (see ec_protocol.pool.layout), counted apart as reserved bytes.
 
 A pool dropped (DropPool) while other sessions held it is remembered (`Dropped`), in memory and
 by a mark beside its path: the client libraries of those sessions open their pools again by
@@ -31,17 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client.pool.layout import (
-    ENGINE_ID_PATTERN,
-    MAX_AUTO_SLOTS,
-    POOL_FILE_PREFIX,
-    POOL_FILE_SUFFIX,
-    Geometry,
-    LayoutError,
-    pool_file_name,
-)
-from ec_client.types import EventType, PoolInfo, PoolStats, RefusedPool, WatchEvent
-from ec_client.units import format_size
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.eviction import POLICIES
 from ec_daemon.core.index import PoolIndex
@@ -54,6 +43,17 @@ from ec_daemon.core.pool import (
     not_the_pool_file,
     read_dropped_mark,
 )
+from ec_protocol.pool.layout import (
+    ENGINE_ID_PATTERN,
+    MAX_AUTO_SLOTS,
+    POOL_FILE_PREFIX,
+    POOL_FILE_SUFFIX,
+    Geometry,
+    LayoutError,
+    pool_file_name,
+)
+from ec_protocol.types import EventType, PoolInfo, PoolStats, RefusedPool, WatchEvent
+from ec_protocol.units import format_size
 
 log = logging.getLogger("ecd.pools")
 

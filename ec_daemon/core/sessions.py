@@ -23,9 +23,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ec_client.types import Role
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.index import Entry
+from ec_protocol.types import Role
 
 # What a session's role lets it do with entries (see Role): a consumer-only engine cannot write
 # into a pool by mistake, nor an operator tool hold pins.

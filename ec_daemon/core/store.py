@@ -1,7 +1,7 @@
 """The store: pools, their entries, sessions and the budget, behind one synchronous API.
 
 Each public method is one RPC's worth of work on already-validated input, and answers in the
-values of `ec_client.types` (the ones clients see), never in the core's own objects. The gRPC
+values of `ec_protocol.types` (the ones clients see), never in the core's own objects. The gRPC
 service calls it and translates; nothing here knows about gRPC or asyncio, and time comes from an
 injected clock.
 
@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ec_client import __version__
-from ec_client import types as api
-from ec_client.pool.layout import LayoutError
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.index import Entry, Outcome, saturated
 from ec_daemon.core.pools import Pool, PoolRegistry, PoolSettings
 from ec_daemon.core.sessions import CONSUME, PRODUCE, Session, SessionTable
+from ec_protocol import types as api
+from ec_protocol.pool.layout import LayoutError
 
 log = logging.getLogger("ecd.store")
 
@@ -178,7 +178,7 @@ class Store:
 
     def end_dead_sessions(self) -> list[SessionEnd]:
         """End every session whose client's process is gone: seen holding its life mark on a
-        pool file once (ec_client/pool/life_marks.py), it holds it on none of its pools now. Its
+        pool file once (ec_protocol/pool/life_marks.py), it holds it on none of its pools now. Its
         PENDING entries are aborted at once (whoever waits for them encodes), its pins
         released; a session never seen marked is left to its lease."""
         ends = []

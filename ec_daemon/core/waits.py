@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ec_client.types import EventType, WatchEvent
+from ec_protocol.types import EventType, WatchEvent
 
 # How long past the bound of the work it joins (a fetch) a wait still lasts: on a loaded loop its
 # timer could fire before the work's, answering an entry about to go as still PENDING.

@@ -22,7 +22,7 @@ refuses a token file without one unless `--trust-all-tokens` says so, and warns 
 SIGHUP reads both files again (Guard.update): tokens removed are refused from their next call on.
 
 Token file: one token per line, `NAME TOKEN` (or a bare `TOKEN`, named "default"); a word that
-starts with `#` starts a comment, a `#` inside a token is part of it (ec_client.token_file, which
+starts with `#` starts a comment, a `#` inside a token is part of it (ec_protocol.token_file, which
 clients read too).
 Access list (TOML):
 
@@ -47,8 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client import token_file
 from ec_daemon.core.errors import Code, CoreError
+from ec_protocol import token_file
 
 log = logging.getLogger("ecd.auth")
 

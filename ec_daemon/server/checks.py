@@ -12,8 +12,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client.pool.layout import POOL_FILE_PREFIX, POOL_FILE_SUFFIX, most_overhead
-from ec_client.units import format_size
+from ec_protocol.pool.layout import POOL_FILE_PREFIX, POOL_FILE_SUFFIX, most_overhead
+from ec_protocol.units import format_size
 
 
 class StartupError(RuntimeError):
@@ -239,7 +239,7 @@ def pool_files_bytes(shm_dir: Path) -> int:
 def resolve_budget(shm_dir: Path, max_bytes: int | None, entries: int | None) -> int:
     """The global byte budget of pool capacity: as configured, or half of the shm directory when
     unset. Pool files hold a little more than their capacity (header and slot table, see
-    ec_client.pool.layout), so the directory must hold the budget and that much more (for one pool
+    ec_protocol.pool.layout), so the directory must hold the budget and that much more (for one pool
     of the whole budget; each further pool adds its 2 MiB header area, and a pool that finds the
     directory full is refused cleanly at creation).
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ec_client.address import daemon_socket_path
-from ec_client.units import format_size, parse_size
+from ec_protocol.address import daemon_socket_path
+from ec_protocol.units import format_size, parse_size
 
 ENV_PREFIX = "ECD_"
 

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_client.types import EventType, WatchEvent
 from ec_daemon.core.errors import CoreError
 from ec_daemon.core.waits import For, Outcome, Waits
+from ec_protocol.types import EventType, WatchEvent
 
 
 class StreamEnd(enum.Enum):

@@ -3,7 +3,7 @@
 Pool files are the daemon's (mode 0600, unless `--pool-group` gives a group path access to all
 of them), so a client of another user maps a pool through an open file the daemon passes it
 (SCM_RIGHTS) on this Unix socket beside the gRPC one: gRPC cannot pass files. The protocol and
-the client's side are ec_client/pool/fd_passing.py. What guards a pool's bytes:
+the client's side are ec_protocol/pool/fd_passing.py. What guards a pool's bytes:
 
 - OpenPool issues a ticket (`Tickets`) only after the caller's token passed the pool's access
   list, and only to a caller on the Unix socket; it is bound to the session and the pool's file
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ec_client.pool import fd_passing
 from ec_daemon.core.errors import CoreError
 from ec_daemon.core.store import Store
+from ec_protocol.pool import fd_passing
 
 log = logging.getLogger("ecd.fd_channel")
 

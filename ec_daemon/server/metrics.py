@@ -40,10 +40,10 @@ from prometheus_client.core import (
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from ec_client.types import ClusterStats, PoolStats, Stats
 from ec_daemon.core.store import Store
 from ec_daemon.server.auth import bearer, match
 from ec_daemon.server.checks import StartupError
+from ec_protocol.types import ClusterStats, PoolStats, Stats
 
 # From a cached Lookup (a fraction of a millisecond over the socket) to an Acquire that waited for
 # a producer (seconds).

@@ -29,8 +29,6 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # stubs lag
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.types import WatchEvent
 from ec_daemon.cluster.leader import etcd_endpoints
 from ec_daemon.cluster.mooncake import StoreSettings, end_process_left_open
 from ec_daemon.cluster.node import ClusterNode
@@ -48,6 +46,8 @@ from ec_daemon.server.metrics import Metrics, snapshot_on_loop
 from ec_daemon.server.service import EncoderCacheService
 from ec_daemon.server.validate import Limits
 from ec_daemon.server.wire import add_to_server
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.types import WatchEvent
 
 log = logging.getLogger("ecd.server")
 

@@ -19,9 +19,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ec_client import types as api
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon.cluster.tier import Cluster
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.sessions import tag
@@ -31,6 +28,9 @@ from ec_daemon.server import validate, wire
 from ec_daemon.server.auth import Action, Changes, Guard, identity
 from ec_daemon.server.events import EventHub, StreamEnd, Subscription
 from ec_daemon.server.fd_channel import Tickets
+from ec_protocol import types as api
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ecd.service")
 

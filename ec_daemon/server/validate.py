@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.pool.layout import (
+from ec_daemon.core.errors import Code, CoreError
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.pool.layout import (
     DTYPES,
     ENGINE_ID_PATTERN,
     MAX_BLOCKS,
@@ -18,8 +19,7 @@ from ec_client.pool.layout import (
     MAX_NDIM,
     tensor_nbytes,
 )
-from ec_client.types import MAX_HITS_PER_STEP, MAX_MISSES_PER_STEP, TensorSpec
-from ec_daemon.core.errors import Code, CoreError
+from ec_protocol.types import MAX_HITS_PER_STEP, MAX_MISSES_PER_STEP, TensorSpec
 
 MAX_WAIT_MS = 600_000
 MAX_BLOCK_SIZE = 1 << 30

@@ -1,5 +1,5 @@
 """The daemon's side of the wire: ecd.v1 messages to the core's inputs and the core's answers
-(the values of `ec_client.types`) to messages, one function per value; a CoreError to a gRPC
+(the values of `ec_protocol.types`) to messages, one function per value; a CoreError to a gRPC
 error; request bodies parsed and the service registered. `ec_client/control/_wire.py` is the same on
 the client's side. No handling here: `service.py` validates, calls the store and answers.
 """
@@ -13,11 +13,11 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
-from ec_client import types as api
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_daemon.core.errors import Code, CoreError
 from ec_daemon.core.store import Store
 from ec_daemon.server import validate
+from ec_protocol import types as api
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
 
 GRPC_CODE = {code: getattr(grpc.StatusCode, code.value) for code in Code}
 
@@ -60,7 +60,7 @@ def checked_keys(keys: Sequence[bytes]) -> list[bytes | str]:
     return [key if (problem := validate.key_problem(key)) is None else problem for key in keys]
 
 
-# ---- from ec_client.types to messages, one function per value ---------------------------------
+# ---- from ec_protocol.types to messages, one function per value ---------------------------------
 
 STATUS_PB: dict[api.Status, pb.ItemStatus] = {s: getattr(pb, "ITEM_" + s.name) for s in api.Status}
 STATE_PB: dict[api.EntryState, pb.EntryState] = {

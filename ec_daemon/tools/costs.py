@@ -4,7 +4,7 @@ The service's handlers are called directly, with a store on a private directory,
 way: what is left is the daemon's own work per item (validation, the core, the reply's messages),
 the part that grows with the number of images in a scheduler step. Each RPC's time is divided by
 the batch's items; medians over rounds. The client's side of the same batches is measured by
-`ec_client.bench.bench.bench_costs`.
+`ec_bench.bench.bench_costs`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.types import Role
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
 from ec_daemon.server.events import EventHub
 from ec_daemon.server.service import EncoderCacheService
 from ec_daemon.server.validate import Limits
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.types import Role
 
 ROWS, WIDTH, BLOCK = 256, 3584, 7168  # one Qwen2.5-VL image: 256 rows of 3584 bf16
 

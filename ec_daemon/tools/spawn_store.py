@@ -1,5 +1,5 @@
 """A Mooncake master on loopback and daemons joined to its store, as child processes, for
-`ecd bench --spawn --suite cluster` (ec_client.bench.bench_cluster). The cluster tests' harness
+`ecd bench --spawn --suite cluster` (ec_bench.bench_cluster). The cluster tests' harness
 (tests/cluster_testing.py) starts its master with the same command line and readiness wait."""
 
 from __future__ import annotations

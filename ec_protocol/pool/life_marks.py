@@ -2,7 +2,7 @@
 its lease (docs/design.md §4, *Single flight*).
 
 A client holds a shared open-file-description lock (`F_OFD_SETLK`, as lock pins do:
-ec_client/pool/slot_locks.py) on one byte of each pool file it opened, at an offset computed from
+ec_protocol/pool/slot_locks.py) on one byte of each pool file it opened, at an offset computed from
 its session ID, far past the file's end: no record or block is ever there, and Linux locks bytes
 past the end of a file as readily as any other. The kernel drops the lock the moment the last
 descriptor of that open file goes, so at once when the process dies, however it dies (SIGKILL
@@ -26,8 +26,8 @@ import logging
 import os
 import threading
 
-from ec_client.pool.fd_passing import open_pool_file
-from ec_client.pool.slot_locks import _FLOCK, F_OFD_GETLK, F_OFD_SETLK
+from ec_protocol.pool.fd_passing import open_pool_file
+from ec_protocol.pool.slot_locks import _FLOCK, F_OFD_GETLK, F_OFD_SETLK
 
 log = logging.getLogger("ec_client")
 

@@ -43,8 +43,8 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ec_client.pool.fd_passing import open_pool_file
-from ec_client.pool.layout import (
+from ec_protocol.pool.fd_passing import open_pool_file
+from ec_protocol.pool.layout import (
     HEADER_SIZE,
     SLOT_SIZE,
     Header,
@@ -54,7 +54,7 @@ from ec_client.pool.layout import (
     slot_offset,
     slots_marked,
 )
-from ec_client.types import Extent, TensorSpec
+from ec_protocol.types import Extent, TensorSpec
 
 log = logging.getLogger("ec_client")
 

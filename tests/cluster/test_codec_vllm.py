@@ -9,8 +9,8 @@ import pytest
 import torch
 from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding import data, store_client
 
-from ec_client.types import TensorSpec
 from ec_daemon.cluster import codec
+from ec_protocol.types import TensorSpec
 
 
 def vllm_namespace() -> str:

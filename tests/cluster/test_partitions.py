@@ -19,7 +19,7 @@ from ecd_testing import assert_blocks_accounted, wait_until
 from hosts_testing import Host, Hosts, master_on, node_on
 
 from ec_client import Client, Consumer, Producer, Status
-from ec_client.types import AcquireResult
+from ec_protocol.types import AcquireResult
 
 PULL_TIMEOUT_S = 3.0  # the reader's --pull-timeout: its read over the slow link takes ~1 s
 SLACK_S = 3.0  # a loaded machine's scheduling delays

@@ -22,8 +22,8 @@ from cluster_testing import (
 from ecd_testing import wait_until
 
 from ec_client import Client, Consumer, Producer
-from ec_client.types import ClusterStats
 from ec_daemon.cluster import codec
+from ec_protocol.types import ClusterStats
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ from cluster_testing import (
 from ecd_testing import Daemon, python_killed_after, wait_until
 
 from ec_client import AllocateItem, Client, Consumer, EntryState, Status
-from ec_client.types import ClusterStats
 from ec_daemon.cluster import pending
 from ec_daemon.cluster.pending import Marker, marker_key
+from ec_protocol.types import ClusterStats
 
 ROWS = torch.arange(16 * 2048, dtype=torch.float32).reshape(16, 2048).to(torch.bfloat16)
 

@@ -25,8 +25,8 @@ from ec_client import Client, Consumer, EcdError, EntryState, Producer
 from ec_client.control._session import Send
 from ec_client.data.mapping import PoolMapping
 from ec_client.data.mover import LARGE_COPY, Load, TensorMover, Transfer
-from ec_client.pool.slot_locks import SlotPins
-from ec_client.types import Extent, TensorSpec
+from ec_protocol.pool.slot_locks import SlotPins
+from ec_protocol.types import Extent, TensorSpec
 
 POOL = "mover"
 BLOCK = 4096

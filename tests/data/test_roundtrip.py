@@ -12,7 +12,7 @@ from ecd_testing import Daemon, assert_blocks_accounted
 from ec_client import Client, Consumer, EcdError, Producer, PutStatus
 from ec_client.data import mover
 from ec_client.data.mover import byte_view
-from ec_client.pool.layout import DTYPES, MAX_NDIM
+from ec_protocol.pool.layout import DTYPES, MAX_NDIM
 
 POOL = "roundtrip"
 BLOCK = 7168  # one Qwen2.5-VL embedding row: 3584 x bf16

@@ -14,7 +14,7 @@ import pytest
 from e2e_testing import Engine, EngineFailed, Engines
 from ecd_testing import Daemon, wait_until
 
-from ec_client.types import PoolStats
+from ec_protocol.types import PoolStats
 
 # Engines take a minute or more each to start on a busy 2-core machine.
 pytestmark = pytest.mark.timeout(1200)

@@ -26,7 +26,7 @@ from workload_testing import (
 )
 
 from ec_client import AllocateItem, Client, EntryState, Producer, PutStatus, Status
-from ec_client.pool.layout import pool_file_name
+from ec_protocol.pool.layout import pool_file_name
 
 POOL = "faults"
 BLOCK = 4096
@@ -217,7 +217,7 @@ def test_a_producer_killed_at_a_random_point_loses_only_what_it_had_not_committe
 # also holds some keys' lock pins across its wait, as vLLM's scheduler does from a request's
 # admission to its load: kills then land while entries are locked.
 READER = """
-from ec_client.pool.slot_locks import SlotPins
+from ec_protocol.pool.slot_locks import SlotPins
 
 c = Client(ADDRESS, name="reader")
 c.open_pool(POOL, BLOCK, CAPACITY)
@@ -307,7 +307,7 @@ def test_a_dead_producers_blocks_are_free_at_once_after_its_death_whatever_the_l
     interpreters: Interpreters, lease_ttl: float
 ) -> None:
     """The figure for operators: a producer on this machine holds a life mark on the pool file
-    (ec_client/pool/life_marks.py), so its blocks come back within the daemon's settle period (0.2
+    (ec_protocol/pool/life_marks.py), so its blocks come back within the daemon's settle period (0.2
     s) of its death, not one lease later, for the default lease (10 s) as for short ones."""
     args = ("--max-bytes", "256MiB", "--lease-ttl", str(lease_ttl))
     with running_daemon(*args) as daemon, survivor(daemon) as c:

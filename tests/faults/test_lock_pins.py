@@ -1,5 +1,5 @@
-"""Lock pins (docs/design.md §5, ec_client/pool/slot_locks.py) against real daemons and real client
-processes: real OFD locks on real pool files, real SIGKILLs.
+"""Lock pins (docs/design.md §5, ec_protocol/pool/slot_locks.py) against real daemons and real
+client processes: real OFD locks on real pool files, real SIGKILLs.
 
 Proven here:
 - a reader SIGKILLed while it holds lock pins frees them at once: the kernel drops its locks, so
@@ -45,8 +45,8 @@ from workload_testing import (
 )
 
 from ec_client import AllocateItem, Client, Consumer, EntryState, Producer, PutStatus, Status
-from ec_client.errors import EcdError
-from ec_client.pool.slot_locks import SlotPins
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.slot_locks import SlotPins
 
 POOL = "locks"
 BLOCK = 4096
@@ -106,8 +106,8 @@ def allocate(client: Client, key: str, blocks: int) -> Status:
 # "unpin" gives the pins back.
 HOLDER = """
 from ec_client.data.mover import TensorMover
-from ec_client.pool.slot_locks import SlotPins
-from ec_client.types import Extent, TensorSpec
+from ec_protocol.pool.slot_locks import SlotPins
+from ec_protocol.types import Extent, TensorSpec
 
 c = Client(ADDRESS, name="holder")
 c.open_pool(POOL, BLOCK, CAPACITY)
@@ -325,7 +325,7 @@ def size_of(key: str) -> int:
 WRITER = (
     SIZE_OF
     + """
-from ec_client.errors import EcdError
+from ec_protocol.errors import EcdError
 c = Client(ADDRESS, name="writer")
 c.open_pool(POOL, CHURN_BLOCK, CHURN_CAPACITY)
 producer = Producer(c, POOL)
@@ -365,9 +365,9 @@ say("wrote", puts, errors)
 READER = (
     SIZE_OF
     + """
-from ec_client.errors import EcdError
-from ec_client.pool.layout import LayoutError
-from ec_client.types import Extent, TensorSpec
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import LayoutError
+from ec_protocol.types import Extent, TensorSpec
 
 c = Client(ADDRESS, name="reader")
 c.open_pool(POOL, CHURN_BLOCK, CHURN_CAPACITY)

@@ -39,7 +39,7 @@ from ec_client import (
     Producer,
     PutStatus,
 )
-from ec_client.pool.layout import HEADER_SIZE, SLOT_SIZE
+from ec_protocol.pool.layout import HEADER_SIZE, SLOT_SIZE
 
 pytestmark = pytest.mark.fault_kind("pool file tampered with")
 

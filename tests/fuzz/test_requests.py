@@ -43,10 +43,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client.pool.layout import DTYPES, ENGINE_ID_PATTERN
 from ec_daemon.tools.spawn import free_port
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_protocol.pool.layout import DTYPES, ENGINE_ID_PATTERN
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EncoderCache"]
 UNARY = [m.name for m in SERVICE.methods if not m.server_streaming]

@@ -21,8 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from workload_testing import daemon_fds
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_daemon.tools.spawn import free_port
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
 
 METHODS = [
     f"/{pb.DESCRIPTOR.services_by_name['EncoderCache'].full_name}/{m.name}".encode()

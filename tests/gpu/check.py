@@ -43,7 +43,7 @@ from gpu_testing import free_bytes, pools_with_room  # noqa: E402
 from ec_client import Client, Consumer, Producer  # noqa: E402
 from ec_client.data.mapping import PoolMapping  # noqa: E402
 from ec_client.data.mover import TensorMover, Transfer  # noqa: E402
-from ec_client.types import AllocateItem, Extent, TensorSpec  # noqa: E402
+from ec_protocol.types import AllocateItem, Extent, TensorSpec  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 7168  # one row of Qwen2.5-VL-7B: 3584 x bf16

@@ -27,7 +27,7 @@ from ec_client.control.outbox import OutboxBatch
 from ec_client.data import mapping as mapping_module
 from ec_client.data.cuda_runtime import cuda_runtime
 from ec_client.data.mover import byte_view, spec_of
-from ec_client.types import CommitItem, Extent, StepResult
+from ec_protocol.types import CommitItem, Extent, StepResult
 
 POOL = "gpu"
 BLOCK = 7168

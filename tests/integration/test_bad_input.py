@@ -13,9 +13,9 @@ import grpc
 import pytest
 from ecd_testing import Daemon, assert_blocks_accounted, running_daemon
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client.types import MAX_HITS_PER_STEP
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_protocol.types import MAX_HITS_PER_STEP
 
 POOL = "bad-input"
 BLOCK = 1024

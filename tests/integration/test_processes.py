@@ -148,7 +148,7 @@ def test_a_killed_client_that_holds_no_life_mark_loses_its_allocations_and_pins_
             """
             # As a client on another machine (TCP), or one that cannot open the pool's file: it
             # marks nothing the daemon can probe, so only its lease tells it died.
-            from ec_client.pool.life_marks import LifeMarks
+            from ec_protocol.pool.life_marks import LifeMarks
             LifeMarks.mark = lambda self, engine_id, path, session_id, pool_uuid: None
             c = Client(ADDRESS, name="victim")
             c.open_pool(POOL, BLOCK, CAPACITY)

@@ -41,8 +41,8 @@ from workload_testing import (
 )
 
 from ec_client import Client, Producer
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(1800)]
 

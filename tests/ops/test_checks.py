@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from ecd_testing import Daemon, run_ecd, running_daemon
 
-from ec_client.pool.layout import most_overhead
 from ec_daemon.server import checks
 from ec_daemon.server.checks import Mount, StartupError
+from ec_protocol.pool.layout import most_overhead
 
 MiB = 1 << 20
 ENTRIES = None  # auto

@@ -42,7 +42,7 @@ def project_files() -> list[Path]:
     return [
         REPO / name
         for name in listed
-        if (REPO / name).is_file() and not name.startswith("ec_client/_proto/")
+        if (REPO / name).is_file() and not name.startswith("ec_protocol/_proto/")
     ]
 
 

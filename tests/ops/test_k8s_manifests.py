@@ -17,9 +17,9 @@ import yaml
 from cluster_testing import MASTER_BINARY, needs_mooncake
 from ecd_testing import REPO
 
-from ec_client.units import parse_size
 from ec_daemon.cluster.mooncake import LOCAL_BUFFER_BYTES
 from ec_daemon.server.config import Config
+from ec_protocol.units import parse_size
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

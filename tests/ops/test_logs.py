@@ -12,7 +12,7 @@ from cluster_testing import needs_mooncake, running_master, store_daemon
 from ecd_testing import Daemon, running_daemon, wait_until
 
 from ec_client import AllocateItem, Client
-from ec_client.types import Status
+from ec_protocol.types import Status
 
 POOL = "logs-pool"
 BLOCK = 4096

@@ -17,7 +17,7 @@ from ecd_testing import Daemon, run_ecd, running_daemon, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
-from ec_client.types import PoolStats, Stats, Status
+from ec_protocol.types import PoolStats, Stats, Status
 
 POOL = "metrics-pool"
 BLOCK = 4096

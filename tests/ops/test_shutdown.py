@@ -24,10 +24,10 @@ from http2_testing import (
 )
 
 from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client.pool.layout import pool_file_name
-from ec_client.types import AcquireResult, Status
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_protocol.pool.layout import pool_file_name
+from ec_protocol.types import AcquireResult, Status
 
 POOL = "shutdown-pool"
 WAIT_MS = 3000

@@ -15,10 +15,10 @@ from ecd_testing import Daemon, auth_args, running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import AllocateItem, Client
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
-from ec_client.types import MAX_MISSES_PER_STEP, PoolStats
 from ec_daemon.tools.spawn import free_port
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
+from ec_protocol.types import MAX_MISSES_PER_STEP, PoolStats
 
 TOKENS = {
     "engine": "engine-0123456789abcdef",

@@ -1,6 +1,6 @@
 """Who gets a pool's bytes: pool files are the daemon's alone (mode 0600), and a client of another
 user maps a pool only through the open file the daemon hands the sessions the access list grants
-it (its fd channel, ec_client/pool/fd_passing.py), never by the file's path (docs/security.md).
+it (its fd channel, ec_protocol/pool/fd_passing.py), never by the file's path (docs/security.md).
 
 The clients of another user are snippets run as `nobody` (the tests run as root here); without
 root, or without that user, they are skipped."""
@@ -23,10 +23,10 @@ import torch
 from ecd_testing import REPO, Daemon, auth_args, running_daemon, wait_until
 
 from ec_client import AllocateItem, Client, Consumer, Producer, Status
-from ec_client.pool import fd_passing
-from ec_client.pool.life_marks import held
 from ec_daemon.server.server import SETTLE_PERIOD_S
 from ec_daemon.tools.spawn import free_port
+from ec_protocol.pool import fd_passing
+from ec_protocol.pool.life_marks import held
 
 TOKENS = {"encoder": "enc-0123456789abcdef", "decoder": "dec-0123456789abcdef"}
 ACL = """
@@ -81,7 +81,7 @@ def as_other_user(daemon: Daemon, code: str) -> subprocess.Popen[str]:
         import os, sys, time
         import torch
         from ec_client import AllocateItem, Client, Consumer, EcdError, Producer
-        from ec_client.pool import fd_passing
+        from ec_protocol.pool import fd_passing
         ADDRESS, TOKENS, BLOCK, CAPACITY = {daemon.address!r}, {TOKENS!r}, {BLOCK}, {CAPACITY}
         def say(*words):
             print(*words, flush=True)
@@ -262,7 +262,7 @@ def test_another_users_lock_pins_hold_an_entry(daemon: Daemon) -> None:
         holder = as_other_user(
             daemon,
             """
-            from ec_client.pool.slot_locks import SlotPins
+            from ec_protocol.pool.slot_locks import SlotPins
             c = Client(ADDRESS, name="holder", token=TOKENS["decoder"])
             c.open_pool("shared-pins")
             view = c.view("shared-pins")

@@ -19,10 +19,10 @@ from google.protobuf.message import Message
 from pki_testing import Pair, make_pki_for, tls_args
 
 from ec_client import AllocateItem, Client, EntryState, Status, TLSFiles
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 from ec_daemon.core.sessions import tag
 from ec_daemon.tools.spawn import free_port
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol._proto.ecd.v1 import ecd_pb2_grpc as pb_grpc
 
 TOKENS = {"victim": "victim-0123456789abcdef", "intruder": "intruder-0123456789abcdef"}
 # Both may do everything in the pool: only the session's owner stands between them.

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from core_testing import FakeClock, open_pool, session, spec
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
 from ec_daemon.server.events import EventHub
 from ec_daemon.server.service import EncoderCacheService
 from ec_daemon.server.validate import Limits
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
 
 BLOCK = 4096
 LONG_MS = 60_000

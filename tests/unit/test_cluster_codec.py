@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from ec_client.types import TensorSpec
 from ec_daemon.cluster import codec
+from ec_protocol.types import TensorSpec
 
 
 def test_a_utf8_key_is_its_text_after_the_namespace_and_id() -> None:

@@ -18,12 +18,12 @@ from cluster_testing import BufferlessStore
 from core_testing import FakeClock, session
 from ecd_testing import REPO, wait_until
 
-from ec_client.types import PoolInfo, Status, TensorSpec
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings, Unreachable, connect
 from ec_daemon.cluster.node import ClusterNode, Offered, SharedPool
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
+from ec_protocol.types import PoolInfo, Status, TensorSpec
 
 BLOCK = 4096  # one row of 2048 bf16
 ROWS = 4

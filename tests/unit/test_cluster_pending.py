@@ -14,7 +14,6 @@ from cluster_testing import BufferlessStore
 from core_testing import session
 from ecd_testing import wait_until
 
-from ec_client.types import Status, TensorSpec
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreSettings
 from ec_daemon.cluster.node import ClusterNode
@@ -33,6 +32,7 @@ from ec_daemon.core.store import Store
 from ec_daemon.server import config
 from ec_daemon.server.events import EventHub
 from ec_daemon.server.server import build_store
+from ec_protocol.types import Status, TensorSpec
 
 BLOCK = 4096
 SPEC = TensorSpec((1, 2048), "bfloat16", BLOCK)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from ec_client.types import EventType, WatchEvent
 from ec_daemon.core.waits import For, Outcome
 from ec_daemon.server.events import EventHub, StreamEnd
+from ec_protocol.types import EventType, WatchEvent
 
 
 def event(type: EventType, key: bytes = b"k", engine_id: str = "p") -> WatchEvent:

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 from core_testing import FakeClock, spec
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
-from ec_client.pool.layout import Geometry, RecordFields, SlotRecord, read_record
-from ec_client.types import EntryState, EventType, Extent, Status
 from ec_daemon.core.eviction import FIFOPolicy, LRUPolicy
 from ec_daemon.core.index import COUNTER_MAX, MAX_SLOT_TRIES, PoolIndex
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.pool.layout import Geometry, RecordFields, SlotRecord, read_record
+from ec_protocol.types import EntryState, EventType, Extent, Status
 
 BLOCK = 1024
 

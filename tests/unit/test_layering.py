@@ -25,17 +25,17 @@ DAEMON_LAYERS = [
 # format and locks are its base, which the daemon shares; the public names (`ec_client`) sit on
 # top, beside the vLLM connector and the benches.
 CLIENT_LAYERS = [
-    ("ec_client", "ec_client.vllm", "ec_client.bench"),
+    ("ec_client", "ec_client.vllm", "ec_bench"),
     ("ec_client.data",),
     ("ec_client.control",),
     (
-        "ec_client.pool",
-        "ec_client.types",
-        "ec_client.errors",
-        "ec_client.units",
-        "ec_client.address",
-        "ec_client.token_file",
-        "ec_client._proto",
+        "ec_protocol.pool",
+        "ec_protocol.types",
+        "ec_protocol.errors",
+        "ec_protocol.units",
+        "ec_protocol.address",
+        "ec_protocol.token_file",
+        "ec_protocol._proto",
     ),
 ]
 
@@ -95,7 +95,7 @@ def test_the_daemon_imports_no_private_module_of_the_client_library() -> None:
         for name in imported("ec_daemon")
         if name.startswith("ec_client.")
         and any(part.startswith("_") for part in name.split(".")[1:])
-        and not name.startswith("ec_client._proto.")
+        and not name.startswith("ec_protocol._proto.")
         and name != "ec_client.__version__"
     }
     assert not private
@@ -112,7 +112,7 @@ def test_each_daemon_layer_imports_only_itself_and_the_layers_below() -> None:
 
 def test_the_daemon_core_imports_no_grpc_protobuf_or_asyncio() -> None:
     """The core is synchronous pure Python: the server translates and waits, the core decides."""
-    banned = ("grpc", "google.protobuf", "ec_client._proto", "asyncio", "uvloop")
+    banned = ("grpc", "google.protobuf", "ec_protocol._proto", "asyncio", "uvloop")
     core = layer("ec_daemon.core", DAEMON_LAYERS)
     found = {
         f"{module} imports {name}"

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from ec_client.pool.layout import (
+from ec_protocol.pool.layout import (
     MAX_KEY_BYTES,
     MAX_NDIM,
     SLOT_DOOMED_MARK,

@@ -1,4 +1,4 @@
-"""Life marks (ec_client/pool/life_marks.py): a client's lock on one byte of a pool file per
+"""Life marks (ec_protocol/pool/life_marks.py): a client's lock on one byte of a pool file per
 session, seen by the daemon's probe through a descriptor of its own, and gone with the client's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ec_client.pool.life_marks import LifeMarks, held, life_offset
+from ec_protocol.pool.life_marks import LifeMarks, held, life_offset
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ every rank reported; a new session voids lease pins alone, a new pool file every
 
 from __future__ import annotations
 
-from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.loads import LOCK_MISSED, LoadBook, Lock, LockMissed, Pin
+from ec_protocol.types import AcquireResult, Extent, Status, TensorSpec
 
 SPEC = TensorSpec((4, 8), "float16", 64)
 

@@ -29,8 +29,8 @@ import pytest
 from ecd_testing import wait_until
 
 from ec_client.control.outbox import Answered, DeferredOp, Outbox, OutboxBatch
-from ec_client.errors import EcdError
-from ec_client.types import (
+from ec_protocol.errors import EcdError
+from ec_protocol.types import (
     MAX_HITS_PER_STEP,
     MAX_MISSES_PER_STEP,
     AcquireResult,

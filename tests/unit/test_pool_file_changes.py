@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from core_testing import FakeClock, make_store, open_pool
 
-from ec_client.pool.layout import MAGIC, Geometry, SlotRecord, pool_file_name, read_record
 from ec_daemon.core.errors import CoreError, Reason
 from ec_daemon.core.pool import _TABLE_CHUNK_SLOTS, PoolFile
 from ec_daemon.core.store import Store
+from ec_protocol.pool.layout import MAGIC, Geometry, SlotRecord, pool_file_name, read_record
 
 BLOCK = 4096
 

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from ec_client.control.ready_view import ReadyView
-from ec_client.errors import EcdError
-from ec_client.types import EventType, WatchEvent
+from ec_protocol.errors import EcdError
+from ec_protocol.types import EventType, WatchEvent
 
 BROKEN = object()
 

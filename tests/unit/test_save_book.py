@@ -5,8 +5,8 @@ copied into."""
 
 from __future__ import annotations
 
-from ec_client.types import AllocateResult, Extent, Status, TensorSpec
 from ec_client.vllm.saves import SaveBook
+from ec_protocol.types import AllocateResult, Extent, Status, TensorSpec
 
 SPEC = TensorSpec((4, 8), "float16", 64)
 

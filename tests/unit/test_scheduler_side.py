@@ -33,9 +33,14 @@ from vllm.config.ec_transfer import ECRole
 from vllm.v1.outputs import ECConnectorOutput
 
 from ec_client.control.outbox import Outbox, OutboxBatch
-from ec_client.errors import EcdError
-from ec_client.pool.layout import Geometry, SlotRecord
-from ec_client.types import (
+from ec_client.vllm.config import ConnectorConfig
+from ec_client.vllm.metadata import ECDaemonWorkerMetadata, WorkerRank
+from ec_client.vllm.offline import image_request, offline_config
+from ec_client.vllm.scheduler import SchedulerSide
+from ec_daemon.core.pool import PoolFile
+from ec_protocol.errors import EcdError
+from ec_protocol.pool.layout import Geometry, SlotRecord
+from ec_protocol.types import (
     AcquireResult,
     AllocateItem,
     AllocateResult,
@@ -50,11 +55,6 @@ from ec_client.types import (
     StepResult,
     TensorSpec,
 )
-from ec_client.vllm.config import ConnectorConfig
-from ec_client.vllm.metadata import ECDaemonWorkerMetadata, WorkerRank
-from ec_client.vllm.offline import image_request, offline_config
-from ec_client.vllm.scheduler import SchedulerSide
-from ec_daemon.core.pool import PoolFile
 
 WIDTH = 64
 ROWS = 4

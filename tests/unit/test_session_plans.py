@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 import pytest
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.control import _wire
 from ec_client.control._connection import Options
 from ec_client.control._session import Done, Pause, Plan, Probe, Reopen, Send, SessionState, advance
 from ec_client.control.outbox import Answered, DeferredOp, OutboxBatch
-from ec_client.errors import EcdError
-from ec_client.types import AllocateItem, Role, Status
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.errors import EcdError
+from ec_protocol.types import AllocateItem, Role, Status
 
 UNAVAILABLE = EcdError(grpc.StatusCode.UNAVAILABLE, "connection refused")
 SESSION_LOST = EcdError(grpc.StatusCode.NOT_FOUND, "unknown session", "unknown_session")

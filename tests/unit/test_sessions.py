@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from core_testing import FakeClock
 
-from ec_client.types import Role, TensorSpec
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.index import Entry
 from ec_daemon.core.sessions import CONSUME, PRODUCE, SessionTable, tag
+from ec_protocol.types import Role, TensorSpec
 
 
 def test_a_session_lives_for_one_ttl_after_its_last_sign_of_life() -> None:

@@ -1,4 +1,4 @@
-"""Lock pins' primitives (ec_client/pool/slot_locks.py) on a real pool file: real OFD locks, no
+"""Lock pins' primitives (ec_protocol/pool/slot_locks.py) on a real pool file: real OFD locks, no
 daemon.
 
 Two open file descriptions in one process conflict as two processes would (OFD locks belong to
@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 from ecd_testing import count_record_parses
 
-from ec_client.pool import slot_locks
-from ec_client.pool.layout import SLOT_SIZE, Geometry, SlotRecord, slot_offset
-from ec_client.pool.slot_locks import (
+from ec_daemon.core.pool import PoolFile
+from ec_protocol.pool import slot_locks
+from ec_protocol.pool.layout import SLOT_SIZE, Geometry, SlotRecord, slot_offset
+from ec_protocol.pool.slot_locks import (
     PinnedEntry,
     SlotPins,
     lock_exclusive,
@@ -35,8 +36,7 @@ from ec_client.pool.slot_locks import (
     runs,
     unlock,
 )
-from ec_client.types import Extent, TensorSpec
-from ec_daemon.core.pool import PoolFile
+from ec_protocol.types import Extent, TensorSpec
 
 BLOCK = 4096
 GEOMETRY = Geometry(BLOCK, num_blocks=64, num_slots=8)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from core_testing import FakeClock, make_store, open_pool, session, spec
 
-from ec_client.pool.layout import HEADER_SIZE, Header, pool_file_name
-from ec_client.pool.life_marks import LifeMarks
-from ec_client.pool.slot_locks import SlotPins
-from ec_client.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.store import EVICTION_SUMMARY_S, Store
+from ec_protocol.pool.layout import HEADER_SIZE, Header, pool_file_name
+from ec_protocol.pool.life_marks import LifeMarks
+from ec_protocol.pool.slot_locks import SlotPins
+from ec_protocol.types import EntryInfo, EntryState, EventType, PoolStats, Role, Status, WatchEvent
 
 BLOCK = 4096
 

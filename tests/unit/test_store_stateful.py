@@ -35,9 +35,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_client.pool.layout import SLOT_DOOMED_MARK, SLOT_READY_MARK, SLOT_SIZE, slot_offset
-from ec_client.pool.slot_locks import PinnedEntry, SlotPins, lock_shared, unlock
-from ec_client.types import EntryState, EventType, Extent, Role, Status
+from ec_protocol.pool.layout import SLOT_DOOMED_MARK, SLOT_READY_MARK, SLOT_SIZE, slot_offset
+from ec_protocol.pool.slot_locks import PinnedEntry, SlotPins, lock_shared, unlock
+from ec_protocol.types import EntryState, EventType, Extent, Role, Status
 
 BLOCK = 512
 BLOCKS = 32  # small, so that a few allocations fill the pool and eviction runs often

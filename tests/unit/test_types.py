@@ -1,13 +1,14 @@
-"""The values of ec_client.types against their protobuf messages: each is declared once, so the
+"""The values of ec_protocol.types against their protobuf messages: each is declared once, so the
 two must agree field for field wherever they are mapped by name."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as pb
 from ec_client.control import _wire
-from ec_client.types import (
+from ec_daemon.server import wire
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as pb
+from ec_protocol.types import (
     EntryInfo,
     EntryState,
     EventType,
@@ -19,7 +20,6 @@ from ec_client.types import (
     Status,
     WatchEvent,
 )
-from ec_daemon.server import wire
 
 
 def fields(value: type) -> set[str]:

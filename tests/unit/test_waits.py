@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from core_testing import FakeClock
 
-from ec_client.types import EventType, WatchEvent
 from ec_daemon.core.waits import LATE_S, For, Outcome, Wait, Waits, deadline
+from ec_protocol.types import EventType, WatchEvent
 
 
 def event(type: EventType, key: bytes = b"k", engine_id: str = "p") -> WatchEvent:

@@ -1,4 +1,4 @@
-"""`python -m ec_client.vllm.bench --json` as a user runs it: one JSON line, ecd's burst beside
+"""`python -m ec_bench.vllm --json` as a user runs it: one JSON line, ecd's burst beside
 ECCPUConnector's."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from ecd_testing import REPO, Daemon
 
-from ec_client.vllm import bench as vllm_bench
-from ec_client.vllm.bench import room_for
+from ec_bench import vllm as vllm_bench
+from ec_bench.vllm import room_for
 
 SMALL = ("--items", "8", "--runs", "1", "--json")
 TTFT = {"ttft_cached_ms", "ttft_new_ms"}
@@ -22,7 +22,7 @@ TTFT = {"ttft_cached_ms", "ttft_new_ms"}
 
 def bench(address: str, capacity: str = "64MiB", *more: str) -> subprocess.CompletedProcess[str]:
     """A small run of the bench against the daemon at `address`, as a user starts it."""
-    command = [sys.executable, "-m", "ec_client.vllm.bench", "--address", address]
+    command = [sys.executable, "-m", "ec_bench.vllm", "--address", address]
     return subprocess.run(
         [*command, *SMALL, "--capacity", capacity, *more],
         capture_output=True,

@@ -14,9 +14,9 @@ from __future__ import annotations
 from ecd_testing import Daemon, wait_until
 from vllm_testing import EngineFactory, EngineSpec, held_while, request
 
-from ec_client.types import Role
 from ec_client.vllm.config import ConnectorConfig
 from ec_client.vllm.scheduler import connect_client
+from ec_protocol.types import Role
 
 SHARED = "encoders-pool"
 

@@ -31,10 +31,10 @@ from vllm_testing import (
 )
 from workload_testing import wait_until
 
-from ec_client.types import AcquireResult, Extent, Status, TensorSpec
 from ec_client.vllm.loads import LoadBook
 from ec_client.vllm.metadata import ECDaemonConnectorMetadata, LoadOrder, SaveOrder, WorkerRank
 from ec_client.vllm.worker import WorkerSide
+from ec_protocol.types import AcquireResult, Extent, Status, TensorSpec
 
 UNREACHABLE = "unix:///nonexistent/ecd.sock"
 QUICK = {"ecd_connect_timeout_s": 0.2}

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ec_client._proto.ecd.v1 import ecd_pb2 as ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2
+from ec_protocol._proto.ecd.v1 import ecd_pb2 as ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ec_client/_proto/ecd/v1/ecd_pb2_grpc.py depends on'
+        + ' but the generated code in ec_protocol/_proto/ecd/v1/ecd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -49,88 +49,88 @@ class EncoderCacheStub:
         """
         self.OpenSession = channel.unary_unary(
                 '/ecd.v1.EncoderCache/OpenSession',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionReply.FromString,
                 _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/ecd.v1.EncoderCache/KeepAlive',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveReply.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/ecd.v1.EncoderCache/CloseSession',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionReply.FromString,
                 _registered_method=True)
         self.OpenPool = channel.unary_unary(
                 '/ecd.v1.EncoderCache/OpenPool',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolReply.FromString,
                 _registered_method=True)
         self.DropPool = channel.unary_unary(
                 '/ecd.v1.EncoderCache/DropPool',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolReply.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Allocate',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateReply.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Commit',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Abort',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Acquire',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Release',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Lookup',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Step',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.FromString,
                 _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Evict',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictReply.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Delete',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteReply.FromString,
                 _registered_method=True)
         self.ListEntries = channel.unary_unary(
                 '/ecd.v1.EncoderCache/ListEntries',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/ecd.v1.EncoderCache/Stats',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsReply.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/ecd.v1.EncoderCache/Watch',
-                request_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchRequest.SerializeToString,
-                response_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchEvent.FromString,
+                request_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchRequest.SerializeToString,
+                response_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchEvent.FromString,
                 _registered_method=True)
 
 
@@ -307,88 +307,88 @@ def add_EncoderCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionReply.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveReply.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionReply.SerializeToString,
             ),
             'OpenPool': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenPool,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolReply.SerializeToString,
             ),
             'DropPool': grpc.unary_unary_rpc_method_handler(
                     servicer.DropPool,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolReply.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateReply.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortReply.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseReply.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictReply.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteReply.SerializeToString,
             ),
             'ListEntries': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEntries,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsReply.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsReply.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchRequest.FromString,
-                    response_serializer=ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchEvent.SerializeToString,
+                    request_deserializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchRequest.FromString,
+                    response_serializer=ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -429,8 +429,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/OpenSession',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenSessionReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,8 +456,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/KeepAlive',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.KeepAliveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -483,8 +483,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/CloseSession',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CloseSessionReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -510,8 +510,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/OpenPool',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.OpenPoolReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -537,8 +537,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/DropPool',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DropPoolReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -564,8 +564,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Allocate',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AllocateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -591,8 +591,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Commit',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -618,8 +618,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Abort',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -645,8 +645,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Acquire',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.AcquireReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -672,8 +672,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Release',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -699,8 +699,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Lookup',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.LookupReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -726,8 +726,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Step',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -753,8 +753,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Evict',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.EvictReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -780,8 +780,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Delete',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.DeleteReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -807,8 +807,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/ListEntries',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.ListEntriesReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -834,8 +834,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Stats',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsReply.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -861,8 +861,8 @@ class EncoderCache:
             request,
             target,
             '/ecd.v1.EncoderCache/Watch',
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchRequest.SerializeToString,
-            ec__client_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchEvent.FromString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchRequest.SerializeToString,
+            ec__protocol_dot___proto_dot_ecd_dot_v1_dot_ecd__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,
