@@ -11,11 +11,10 @@ and `pool` (the pool file's format and its locks).
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 from ec_client.control.aio import AsyncClient
 from ec_client.control.client import Client, check_health
 from ec_client.control.tls import TLSFiles
+from ec_protocol import __version__ as __version__
 from ec_protocol.errors import EcdError
 from ec_protocol.types import (
     AcquireResult,

@@ -26,11 +26,13 @@ from typing import Any
 
 import grpc
 
-from ec_client import Client, EcdError, ItemResult, Role, TLSFiles, __version__, check_health
+from ec_client import Client, TLSFiles, check_health
 from ec_daemon.server import config as config_module
 from ec_daemon.server.checks import StartupError
+from ec_protocol import __version__
 from ec_protocol.address import default_target
-from ec_protocol.types import ClusterStats, RefusedPool
+from ec_protocol.errors import EcdError
+from ec_protocol.types import ClusterStats, ItemResult, RefusedPool, Role
 from ec_protocol.units import format_size, parse_size
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ec_protocol.pool.layout import tensor_nbytes
+from ec_protocol.dtypes import tensor_nbytes
 
 Key = str | bytes
 

@@ -21,11 +21,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ec_client import __version__
 from ec_daemon.core.errors import Code, CoreError, Reason
 from ec_daemon.core.index import Entry, Outcome, saturated
 from ec_daemon.core.pools import Pool, PoolRegistry, PoolSettings
 from ec_daemon.core.sessions import CONSUME, PRODUCE, Session, SessionTable
+from ec_protocol import __version__
 from ec_protocol import types as api
 from ec_protocol.pool.layout import LayoutError
 

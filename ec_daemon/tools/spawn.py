@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from ec_client import EcdError, check_health
+from ec_client import check_health
+from ec_protocol.errors import EcdError
 
 
 def new_shm_dir(prefix: str = "ecd-") -> Path:

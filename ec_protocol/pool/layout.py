@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
 import re
 import struct
@@ -32,6 +31,11 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+# The dtypes are the format's too (their codes are stored in slot records); they live below the
+# API's values (ec_protocol.types), which size a tensor with them, and are named here as well.
+from ec_protocol.dtypes import DTYPES as DTYPES
+from ec_protocol.dtypes import tensor_nbytes as tensor_nbytes
 
 MAGIC = b"ECDPOOL1"
 LAYOUT_VERSION = 2
@@ -59,31 +63,6 @@ MAX_AUTO_SLOTS = 65536
 # Use with fullmatch: `$` would also match before a final newline ("pool\n").
 ENGINE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
-# torch dtype name -> (code stored in slot records, itemsize). Codes are part of the file format:
-# never renumber, only append.
-DTYPES: dict[str, tuple[int, int]] = {
-    "uint8": (1, 1),
-    "int8": (2, 1),
-    "int16": (3, 2),
-    "int32": (4, 4),
-    "int64": (5, 8),
-    "float16": (6, 2),
-    "bfloat16": (7, 2),
-    "float32": (8, 4),
-    "float64": (9, 8),
-    "bool": (10, 1),
-    "float8_e4m3fn": (11, 1),
-    "float8_e5m2": (12, 1),
-    "float8_e4m3fnuz": (13, 1),
-    "float8_e5m2fnuz": (14, 1),
-    "uint16": (15, 2),
-    "uint32": (16, 4),
-    "uint64": (17, 8),
-    "complex64": (18, 8),
-    "complex128": (19, 16),
-    "float8_e8m0fnu": (20, 1),  # MX scales
-    "float4_e2m1fn_x2": (21, 1),  # two fp4 values an element (a byte)
-}
 DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
 
 # magic, version, header_size, uuid, block_size, num_blocks, data_offset, slot_table_offset,
@@ -121,10 +100,6 @@ def pool_file_name(engine_id: str) -> str:
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return math.prod(shape) * DTYPES[dtype][1]
 
 
 def max_extents(key_len: int, ndim: int) -> int:

@@ -1,11 +1,15 @@
-"""The packages' arrows of imports (docs/design.md §2). The daemon uses the client library's
-public modules and the generated protobuf modules, never a private one; the client library never
-imports the daemon. Inside each package, layers import one way only: a module imports its own
-layer and the layers below it, never one above."""
+"""The packages' arrows of imports (docs/design.md §2). The base (`ec_protocol`: the protocol,
+the API's values, the pool file's format) imports neither side; the daemon and the client library
+stand on it, and the client library never imports the daemon. The daemon uses the client library
+only in the `ecd` command and its tools (the control commands, the bench), never a private module
+of it; the benchmarks (`ec_bench`) sit above both. Inside each package, layers import one way
+only: a module imports its own layer and the layers below it, never one above."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import ec_client
@@ -21,23 +25,21 @@ DAEMON_LAYERS = [
     ("ec_daemon.cluster",),
     ("ec_daemon.core",),
 ]
-# The client library's loose modules (the API's values, its errors, ...) and the pool file's
-# format and locks are its base, which the daemon shares; the public names (`ec_client`) sit on
-# top, beside the vLLM connector and the benches.
+# The public names (`ec_client`) sit on top, beside the vLLM connector; the base they stand on is
+# ec_protocol, outside the package.
 CLIENT_LAYERS = [
-    ("ec_client", "ec_client.vllm", "ec_bench"),
+    ("ec_client", "ec_client.vllm"),
     ("ec_client.data",),
     ("ec_client.control",),
-    (
-        "ec_protocol.pool",
-        "ec_protocol.types",
-        "ec_protocol.errors",
-        "ec_protocol.units",
-        "ec_protocol.address",
-        "ec_protocol.token_file",
-        "ec_protocol._proto",
-    ),
 ]
+# The pool file's format and locks stand on the loose modules (the API's values, the dtypes, the
+# errors, ...).
+PROTOCOL_LAYERS = [
+    ("ec_protocol.pool",),
+    ("ec_protocol",),
+]
+# Modules that only keep an old import path working, naming what moved above them.
+OLD_PATHS = {"ec_client.vllm.bench": "ec_bench.vllm"}
 
 
 def module_name(path: Path) -> str:
@@ -95,8 +97,6 @@ def test_the_daemon_imports_no_private_module_of_the_client_library() -> None:
         for name in imported("ec_daemon")
         if name.startswith("ec_client.")
         and any(part.startswith("_") for part in name.split(".")[1:])
-        and not name.startswith("ec_protocol._proto.")
-        and name != "ec_client.__version__"
     }
     assert not private
 
@@ -180,3 +180,58 @@ def test_the_server_and_the_cluster_write_no_field_of_an_object_they_hold() -> N
     node's or the core's counters (docs/design.md §2)."""
     assert not fields_written_through("ec_daemon/server")
     assert not fields_written_through("ec_daemon/cluster")
+
+
+def names_of(package: str, roots: tuple[str, ...]) -> set[str]:
+    """Each `module imports name` of the package whose name lies under one of the roots."""
+    return {
+        f"{module} imports {name}"
+        for module, names in modules(package).items()
+        for name in names
+        if name.split(".")[0] in roots
+    }
+
+
+def test_the_base_imports_neither_the_daemon_nor_the_client_library() -> None:
+    assert not names_of("ec_protocol", ("ec_daemon", "ec_client", "ec_bench"))
+
+
+def test_each_base_layer_imports_only_itself_and_the_layers_below() -> None:
+    """The pool's format and locks -> the API's values, the dtypes, errors, units, ..."""
+    assert not upward_imports("ec_protocol", PROTOCOL_LAYERS)
+
+
+def test_the_daemon_imports_the_client_library_only_in_the_ecd_command_and_its_tools() -> None:
+    """`cli.py` (the control commands: health, stats, ls, ...) and `tools/` (the bench's spawned
+    daemons): the server, the cluster tier and the core stand on the base alone."""
+    server = layer("ec_daemon.server", DAEMON_LAYERS)
+    assert not {
+        found
+        for found in names_of("ec_daemon", ("ec_client",))
+        if layer(found.split()[0], DAEMON_LAYERS) >= server
+    }
+
+
+def test_nothing_imports_the_benchmarks_but_ecd_bench_and_an_old_path() -> None:
+    found = names_of("ec_daemon", ("ec_bench",)) | names_of("ec_client", ("ec_bench",))
+    assert {line.split()[0] for line in found} == {"ec_daemon.cli", *OLD_PATHS}
+    for old, new in OLD_PATHS.items():
+        assert {name.rpartition(".")[0] for name in modules("ec_client")[old]} == {new}
+
+
+def test_the_daemon_server_and_core_load_no_client_module_and_no_torch() -> None:
+    """What the imports above keep, at run time: `ecd serve`'s modules leave the client library
+    and torch unloaded (nothing imports them along the way, not even a package's __init__)."""
+    probe = (
+        "import sys, ec_daemon.server.server, ec_daemon.core.store\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ec_client', 'torch')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+    assert loaded == "[]\n"
+
+
+def test_the_base_and_the_daemon_never_import_torch() -> None:
+    """The daemon installs without torch (pyproject's `torch` extra is the tensor side's)."""
+    assert not names_of("ec_protocol", ("torch",)) | names_of("ec_daemon", ("torch",))
