@@ -20,9 +20,11 @@ SMALL = ("--items", "8", "--runs", "1", "--json")
 TTFT = {"ttft_cached_ms", "ttft_new_ms"}
 
 
-def bench(address: str, capacity: str = "64MiB", *more: str) -> subprocess.CompletedProcess[str]:
+def bench(
+    address: str, capacity: str = "64MiB", *more: str, module: str = "ec_bench.vllm"
+) -> subprocess.CompletedProcess[str]:
     """A small run of the bench against the daemon at `address`, as a user starts it."""
-    command = [sys.executable, "-m", "ec_bench.vllm", "--address", address]
+    command = [sys.executable, "-m", module, "--address", address]
     return subprocess.run(
         [*command, *SMALL, "--capacity", capacity, *more],
         capture_output=True,
@@ -46,6 +48,14 @@ def test_json_reports_the_burst_against_eccpu(daemon: Daemon) -> None:
     assert figures["ecd"]["held_steps"] == 0  # cached requests are lock-pinned at once
     assert figures["ecd"]["rpcs"] >= 1 and figures["eccpu"]["scheduler_us"] > 0
     assert all(figures[c][t] > 0 for c in ("ecd", "eccpu") for t in TTFT)
+
+
+def test_the_old_module_path_runs_the_same_bench(daemon: Daemon) -> None:
+    """`python -m ec_client.vllm.bench`, as docs and scripts written before it moved run it."""
+    done = bench(daemon.address, "64MiB", "--no-eccpu", module="ec_client.vllm.bench")
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()
+    assert set(json.loads(line)) == {"ecd"}
 
 
 def test_role_runs_the_burst_as_an_encoder_engine_whose_cached_images_wait_for_nothing(
