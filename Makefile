@@ -10,7 +10,8 @@ TORCH_VERSION ?= 2.13.0
 
 install: $(STAMP) native-libs
 
-# torch first, pinned: a bare torch requirement with no torch installed would pull a CUDA build.
+# torch first, pinned: the torch extra's bare requirement with no torch installed would pull a CUDA
+# build.
 $(STAMP): pyproject.toml requirements-vllm.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml requirements-vllm.txt
 	# A venv made before the distribution's rename holds the project as `ecd`: removed first, so
 	# that no two distributions claim its packages and the ecd command.
 	if $(PY) -m pip show --quiet ecd >/dev/null 2>&1; then $(PY) -m pip uninstall --quiet --yes ecd; fi
-	$(PY) -m pip install --quiet -e '.[dev,mooncake]'
+	$(PY) -m pip install --quiet -e '.[dev,mooncake,torch]'
 	$(PY) -m pip install --quiet --no-deps vllm==0.33.0
 	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
 	touch $@

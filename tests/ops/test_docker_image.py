@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from ec_daemon.server.config import Config
 
 DOCKER = REPO / "deploy" / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
 @dataclass(frozen=True)
@@ -85,17 +87,18 @@ def test_entrypoint_is_ecd_serve(serve_config: Callable[..., Config]) -> None:
     assert f"install -d -o {uid} -g {gid}" in run and str(config.socket.parent) in run
 
 
-def test_torch_comes_from_the_cpu_index_before_the_project() -> None:
-    """The project depends on torch; installed first from the CPU index it keeps the image small,
-    installed by the project's requirement it would be a CUDA build of several GB."""
+def test_the_image_installs_no_torch() -> None:
+    """The daemon never imports torch, and the project's distribution with the extras the image
+    names (mooncake) requires none: the image installs neither torch nor an extra that brings it."""
     steps = final_stage()
-    runs = [s.value for s in steps if s.keyword == "RUN"]
-    torch = next(i for i, r in enumerate(runs) if "torch==" in r)
-    project = next(i for i, r in enumerate(runs) if "/wheels/" in r)
-    assert torch < project
-    args = {s.value.split("=", 1)[0]: s.value.split("=", 1)[1] for s in steps if s.keyword == "ARG"}
-    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
-    assert "--index-url" in runs[torch]
+    assert not [s.value for s in steps if "torch" in s.value.lower()]
+    [project] = [s.value for s in steps if s.keyword == "RUN" and "/wheels/" in s.value]
+    extras = re.search(r"\[([\w,]+)\]", project)
+    named = extras.group(1).split(",") if extras else []
+    required = PYPROJECT["dependencies"] + [
+        r for extra in named for r in PYPROJECT["optional-dependencies"][extra]
+    ]
+    assert not [r for r in required if re.match(r"(torch|vllm|numpy)\b", r)]
 
 
 def test_build_copies_only_existing_files_that_the_ignore_file_admits() -> None:
