@@ -3,10 +3,11 @@
 The tensor side (Producer, Consumer, PoolMapping, TensorMover) imports torch; it is loaded on
 first use, so the daemon and the control clients never pay for importing torch.
 
-Import these names from here. The modules stack one way (tests/unit/test_layering.py): `vllm`
-(the connector) and `bench` -> `data` (the tensor side) -> `control` (the clients that talk to
-the daemon) -> the base the daemon shares: `types`, `errors`, `units`, `address`, `token_file`
-and `pool` (the pool file's format and its locks).
+Import these names from here (or from `ec_client.types`, `ec_client.errors`). The modules stack
+one way (tests/unit/test_layering.py): `vllm` (the connector) -> `data` (the tensor side, the
+`torch` extra) -> `control` (the clients that talk to the daemon) -> the base the daemon shares,
+ec_protocol: the API's values, errors, units, the address, the token file, the pool file's format
+and its locks.
 """
 
 from typing import TYPE_CHECKING, Any

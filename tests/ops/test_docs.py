@@ -83,10 +83,10 @@ def test_the_readme_is_short_and_its_code_map_names_every_module_under_its_folde
     assert max(len(line) for line in text.splitlines() if line.startswith("|")) <= 200
     # Each folder's part of the code map runs from the line that opens with its name to the
     # next line that opens with a folder's name.
-    parts = re.split(r"^(?=`ec_(?:daemon|client)[\w/]*/`)", text, flags=re.M)
+    parts = re.split(r"^(?=`ec_(?:daemon|client|protocol|bench)[\w/]*/`)", text, flags=re.M)
     for package in sorted(
         init.parent.relative_to(REPO)
-        for name in ("ec_daemon", "ec_client")
+        for name in ("ec_daemon", "ec_client", "ec_protocol", "ec_bench")
         for init in (REPO / name).rglob("__init__.py")
         if "_proto" not in init.parts
     ):
