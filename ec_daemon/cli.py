@@ -22,11 +22,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ec_client import Client, TLSFiles, check_health
 from ec_daemon.server import config as config_module
 from ec_daemon.server.checks import StartupError
 from ec_protocol import __version__
@@ -34,6 +33,11 @@ from ec_protocol.address import default_target
 from ec_protocol.errors import EcdError
 from ec_protocol.types import ClusterStats, ItemResult, RefusedPool, Role
 from ec_protocol.units import format_size, parse_size
+
+# The client library is imported by the commands that use it when they run: `ecd serve` loads
+# none of it (tests/unit/test_layering.py).
+if TYPE_CHECKING:
+    from ec_client import Client
 
 
 def display_key(key: bytes) -> str:
@@ -116,6 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    from ec_client import check_health
+
     target = args.address or default_target()
     try:
         status = check_health(target, service=args.service, **connection(args))
@@ -132,6 +138,8 @@ def connection(args: argparse.Namespace) -> dict[str, Any]:
     """How a client command reaches the daemon (`client_arguments`): its timeout, token and TLS
     files; what is not given comes from the environment, as for every client (a --tls-* flag
     over its own ECD_TLS_* variable)."""
+    from ec_client import TLSFiles
+
     flags = (args.tls_ca, args.tls_cert, args.tls_key)
     tls = None
     if any(flags):
@@ -145,6 +153,8 @@ def connection(args: argparse.Namespace) -> dict[str, Any]:
 def admin_client(args: argparse.Namespace) -> Client:
     """A session for an operator command; a daemon that cannot be reached fails it at once when
     a connection shows why (no socket there, TLS refused), naming the address."""
+    from ec_client import Client, check_health
+
     reach = connection(args)
     check_health(args.address, **reach)
     return Client(
@@ -323,10 +333,14 @@ def list_pools(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
+    from ec_client import Client
+
     return drop_entries(args, Client.evict)
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
+    from ec_client import Client
+
     return drop_entries(args, Client.delete)
 
 

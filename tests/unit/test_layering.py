@@ -219,11 +219,12 @@ def test_nothing_imports_the_benchmarks_but_ecd_bench_and_an_old_path() -> None:
         assert {name.rpartition(".")[0] for name in modules("ec_client")[old]} == {new}
 
 
-def test_the_daemon_server_and_core_load_no_client_module_and_no_torch() -> None:
-    """What the imports above keep, at run time: `ecd serve`'s modules leave the client library
-    and torch unloaded (nothing imports them along the way, not even a package's __init__)."""
+def test_ecd_serve_loads_no_client_module_and_no_torch() -> None:
+    """What the imports above keep, at run time: `ecd serve`'s modules (the command, the server,
+    the core) leave the client library and torch unloaded (nothing imports them along the way,
+    not even a package's __init__); the control commands import the client when they run."""
     probe = (
-        "import sys, ec_daemon.server.server, ec_daemon.core.store\n"
+        "import sys, ec_daemon.cli, ec_daemon.server.server, ec_daemon.core.store\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ec_client', 'torch')))"
     )
     loaded = subprocess.run(
