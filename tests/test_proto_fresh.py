@@ -24,7 +24,7 @@ def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
         committed = ROOT / relative
         assert committed.exists(), f"{relative} is not committed: run `make proto`"
         assert committed.read_bytes() == path.read_bytes(), f"{relative} is stale: run `make proto`"
-    proto_dir = ROOT / "ec_client" / "_proto"
+    proto_dir = ROOT / "ec_protocol" / "_proto"
     # .py and .pyi only: a checkout that imported them holds __pycache__/*.pyc beside them
     committed_all = {
         p.relative_to(ROOT) for p in [*proto_dir.rglob("*.py"), *proto_dir.rglob("*.pyi")]
