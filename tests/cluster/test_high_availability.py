@@ -17,6 +17,7 @@ from ha_testing import HAStore, needs_etcd, running_etcd, running_ha_store
 from prometheus_client.parser import text_string_to_metric_families
 
 from ec_client import Client, Consumer, Producer, PutStatus
+from ec_client.types import Key
 from ec_daemon.tools.spawn import free_port
 
 pytestmark = [needs_mooncake, needs_etcd]
@@ -164,9 +165,19 @@ def test_a_leader_killed_under_load_is_followed_with_nothing_lost() -> None:
             f"leader failover: remote hits back {failover_s:.2f} s after the SIGKILL, the new "
             f"leader serving after {serving[0] - killed:.2f} s"
         )
-        # every publish made meanwhile reached the store: near's failed ones were retried
-        wait_until(lambda: cluster_stats(producer).published == before + len(put), 60)
-        reached = Consumer(consumer, "shared").get_many(put, wait_ms=5000)
+        # every publish made meanwhile reached the store: near's failed ones were retried. Told
+        # by far's reads, not by near's count of publishes: a retry whose first try reached the
+        # store unanswered finds its key there (already stored); a new leader that lost the
+        # node's mark has the pool republished (published again); and the puts a new leader
+        # refuses before the nodes' segments are back with it (no space) are put back by the
+        # next periodic walk (--republish-every, 60 s): a failover's open finding (issue 45)
+        reached: dict[Key, torch.Tensor | None] = {}
+
+        def all_reached_far() -> bool:
+            reached.update(Consumer(consumer, "shared").get_many(put, wait_ms=100))
+            return None not in reached.values()
+
+        wait_until(all_reached_far, 90)
         near_stats, far_stats = cluster_stats(producer), cluster_stats(consumer)
         line = run_ecd("stats", "--address", far.address).stdout
 
