@@ -17,14 +17,15 @@ def load_generator():  # type: ignore[no-untyped-def]
 
 
 def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
-    generated = load_generator().generate(tmp_path)
+    generator = load_generator()
+    generated = generator.generate(tmp_path)
     assert generated, "protoc generated nothing"
     for path in generated:
         relative = path.relative_to(tmp_path)
         committed = ROOT / relative
         assert committed.exists(), f"{relative} is not committed: run `make proto`"
         assert committed.read_bytes() == path.read_bytes(), f"{relative} is stale: run `make proto`"
-    proto_dir = ROOT / "ec_protocol" / "_proto"
+    proto_dir = ROOT / generator.PACKAGE
     # .py and .pyi only: a checkout that imported them holds __pycache__/*.pyc beside them
     committed_all = {
         p.relative_to(ROOT) for p in [*proto_dir.rglob("*.py"), *proto_dir.rglob("*.pyi")]
