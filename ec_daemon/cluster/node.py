@@ -19,17 +19,19 @@ batch at a time and for each
 4. unpins.
 
 Failures (the master gone, the store full) are counted and logged at most every LOG_EVERY_S;
-nothing reaches an engine. Every store call of the thread goes through ec_daemon.cluster.calls,
-which marks the node disconnected when a call fails, times out, or runs past its bound. From
-then on the node calls the store no more (each call would wait seconds for it: ~4 s for a
-master killed, 30 s for one that does not answer): publishes and lookups fail at once, counted,
-what was queued before is failed by `settle` (every second, from the event loop), and the
-thread probes the master's port every PROBE_S; it calls the store again once the port accepts a
-connection. A call the thread is held in by a cut link is freed once the link heals, by a watch
-of the node's own (ec_daemon.cluster.unstall). A dropped pool's region is unregistered and
-unmapped in turn. The remote hits' lookups and reads (ec_daemon.cluster.fetch) run on the same
-thread, in turn with the publishes (`ask`): one thread owns the store client, the mappings and
-the header buffer.
+nothing reaches an engine. A publish the master did not answer is kept and tried again once it
+answers; so is one refused for space by a master that has just taken over (SETTLE_S), which has
+the nodes' segments back only as their store clients remount them. Every store call of the
+thread goes through ec_daemon.cluster.calls, which marks the node disconnected when a call
+fails, times out, or runs past its bound. From then on the node calls the store no more (each
+call would wait seconds for it: ~4 s for a master killed, 30 s for one that does not answer):
+publishes and lookups fail at once, counted, what was queued before is failed by `settle` (every
+second, from the event loop), and the thread probes the master's port every PROBE_S; it calls
+the store again once the port accepts a connection. A call the thread is held in by a cut link
+is freed once the link heals, by a watch of the node's own (ec_daemon.cluster.unstall). A
+dropped pool's region is unregistered and unmapped in turn. The remote hits' lookups and reads
+(ec_daemon.cluster.fetch) run on the same thread, in turn with the publishes (`ask`): one thread
+owns the store client, the mappings and the header buffer.
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ HEARTBEAT_S = 5.0  # an idle node asks the store this often whether it answers
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # joining the store again backs off between these
 LOG_EVERY_S = 10.0
 OBJECT_ALREADY_EXISTS = -705
+NO_AVAILABLE_HANDLE = -200  # the store's answer to a put it has no space for
+# A master that has just taken over (a new leader, or one back after the node lost it) has the
+# nodes' segments back only as each store client remounts its own, a few seconds apart: a put
+# it refuses for space meanwhile is kept and tried again every SETTLE_RETRY_S, as one it did not
+# answer is, until SETTLE_S after the node saw the change. Past that a refusal is the store's
+# eviction to make (not retried).
+SETTLE_S, SETTLE_RETRY_S = 10.0, 0.5
 HEARTBEAT_KEY = "ecd@heartbeat"  # never written: asking for it tells whether the master answers
 
 
@@ -211,6 +220,8 @@ class ClusterNode:
         # appends and pops are atomic, as the two share it.
         self._unanswered: deque[Publish] = deque()
         self.retried = 0
+        self._retry_at = 0.0  # (clock) not retried before: a held refusal's backoff
+        self._settling_until = 0.0  # (clock) a master that just took over: see SETTLE_S
         self._left_open: StoreClient | None = None
         self._probed_at = -PROBE_S
         self._logged_at = -LOG_EVERY_S
@@ -450,11 +461,13 @@ class ClusterNode:
                     self._stopping.wait(retry_s)
                     retry_s = min(retry_s * 2, MAX_RETRY_S)
                 continue
-            if self.connected and self._unanswered:
+            if self.connected and self._unanswered and self._clock() >= self._retry_at:
                 self._retry()
             try:
-                job = self._jobs.get(timeout=HEARTBEAT_S if self.connected else PROBE_S)
+                job = self._jobs.get(timeout=self._idle_s())
             except queue.Empty:
+                if self.connected and self._unanswered:
+                    continue  # a held retry is due: no heartbeat needed
                 if self._up():
                     self._store.batch_is_exist([HEARTBEAT_KEY])
                     with contextlib.suppress(Unreachable):
@@ -467,6 +480,14 @@ class ClusterNode:
             else:
                 self._handle(self._batch(job))
         self._leave()
+
+    def _idle_s(self) -> float:
+        """How long the thread waits for a job: until the next probe, held retry or heartbeat."""
+        if not self.connected:
+            return PROBE_S
+        if self._unanswered:
+            return min(max(self._retry_at - self._clock(), 0.0), HEARTBEAT_S)
+        return HEARTBEAT_S
 
     def _join(self) -> bool:
         try:
@@ -571,7 +592,8 @@ class ClusterNode:
     def _publish(self, items: list[Item], looked_up: bool = False) -> list[Item]:
         """Publish the items, those the store has not written again (`looked_up`: it lacked
         each a moment ago, not asked again; one it took meanwhile is refused as existing);
-        returns those that failed because the master did not answer."""
+        returns those to try again: the master did not answer, or had just taken over and
+        refused them for space (SETTLE_S)."""
         if not items or self._store is None:
             return []
         if looked_up:
@@ -599,6 +621,7 @@ class ClusterNode:
             [[size] + [n for _, n in it.buffers] for it in todo.values()],
             self._replicate,
         )
+        settling = NO_AVAILABLE_HANDLE in results and self._settling()
         unanswered = []
         for item, result in zip(todo.values(), results, strict=True):
             if result == 0:
@@ -608,9 +631,20 @@ class ClusterNode:
             else:
                 self.failures += not item.again
                 self._failed("a publish failed", f"the store answered {result}")
-                if not answered([result]):
+                if not answered([result]) or (settling and result == NO_AVAILABLE_HANDLE):
                     unanswered.append(item)
+        if settling:
+            self._retry_at = self._clock() + SETTLE_RETRY_S
         return unanswered
+
+    def _settling(self) -> bool:
+        """Whether the master took over a moment ago (SETTLE_S): a refusal for space may be
+        the nodes' segments not yet back with it. The leader is read again first (a store
+        client may follow a new one with no call of the node's failing)."""
+        if self._etcd:
+            with contextlib.suppress(Unreachable):
+                self._follow()
+        return self._clock() < self._settling_until
 
     def _keep_for_retry(self, publishes: list[Publish]) -> None:
         """Publishes the master did not answer, or that were not sent while it did not, to queue
@@ -630,6 +664,7 @@ class ClusterNode:
     def _rejoined(self) -> None:
         """A call found the master answering after the node had lost it (on the node's thread,
         before the next job): where the node learns that it is back in the store."""
+        self._settling_until = self._clock() + SETTLE_S
         log.info("the store's master answers again", extra={"master": self.settings.master})
 
     def lookup_failed(self) -> None:
@@ -672,6 +707,7 @@ class ClusterNode:
             raise Unreachable(str(exc)) from None
         if self._view is not None and view.version != self._view.version:
             self.leader_changes += 1
+            self._settling_until = self._clock() + SETTLE_S
             log.warning(
                 "the store's leader changed",
                 extra={"leader": view.leader, "was": self._view.leader},

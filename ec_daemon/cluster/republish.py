@@ -30,8 +30,9 @@ goes with that segment (its node died: the master drops it after its `--client_t
 someone removes it, with the mark still there. So each shared pool is also walked again `every`
 seconds after its last walk ended (`--republish-every`): the same walk, one lookup per batch of
 entries, a put only for those the store lacks, so that such an entry is a remote hit again
-within that period and a walk. A publish the store answered with a refusal (full) is
-not tried again, as a commit's is not: the store's eviction is its own to make. What a walk
+within that period and a walk. A publish the store answered with a refusal (full) is not tried
+again, as a commit's is not: the store's eviction is its own to make (but for one a master that
+has just taken over refuses before the segments are back with it: node.SETTLE_S). What a walk
 fails to publish, or cannot, is not counted again: its commit's publish counted it.
 `ClusterNode.republish_missing` (from any thread) has every pool walked again.
 """

@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,9 @@ from core_testing import FakeClock, session
 from ecd_testing import REPO, wait_until
 
 from ec_daemon.cluster import codec
+from ec_daemon.cluster import node as node_module
 from ec_daemon.cluster.mooncake import RPC_FAIL, StoreSettings, Unreachable, connect
-from ec_daemon.cluster.node import ClusterNode, Offered, SharedPool
+from ec_daemon.cluster.node import NO_AVAILABLE_HANDLE, ClusterNode, Offered, SharedPool
 from ec_daemon.core.pools import PoolSettings
 from ec_daemon.core.store import Store, StoreConfig
 from ec_protocol.types import PoolInfo, Status, TensorSpec
@@ -32,8 +34,8 @@ ROWS = 4
 class FakeStore(BufferlessStore):
     """A store client keeping values in memory. `gate` holds lookups (the node's thread waits
     there, its queue filling behind it); `entered` says one is waiting; `put_result` is what
-    every put answers (0: stored); while `master_gone`, lookups answer as for a master gone;
-    `lookups` counts them."""
+    every put answers (0: stored) once `put_answers` (answered first, one a put) run out; while
+    `master_gone`, lookups answer as for a master gone; `lookups` counts them, `puts` the puts."""
 
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
@@ -41,8 +43,9 @@ class FakeStore(BufferlessStore):
         self.gate.set()
         self.entered = threading.Event()
         self.put_result = 0
+        self.put_answers: list[int] = []
         self.master_gone = False
-        self.lookups = 0
+        self.lookups = self.puts = 0
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         self.entered.set()
@@ -55,10 +58,12 @@ class FakeStore(BufferlessStore):
     def batch_put_from_multi_buffers(
         self, keys: list[str], buffers: list[list[int]], sizes: list[list[int]], config: Any
     ) -> list[int]:
+        self.puts += 1
+        answer = self.put_answers.pop(0) if self.put_answers else self.put_result
         for key, ptrs, lengths in zip(keys, buffers, sizes, strict=True):
-            if self.put_result == 0:
+            if answer == 0:
                 self.values[key] = b"".join(map(ctypes.string_at, ptrs, lengths))
-        return [self.put_result] * len(keys)
+        return [answer] * len(keys)
 
 
 @pytest.fixture
@@ -156,7 +161,7 @@ def test_a_publish_the_store_refused_is_counted_at_its_commit_not_again_at_a_rep
     node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore
 ) -> None:
     node, store, sid = node_and_store
-    fake.put_result = -200  # NO_AVAILABLE_HANDLE: the store is full
+    fake.put_result = NO_AVAILABLE_HANDLE  # the store is full
     put(store, sid, b"refused", 1)
     wait_until(lambda: node.failures == 1, 10)
     offered = offer_again(node, store)
@@ -226,6 +231,51 @@ def test_publishes_the_master_did_not_answer_are_published_once_it_answers_again
     wait_until(lambda: node.published == 2, 10)
     assert (node.retried, node.stats().publish_failures, node.dropped) == (2, 2, 0)
     assert fake.values == dict(value(key, written) for key, written in data.items())
+
+
+def lose_and_regain_the_master(
+    node: ClusterNode, store: Store, sid: str, fake: FakeStore, master_port: socket.socket
+) -> None:
+    """The master gone (a commit's publish finds it so), then back: the node rejoins it."""
+    fake.master_gone = True
+    put(store, sid, b"found-it-gone", 1)
+    wait_until(lambda: not node.connected, 10)
+    fake.master_gone = False
+    master_port.listen()
+    wait_until(lambda: node.published == 1, 10)
+
+
+def test_a_put_a_master_just_back_refuses_for_space_is_tried_again_until_it_takes_it(
+    node_and_store: tuple[ClusterNode, Store, str], fake: FakeStore, master_port: socket.socket
+) -> None:
+    """Its segments are not back with it yet (each store client remounts its own)."""
+    node, store, sid = node_and_store
+    lose_and_regain_the_master(node, store, sid, fake, master_port)
+    puts = fake.puts
+    fake.put_answers = [NO_AVAILABLE_HANDLE] * 2
+    data = put(store, sid, b"refused-twice", 2)
+    wait_until(lambda: node.published == 2, 10)
+    assert fake.puts - puts == 3 and node.retried >= 2
+    assert fake.values[codec.store_key("ns", b"refused-twice")] == value(b"refused-twice", data)[1]
+
+
+def test_a_put_refused_for_space_once_the_master_has_settled_is_not_tried_again(
+    node_and_store: tuple[ClusterNode, Store, str],
+    fake: FakeStore,
+    master_port: socket.socket,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past SETTLE_S the store is full: its eviction is its own to make."""
+    monkeypatch.setattr(node_module, "SETTLE_S", 0.2)
+    node, store, sid = node_and_store
+    lose_and_regain_the_master(node, store, sid, fake, master_port)
+    time.sleep(0.3)
+    puts, retried = fake.puts, node.retried
+    fake.put_result = NO_AVAILABLE_HANDLE
+    put(store, sid, b"refused", 2)
+    wait_until(lambda: node.failures == 2, 10)
+    time.sleep(1.0)  # two held retries' time
+    assert (fake.puts - puts, node.retried - retried, node.published) == (1, 0, 1)
 
 
 def test_a_node_without_the_store_client_is_told_the_wheel_the_mooncake_extra_pins(
