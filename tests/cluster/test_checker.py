@@ -113,10 +113,14 @@ class Run:
         written: str = "",
     ) -> str:
         """Run `call` on `node`'s client for `caller` and record it: its outcome and value, or
-        "error" (and the value it was writing) if it raised."""
+        "error" (and the value it was writing) if it raised. Timed from the call: a client made
+        first (after an error: its daemon may be restarting) waits for the daemon and its
+        OpenPool, which is no part of the operation's wait."""
         start = time.monotonic()
         try:
-            outcome, got = call(node.client(caller))
+            client = node.client(caller)
+            start = time.monotonic()
+            outcome, got = call(client)
         except Exception:
             outcome, got = "error", written
             node.drop(caller)

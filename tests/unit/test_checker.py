@@ -90,6 +90,15 @@ def test_a_wait_that_outlived_its_bound_is_a_violation_and_one_within_it_is_none
     assert len(long_waits(History([beyond]))) == 1
 
 
+def test_a_get_held_across_its_own_daemons_kill_is_no_long_wait_and_one_elsewhere_is() -> None:
+    beyond = Op("get", "n1", "a", 0.0, 1.0 + WAIT_SLACK_S + 2.0, "none", "", 1000)
+    own = Fault("kill-node", frozenset({"n1"}), 0.5, 2.0)
+    other = Fault("kill-node", frozenset({"n2"}), 0.5, 2.0)
+    cut = Fault("cut-master", frozenset({"n1", "master"}), 0.5, 2.0)
+    assert long_waits(History([beyond], [own])) == []
+    assert len(long_waits(History([beyond], [other, cut]))) == 1
+
+
 def test_an_entry_held_after_healing_must_be_read_on_every_node() -> None:
     history = History(
         [
