@@ -86,6 +86,9 @@ NO_AVAILABLE_HANDLE = -200  # the store's answer to a put it has no space for
 # answer is, until SETTLE_S after the node saw the change. Past that a refusal is the store's
 # eviction to make (not retried).
 SETTLE_S, SETTLE_RETRY_S = 10.0, 0.5
+# A put refused for space reads etcd's view of the leader (one HTTP call) at most this often: a
+# store that is simply full refuses batch after batch.
+FOLLOW_EVERY_S = 1.0
 HEARTBEAT_KEY = "ecd@heartbeat"  # never written: asking for it tells whether the master answers
 
 
@@ -222,6 +225,7 @@ class ClusterNode:
         self.retried = 0
         self._retry_at = 0.0  # (clock) not retried before: a held refusal's backoff
         self._settling_until = 0.0  # (clock) a master that just took over: see SETTLE_S
+        self._followed_at = -FOLLOW_EVERY_S  # (clock) the leader last read from etcd
         self._left_open: StoreClient | None = None
         self._probed_at = -PROBE_S
         self._logged_at = -LOG_EVERY_S
@@ -640,8 +644,9 @@ class ClusterNode:
     def _settling(self) -> bool:
         """Whether the master took over a moment ago (SETTLE_S): a refusal for space may be
         the nodes' segments not yet back with it. The leader is read again first (a store
-        client may follow a new one with no call of the node's failing)."""
-        if self._etcd:
+        client may follow a new one with no call of the node's failing), at most every
+        FOLLOW_EVERY_S."""
+        if self._etcd and self._clock() - self._followed_at >= FOLLOW_EVERY_S:
             with contextlib.suppress(Unreachable):
                 self._follow()
         return self._clock() < self._settling_until
@@ -701,6 +706,7 @@ class ClusterNode:
         change counted and logged); Unreachable if none leads."""
         if not self._etcd:
             return self.settings.master
+        self._followed_at = self._clock()
         try:
             view = read_view(self._etcd)
         except NoLeader as exc:
