@@ -10,7 +10,8 @@ reported as ratios to a baseline measured side by side in the same run:
   the gets read entries already READY whose slots the client's view knows, as a consumer reads
   cached entries (a get right after its own put waits for the commit first: the handoff figure);
 - load: puts and gets per second with 1 and several client processes;
-- handoff: from a producer's commit to a waiting consumer's wake-up, across processes;
+- handoff: from a producer's commit to a waiting consumer's wake-up, across processes; and from
+  its Allocate to the other process's view hearing the entry PENDING (the single-flight window);
 - restart: a warm restart (docs/design.md §8): a pool filled with 10,000 or 100,000 one-block
   entries, the daemon SIGKILLed and started again on the same shm directory, timed until it is
   SERVING and an old key is a hit, against a start with nothing to adopt; and a put's cost per
@@ -24,6 +25,7 @@ import json
 import multiprocessing
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -452,27 +454,51 @@ def bench_load(
         )
 
 
-def _handoff_consumer(address: str, keys: Any, wakes: Any) -> None:
-    """Wait on each key the producer announces; report when each wait returned."""
+def _handoff_consumer(address: str, count: int, keys: Any, wakes: Any, heard: Any) -> None:
+    """Wait on each key the producer announces; report when each wait returned. Meanwhile the
+    process's view of the pool (a thread of its own, as in a vLLM engine) notes when it first
+    has each key PENDING: all of them, in order, at the end."""
     with Client(address, name="bench-consumer") as client:
         client.open_pool(POOL, BLOCK, 64 * BLOCK)
+        view = client.view(POOL)
+        view.wait_synced(10)
+        heard_at: list[float] = []
+
+        def follow() -> None:
+            for i in range(count):
+                key = f"h{i}".encode()
+                while not (view.pending(key) or view.has(key)):
+                    view.wait_change(view.changes, 1.0)
+                heard_at.append(time.monotonic())
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        keys.put("synced")
         while (key := keys.get()) is not None:
             [result] = client.acquire(POOL, [key], wait_ms=10_000)
             wakes.put((time.monotonic(), result.status.value))
             client.release([result.lease_id])
+        follower.join()
+        heard.put(heard_at)
 
 
 def bench_handoff(address: str, client: Client, count: int, report: Report) -> None:
-    """Commit in this process, wake in another: CLOCK_MONOTONIC is shared by processes."""
+    """Commit in this process, wake in another: CLOCK_MONOTONIC is shared by processes. And the
+    single-flight window (docs/vllm.md, *Several engines, one image*): from an Allocate's answer
+    here to the other process's view having the entry PENDING (may be below zero: the event can
+    come before the answer is read)."""
     client.open_pool(POOL, BLOCK, 64 * BLOCK)
     context = multiprocessing.get_context("spawn")
-    keys, wakes = context.Queue(), context.Queue()
-    consumer = context.Process(target=_handoff_consumer, args=(address, keys, wakes))
+    keys, wakes, heard = context.Queue(), context.Queue(), context.Queue()
+    consumer = context.Process(target=_handoff_consumer, args=(address, count, keys, wakes, heard))
     consumer.start()
-    latencies = []
+    if keys.get(timeout=60) != "synced":
+        raise RuntimeError("handoff consumer did not follow the pool")
+    latencies, allocated = [], []
     for i in progress(range(count), "handoff"):
         key = f"h{i}"
         client.allocate(POOL, [AllocateItem(key, (BLOCK,), "uint8")])
+        allocated.append(time.monotonic())
         keys.put(key)
         time.sleep(0.02)  # the consumer is inside Acquire, waiting on the PENDING key, by now
         committed = time.monotonic()
@@ -483,6 +509,7 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
         latencies.append(woke - committed)
         client.evict(POOL, [key])
     keys.put(None)
+    pending_heard = [h - a for h, a in zip(heard.get(timeout=60), allocated, strict=True)]
     consumer.join()
     report.add(
         "handoff",
@@ -490,6 +517,9 @@ def bench_handoff(address: str, client: Client, count: int, report: Report) -> N
             "samples": count,
             "p50_us": percentile(latencies, 50) * 1e6,
             "p99_us": percentile(latencies, 99) * 1e6,
+            "pending_heard_p50_us": percentile(pending_heard, 50) * 1e6,
+            "pending_heard_p99_us": percentile(pending_heard, 99) * 1e6,
+            "pending_heard_max_us": max(pending_heard) * 1e6,
         },
     )
 
@@ -687,8 +717,16 @@ SECTIONS = {
         ["processes", "size", "puts_per_s", "gets_per_s"],
     ),
     "handoff": (
-        "Handoff: producer commit -> waiting consumer wakes (other process)",
-        ["samples", "p50_us", "p99_us"],
+        "Handoff: producer commit -> waiting consumer wakes (other process); producer's Allocate "
+        "answered -> the other process's view has it PENDING (the single-flight window)",
+        [
+            "samples",
+            "p50_us",
+            "p99_us",
+            "pending_heard_p50_us",
+            "pending_heard_p99_us",
+            "pending_heard_max_us",
+        ],
     ),
     "restart": (
         "Warm restart: SIGKILL, start again on the same shm directory; seconds from the process's "

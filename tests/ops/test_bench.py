@@ -154,3 +154,19 @@ def test_a_bad_bench_flag_is_a_usage_error_naming_it(flags: tuple[str, ...], wor
     done = run_ecd("bench", *flags)
     assert done.returncode == 2
     assert done.stderr.startswith("usage: ecd bench") and words in done.stderr
+
+
+def test_the_handoff_suite_times_the_wake_and_the_other_process_hearing_the_entry_pending(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    output = tmp_path / "figures.json"
+    done = bench(daemon, "--suite", "handoff", "--iterations", "5", "--output", str(output))
+    assert done.returncode == 0, done.stderr
+    assert "single-flight window" in done.stdout
+    [row] = json.loads(output.read_text())["handoff"]
+    assert row["samples"] == 5
+    assert 0 < row["p50_us"] <= row["p99_us"]
+    # Every key heard (the consumer's view follows them in order: one never heard fails the
+    # suite), within the run.
+    assert row["pending_heard_p50_us"] <= row["pending_heard_p99_us"] <= row["pending_heard_max_us"]
+    assert row["pending_heard_max_us"] < 10e6
