@@ -21,7 +21,8 @@ The steps:
 
     admit (ensure_cache_available): a key the pool has READY and we hold no pin on is lock-pinned
         at once (the caller's `lock`), and the request admitted in the same call. A key that
-        cannot be lock-pinned is *wanted*, and its request held back.
+        cannot be lock-pinned is *wanted*, and its request held back; but not a key this engine
+        is saving (encoded a moment ago, its commit to come): vLLM's own encoder cache has it.
     flush (build_connector_meta): the still-wanted keys are *acquiring*: one Step pins them in
         the background, its answer taken before the next step -> Pin, or *missed*.
     next step: admit passes, has_cache_item is True, dispatch mints a transfer ID.
@@ -114,6 +115,7 @@ class LoadBook:
         pending: Callable[[str], bool] = lambda key: False,
         lock: Lock = lambda key: None,
         elsewhere: bool = False,
+        saving: Callable[[str], bool] = lambda key: False,
     ) -> bool:
         """Whether the request may be scheduled now: every key it still needs is pinned, or is
         to be encoded. A key with no pin is first offered to `lock`: a lock pin taken there
@@ -127,7 +129,9 @@ class LoadBook:
         while another node writes it; or the view has not heard yet of an entry another engine
         allocated or committed a moment ago); its miss is encoded. With wait_s a key the pool
         lacks (asked first, with `elsewhere`) is waited for up to that long (another engine may
-        be about to encode it). Any of these holds the request back this step."""
+        be about to encode it). Any of these holds the request back this step. But a key `saving`
+        (this engine encoded it a moment ago and its save is not committed yet) is not held for:
+        vLLM looks in its own encoder cache before it asks the connector, and finds it there."""
         admitted = True
         for key in keys:
             self._by_request[request_id].add(key)
@@ -151,6 +155,8 @@ class LoadBook:
                 continue
             if locked is not None:  # missed: encoded, like a missed Acquire
                 self._no_wait.add((request_id, key))
+                continue
+            if saving(key):  # our own PENDING entry: vLLM's encoder cache has its output
                 continue
             asked = (request_id, key) in self._asked  # and found absent: not asked again
             if not asked and (key in self._wanted or ready(key)):

@@ -61,6 +61,19 @@ class SaveBook:
             return
         self._planned[key] = spec
 
+    def saving(self, key: str) -> bool:
+        """Whether this engine encoded `key` and its save is on its way, from its plan to its
+        commit's answer: vLLM's own encoder cache has the output (the scheduler's hold for a
+        PENDING key is not for this one: LoadBook.admit)."""
+        return (
+            key in self._planned
+            or key in self._allocating
+            or key in self._ordered
+            or key in self._copying
+            or key in self._landed
+            or key in self._unanswered
+        )
+
     def take_planned(self) -> dict[str, TensorSpec]:
         """The step's planned saves, whose Allocate the caller sends: allocating from now on."""
         planned, self._planned = self._planned, {}

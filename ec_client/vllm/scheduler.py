@@ -32,7 +32,9 @@ encoder-only producer) holds a request back while an item it needs is being writ
 pool (the view's `pending`: another engine is encoding it, or encoded it and its save is not
 committed yet) until that entry is committed (then it loads it: single flight, docs/design.md
 §4) or aborted (then it encodes it); the daemon bounds how long that can take (its producer's
-death ends it at once, its --pending-timeout in any case). In the disaggregated flow the request
+death ends it at once, its --pending-timeout in any case). Not for its own save, though
+(SaveBook.saving): vLLM reads its own encoder cache, which has that output, before it asks the
+connector. In the disaggregated flow the request
 reaches this engine as soon as the encoder engine answered, a step or two before that engine
 commits, and sometimes before this process heard of the entry at all (the Watch event is on
 its way): so an engine that only consumes asks the daemon about an item its view lacks instead
@@ -222,6 +224,7 @@ class SchedulerSide:
             pending=self._pending,
             lock=self._lock_pin,
             elsewhere=self.connection.ask_misses and view.synced,
+            saving=self.saves.saving,
         )
         step.held = step.held or not admitted
         return admitted

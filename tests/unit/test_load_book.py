@@ -117,6 +117,27 @@ def test_an_absent_key_nobody_writes_is_encoded_without_a_wait() -> None:
     assert book.admit("r1", ["k"], ready(), 10.0, 0.0, pending=ready())
 
 
+def test_a_key_this_engine_is_saving_admits_its_request_at_once_though_it_is_pending() -> None:
+    # Encoded here a moment ago: vLLM's own encoder cache, read before the connector is asked,
+    # has it; holding the request would wait out the save's commit for nothing.
+    book = LoadBook(1)
+    assert book.admit("r2", ["k"], ready(), 10.0, 0.0, pending=ready("k"), saving=ready("k"))
+    assert book.wanted() == [] and not book.pinned("k")
+
+
+def test_a_key_this_engine_is_saving_is_neither_asked_of_the_daemon_nor_waited_for() -> None:
+    book = LoadBook(1)
+    assert book.admit("r2", ["k"], ready(), 10.0, 2.0, elsewhere=True, saving=ready("k"))
+    assert book.wanted() == []
+
+
+def test_a_key_this_engine_is_saving_is_lock_pinned_once_its_slot_is_known() -> None:
+    # Committed and heard: pinned, so that it loads should vLLM have evicted it meanwhile.
+    book = LoadBook(1)
+    assert book.admit("r2", ["k"], ready("k"), 10.0, 0.0, lock=locks(k=3), saving=ready("k"))
+    assert book.pinned("k")
+
+
 def test_a_missed_key_does_not_hold_its_request_back_again() -> None:
     book = LoadBook(1)
     book.admit("r1", ["k"], ready("k"), now=0.0, wait_s=0.0)

@@ -169,3 +169,29 @@ def test_saves_dropped_while_the_daemon_is_away_leave_nothing_behind() -> None:
     assert not book.intents() and not book.busy()
     book.plan("k", SPEC)  # planned again once the daemon is back
     assert book.take_planned() == {"k": SPEC}
+
+
+def test_a_key_is_being_saved_from_its_plan_until_its_commit_is_answered() -> None:
+    book = SaveBook()
+    book.plan("k", SPEC)
+    states = [book.saving("k")]  # planned
+    book.take_planned()
+    states.append(book.saving("k"))  # allocating
+    book.allocated(["k"], [allocated("k")])
+    states.append(book.saving("k"))  # ordered
+    book.take_orders()
+    states.append(book.saving("k"))  # copying
+    book.report(["k"], [])
+    states.append(book.saving("k"))  # landed
+    book.take_landed()
+    states.append(book.saving("k"))  # its commit sent, not answered
+    assert states == [True] * 6
+    book.answered("k")
+    assert not book.saving("k")
+
+
+def test_a_cancelled_save_is_no_longer_being_saved() -> None:
+    book = SaveBook()
+    book.plan("k", SPEC)
+    book.allocated(list(book.take_planned()), [answered("k", Status.PENDING)])
+    assert not book.saving("k")

@@ -516,6 +516,20 @@ def test_an_encoder_engine_holds_a_request_for_an_item_another_engine_is_writing
     assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
 
 
+def test_a_request_for_an_item_this_engine_just_encoded_is_not_held_while_its_save_commits(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client)
+    save_ordered(side, client, "img-a")  # p1 encoded it; its copy into our entry is ordered
+    client.fake_view.writing.add(b"img-a")  # the view heard our own entry PENDING
+    request = image_request("r2", ["img-a"], ROWS)
+    # Admitted with no pin: vLLM finds the output in its own encoder cache first.
+    assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
+    side.build_connector_meta()
+    client.flush(5)
+    assert [s.acquires for s in client.sent if s.acquires] == []  # nothing asked for it
+
+
 def test_a_landed_saves_commit_is_sent_at_once_and_its_key_becomes_ready_in_the_view(
     client: FakeClient,
 ) -> None:
