@@ -62,6 +62,10 @@ class Cluster:
     near: tuple[str, int]  # puts the entries others read
     far: tuple[str, int]  # reads them
     master_metrics: str  # the URL of the master's metrics
+    # Where the other nodes reach this process's store clients (vLLM's read, the simulated
+    # nodes' segments): loopback, or the bench's own host on the test hosts' links
+    # (tests/link_figures.py).
+    client_host: str = "127.0.0.1"
 
 
 def rss(pid: int) -> int:
@@ -88,7 +92,7 @@ def store_client(cluster: Cluster, segment: int) -> Any:
 
     store = MooncakeDistributedStore()
     ret = store.setup(
-        "127.0.0.1", cluster.metadata, segment, MIN_SEGMENT, "tcp", "", cluster.master
+        cluster.client_host, cluster.metadata, segment, MIN_SEGMENT, "tcp", "", cluster.master
     )
     if ret != 0:
         raise RuntimeError(f"a store client could not join {cluster.master} (setup: {ret})")

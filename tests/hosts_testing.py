@@ -83,8 +83,11 @@ def _run(*argv: str) -> str:
 
 
 def _remove_namespace(netns: str) -> None:
-    """Kill every process in `netns`, then delete it (with its links)."""
+    """Kill every process in `netns` but this one (tests/link_figures.py enters a host), then
+    delete it (with its links)."""
     for pid in _run("ip", "netns", "pids", netns).split():
+        if int(pid) == os.getpid():
+            continue
         with suppress(ProcessLookupError):  # gone since the listing
             os.kill(int(pid), signal.SIGKILL)
     subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
