@@ -53,11 +53,7 @@ class SaveBook:
         self._unanswered: set[str] = set()
 
     def plan(self, key: str, spec: TensorSpec) -> None:
-        if key in self._planned or key in self._allocating or key in self._ordered:
-            return
-        if key in self._copying or key in self._landed or key in self._unanswered:
-            return
-        if key in self._failed:
+        if self.saving(key) or key in self._failed:  # a key is in at most one state
             return
         self._planned[key] = spec
 

@@ -34,11 +34,10 @@ committed yet) until that entry is committed (then it loads it: single flight, d
 §4) or aborted (then it encodes it); the daemon bounds how long that can take (its producer's
 death ends it at once, its --pending-timeout in any case). Not for its own save, though
 (SaveBook.saving): vLLM reads its own encoder cache, which has that output, before it asks the
-connector. In the disaggregated flow the request
-reaches this engine as soon as the encoder engine answered, a step or two before that engine
-commits, and sometimes before this process heard of the entry at all (the Watch event is on
-its way): so an engine that only consumes asks the daemon about an item its view lacks instead
-of encoding it at once.
+connector. In the disaggregated flow the request reaches this engine as soon as the encoder
+engine answered, a step or two before that engine commits, and sometimes before this process
+heard of the entry at all (the Watch event is on its way): so an engine that only consumes asks
+the daemon about an item its view lacks instead of encoding it at once.
 
 An encoder-only engine (ec_producer with `--mm-encoder-only`) reads the pool the same way, and
 so encodes no item the pool holds or another engine is writing; but its workers never load
