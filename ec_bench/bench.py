@@ -467,8 +467,11 @@ def _handoff_consumer(address: str, count: int, keys: Any, wakes: Any, heard: An
         def follow() -> None:
             for i in range(count):
                 key = f"h{i}".encode()
-                while not (view.pending(key) or view.has(key)):
-                    view.wait_change(view.changes, 1.0)
+                while True:
+                    since = view.changes  # read before the look: an event after it wakes us
+                    if view.pending(key) or view.has(key):
+                        break
+                    view.wait_change(since, 1.0)
                 heard_at.append(time.monotonic())
 
         follower = threading.Thread(target=follow)
