@@ -26,6 +26,9 @@ state (docs/design.md §12). Per step:
     update_connector_output  the workers' report: landed saves are committed at once, in a
         background Step (step_soon), so a just-saved item can be a hit at the next step; a lock
         pin whose copies every loading rank reported is unlocked at once.
+    request_finished         a producer's answer waits for the Allocate of the request's
+        outputs if it has not been answered yet (rarely: `_allocated_before_answer`), so that
+        the engine the answer sends the request on to finds the entry PENDING.
 
 The roles. An engine that reads the pool (ConnectorConfig.reads_pool: a consumer, or an
 encoder-only producer) holds a request back while an item it needs is being written into the
@@ -179,6 +182,7 @@ class SchedulerSide:
         # The engine's steps.
         self._pass = SchedulingPass()
         self.idle_waits = 0  # steps that waited for the view to change (for tests and the bench)
+        self.answer_waits = 0  # answers that waited for their Allocate (_allocated_before_answer)
         self.connection.start()
 
     @property
@@ -324,6 +328,8 @@ class SchedulerSide:
         self._unlock_done()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if self.config.is_producer:
+            self._allocated_before_answer(request)
         self.loads.forget(request.request_id)
         self._unlock_done()
         return False, None
@@ -385,6 +391,23 @@ class SchedulerSide:
             with contextlib.suppress(EcdError):
                 client.drop_pool(self.config.pool, force=True)
         client.close()
+
+    def _allocated_before_answer(self, request: Request) -> None:
+        """vLLM answers a finished request once this step's outputs are handled (after
+        request_finished), and in the disaggregated flow that answer sends the request on to
+        the prefill/decode engine, which asks the daemon about its image and encodes it if
+        the daemon has no entry. So a producer's answer waits, here, for the Allocate of any
+        of the request's outputs not answered yet, up to `ecd_connect_timeout_s`: the next
+        engine then finds the entry PENDING (held for its commit), never missing. That
+        Allocate went out before the forward pass (build_connector_meta), so it has usually
+        been answered (a round trip of a fraction of a millisecond against a pass of
+        milliseconds) and nothing waits; on a loaded machine Outbox's thread can lose that
+        race to the answer, and without this wait the image was encoded twice (`answer_waits`
+        counts the waits)."""
+        keys = {feature.identifier for feature in request.mm_features}
+        if keys and self._steps.wait_allocated(keys, self.config.connect_timeout_s):
+            self.answer_waits += 1
+            self._take_answers()
 
     # ---- lock pins -----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ hazard ECCPUConnector has within a step); and the daemon never evicts a lock-pin
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 from collections import Counter, deque
@@ -111,6 +112,18 @@ class Steps:
         )
         if asked.acquires or asked.allocates:  # an answer to read; ops hear their own
             self.asked.append((future, asked))
+
+    def wait_allocated(self, keys: set[str], timeout_s: float) -> bool:
+        """Wait, up to `timeout_s`, for the answers of the Steps on their way that ask to
+        allocate any of `keys` (the next take_answers takes them); whether there was one."""
+        unanswered = [
+            future
+            for future, asked in self.asked
+            if not future.done() and not keys.isdisjoint(asked.allocates)
+        ]
+        if unanswered:
+            concurrent.futures.wait(unanswered, timeout_s)
+        return bool(unanswered)
 
     def _ops(self) -> tuple[list[DeferredOp], list[DeferredOp], list[DeferredOp]]:
         """What the books owe, as ops (no longer owed there): releases of lease pins, commits

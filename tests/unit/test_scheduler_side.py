@@ -516,6 +516,56 @@ def test_an_encoder_engine_holds_a_request_for_an_item_another_engine_is_writing
     assert side.ensure_cache_available(request, 0) and not side.has_cache_item("img-a")
 
 
+def test_an_encoder_engine_answers_a_request_only_once_the_daemon_has_its_entry_pending(
+    client: FakeClient,
+) -> None:
+    """The disaggregated proxy sends the request on to the prefill/decode engine once the
+    encoder engine answered it; that engine encodes an image the daemon has no entry for. So
+    the answer (vLLM's, after request_finished) waits for the Allocate on its way."""
+    side = scheduler(client, role="ec_producer", encoder_only=True)
+    answering = threading.Event()
+    client.before_answer = lambda: answering.wait(5)  # the daemon has not read the Step yet
+    request = image_request("p1", ["img-a"], ROWS)
+    assert side.ensure_cache_available(request, 0)
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()  # the Allocate goes out
+    threading.Timer(0.1, answering.set).start()
+    side.request_finished(request)
+    assert [s.allocates for s in client.sent] == [["img-a"]]  # the daemon has it PENDING
+    assert side.answer_waits == 1
+    assert "img-a" in side.build_connector_meta().saves  # the answer was taken: copy ordered
+
+
+def test_an_answer_whose_allocate_was_answered_during_the_forward_pass_waits_for_nothing(
+    client: FakeClient,
+) -> None:
+    side = scheduler(client, role="ec_producer", encoder_only=True)
+    request = image_request("p1", ["img-a"], ROWS)
+    assert side.ensure_cache_available(request, 0)
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()
+    client.flush(5)
+    side.request_finished(request)
+    assert side.answer_waits == 0
+
+
+def test_an_answer_waits_for_its_allocate_no_longer_than_the_connect_timeout(
+    client: FakeClient,
+) -> None:
+    """A daemon that does not answer delays the engine's answers by ecd_connect_timeout_s at
+    most: the next engine may then encode the image again, nothing worse."""
+    side = scheduler(client, role="ec_producer", ecd_connect_timeout_s=0.2)
+    answering = threading.Event()
+    client.before_answer = lambda: answering.wait(5)
+    request = image_request("p1", ["img-a"], ROWS)
+    assert side.ensure_cache_available(request, 0)
+    side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()
+    side.request_finished(request)
+    assert side.answer_waits == 1 and client.sent == []  # answered with the Step unread
+    answering.set()
+
+
 def test_a_request_for_an_item_this_engine_just_encoded_is_not_held_while_its_save_commits(
     client: FakeClient,
 ) -> None:
