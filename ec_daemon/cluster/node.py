@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -625,7 +625,7 @@ class ClusterNode:
             [[size] + [n for _, n in it.buffers] for it in todo.values()],
             self._replicate,
         )
-        settling = NO_AVAILABLE_HANDLE in results and self._settling()
+        settling = self.refused_while_settling(results)
         unanswered = []
         for item, result in zip(todo.values(), results, strict=True):
             if result == 0:
@@ -640,6 +640,11 @@ class ClusterNode:
         if settling:
             self._retry_at = self._clock() + SETTLE_RETRY_S
         return unanswered
+
+    def refused_while_settling(self, results: Sequence[int]) -> bool:
+        """(The node's thread) Whether the store refused a put of `results` for space while its
+        master had just taken over (SETTLE_S): such a put is tried again in SETTLE_RETRY_S."""
+        return NO_AVAILABLE_HANDLE in results and self._settling()
 
     def _settling(self) -> bool:
         """Whether the master took over a moment ago (SETTLE_S): a refusal for space may be

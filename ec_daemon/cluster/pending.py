@@ -21,9 +21,12 @@ has answers success without writing (Mooncake 0.3.x). So ecd writes a *marker* o
   claim; another node's marker means both encode (counted, `claims_lost`: a claimant cannot
   tell a live writer's marker from a dead one's at one look); one of its own of an earlier
   entry, or one that cannot be read (its replica was on a node that died), is removed and put
-  again. While it holds claims, a thread of its own asks the node's thread every REFRESH_S to
-  write its beat again, changed (one upsert, whatever the number of claims; a marker itself is
-  never written again: a lookup during an upsert finds the key absent, measured). The commit
+  again; one the store refuses for space while its master has just taken over (the nodes'
+  segments not back with it yet: ClusterNode.refused_while_settling) is tried again every
+  SETTLE_RETRY_S while the entry is written. While it holds claims, a thread of its own asks
+  the node's thread every REFRESH_S to write its beat again, changed (one upsert, whatever the
+  number of claims; a marker itself is never written again: a lookup during an upsert finds
+  the key absent, measured). The commit
   removes the marker after the value's publish (same queue, so in that order: a reader never
   finds neither while the value is on its way); an abort, an eviction or a delete of the entry
   removes it at once (a producer's death is an abort: the life marks of
@@ -63,7 +66,7 @@ from typing import Any, Protocol
 
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreClient, own_segment
-from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.node import SETTLE_RETRY_S, ClusterNode
 from ec_daemon.core.store import PullSlot, Store
 from ec_daemon.core.waits import deadline
 from ec_protocol.types import ClusterStats, EventType, WatchEvent
@@ -120,6 +123,14 @@ class Marker:
         return cls(writer, nbytes, bound_s)
 
 
+class Refused(RuntimeError):
+    """The store refused a marker's put, wherever it was placed: its answer."""
+
+    def __init__(self, answer: int) -> None:
+        super().__init__(f"the store answered {answer} to the marker's put")
+        self.answer = answer
+
+
 class Pools(Protocol):
     def cluster_namespace(self, engine_id: str) -> str: ...
 
@@ -143,6 +154,9 @@ class Claims:
         # the markers of the claims held (while there are any, the beat goes on).
         self._lost: set[str] = set()
         self._held: set[str] = set()
+        # The node thread's: claims refused for space by a master that had just taken over,
+        # to be tried again (`_again`) unless their entry ends first.
+        self._refused: dict[str, Callable[[StoreClient], None]] = {}  # key -> its claim
         self._beat = 0
         self._beats: threading.Thread | None = None  # started at the first claim held
         # The node thread's counters (read by stats() too: plain ints).
@@ -186,36 +200,60 @@ class Claims:
 
     def _claim(self, key: str, nbytes: int) -> Callable[[StoreClient], None]:
         def work(store: StoreClient) -> None:
-            marker = Marker(self.writer, nbytes, BOUND_S)
-            raw = marker.pack()
-            if self._placed is None:
-                self._placed = self._placement(store)
-            found = self._put_and_read(store, key, raw)
-            if found is None or (found != marker and found.writer == self.writer):
-                # Not readable (its replica's node is gone), or ours of an earlier entry of
-                # the key: a put would keep it, so it goes.
-                store.batch_remove([key], True)
-                found = self._put_and_read(store, key, raw)
-            if found is None:
-                raise RuntimeError("the marker written could not be read back")
-            if found != marker:  # another node's producer writes it too
-                self.claims_lost += 1
-                self._lost.add(key)
-                return
-            self.claims += 1
-            self._held.add(key)
-            if self._beats is None:
-                self._beats = threading.Thread(target=self._beating, name="ecd-claims", daemon=True)
-                self._beats.start()
+            try:
+                self._place(store, key, nbytes)
+            except Refused as refused:
+                # A master that has just taken over has the nodes' segments back only a few
+                # seconds later: the claim is tried again while the entry is written.
+                if not self._node.refused_while_settling([refused.answer]):
+                    raise
+                self._refused[key] = work
+                threading.Timer(SETTLE_RETRY_S, self._again, (key,)).start()
 
         return work
+
+    def _again(self, key: str) -> None:
+        """(A timer's thread) Ask the node's thread to claim `key` again, unless its entry ended
+        meanwhile (its removal came first); the latest entry's claim, if the key was allocated
+        again since."""
+
+        def work(store: StoreClient) -> None:
+            claim = self._refused.pop(key, None)
+            if claim is not None:
+                claim(store)
+
+        _logged(self._node.ask(work), "claim")
+
+    def _place(self, store: StoreClient, key: str, nbytes: int) -> None:
+        """Put the marker and read back which the store holds: ours holds the claim."""
+        marker = Marker(self.writer, nbytes, BOUND_S)
+        raw = marker.pack()
+        if self._placed is None:
+            self._placed = self._placement(store)
+        found = self._put_and_read(store, key, raw)
+        if found is None or (found != marker and found.writer == self.writer):
+            # Not readable (its replica's node is gone), or ours of an earlier entry of the
+            # key: a put would keep it, so it goes.
+            store.batch_remove([key], True)
+            found = self._put_and_read(store, key, raw)
+        if found is None:
+            raise RuntimeError("the marker written could not be read back")
+        if found != marker:  # another node's producer writes it too
+            self.claims_lost += 1
+            self._lost.add(key)
+            return
+        self.claims += 1
+        self._held.add(key)
+        if self._beats is None:
+            self._beats = threading.Thread(target=self._beating, name="ecd-claims", daemon=True)
+            self._beats.start()
 
     def _put_and_read(self, store: StoreClient, key: str, raw: bytes) -> Marker | None:
         """Put the marker (kept only if the store has no value under the key) in this node's
         segment, or where the master places it if that cannot take it (no segment, full), and
         read back the one the store holds; None if it holds none that can be read."""
         if store.put(key, raw, self._placed) < 0 and (answer := store.put(key, raw)) < 0:
-            raise RuntimeError(f"the store answered {answer} to the marker's put")
+            raise Refused(answer)
         return Marker.parse(store.get(key))
 
     def _beating(self) -> None:
@@ -246,6 +284,8 @@ class Claims:
         def work(store: StoreClient) -> None:
             if key in self._lost:  # another node's: its writer removes it
                 self._lost.discard(key)
+                return
+            if self._refused.pop(key, None) is not None:  # never placed: no retry, no removal
                 return
             self._held.discard(key)
             store.batch_remove([key], True)  # forced: readers' lookups hold leases on it

@@ -16,7 +16,7 @@ from ecd_testing import wait_until
 
 from ec_daemon.cluster import codec
 from ec_daemon.cluster.mooncake import StoreSettings
-from ec_daemon.cluster.node import ClusterNode
+from ec_daemon.cluster.node import NO_AVAILABLE_HANDLE, SETTLE_RETRY_S, ClusterNode
 from ec_daemon.cluster.pending import (
     BOUND_S,
     REFRESH_S,
@@ -45,9 +45,13 @@ class RecordingStore(BufferlessStore):
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
         self.calls: list[tuple[str, str]] = []
+        self.refusals = 0  # puts to refuse for space before the next is taken
 
     def put(self, key: str, value: bytes, config: Any = None) -> int:
         self.calls.append(("put", key))
+        if self.refusals:
+            self.refusals -= 1
+            return NO_AVAILABLE_HANDLE
         self.values.setdefault(key, value)  # a key the store has is not written again
         return 0
 
@@ -172,3 +176,57 @@ def test_a_pool_dropped_by_force_while_an_entry_was_written_removes_its_marker(
     wait_until(lambda: claims.claims == 1, 10)
     store.drop_pool("p", force=True)
     wait_until(lambda: MARKER not in fake.values, 10)
+
+
+@pytest.fixture
+def settling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's master has just taken over (a new leader): its refusals for space are the
+    nodes' segments not yet back with it (ClusterNode's own judgement: test_cluster_node.py)."""
+    monkeypatch.setattr(
+        ClusterNode, "refused_while_settling", lambda self, results: NO_AVAILABLE_HANDLE in results
+    )
+
+
+def marker_puts(fake: RecordingStore) -> int:
+    return fake.calls.count(("put", MARKER))
+
+
+@pytest.mark.usefixtures("settling")
+def test_a_claim_refused_for_space_by_a_master_just_taken_over_is_tried_again_until_held(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    fake.refusals = 4  # two claims, each refused in the node's segment and anywhere
+    allocate(store, sid)
+    wait_until(lambda: claims.claims == 1, 10)
+    assert marker_puts(fake) == 5
+    assert Marker.parse(fake.values[MARKER]) == Marker(claims.writer, SPEC.nbytes, BOUND_S)
+
+
+def claim_refused(claiming: tuple[Claims, Store, str], fake: RecordingStore) -> None:
+    """An entry allocated, its claim refused for space in the node's segment and anywhere."""
+    _, store, sid = claiming
+    fake.refusals = 2
+    allocate(store, sid)
+    wait_until(lambda: marker_puts(fake) == 2, 10)
+
+
+@pytest.mark.usefixtures("settling")
+def test_a_refused_claim_whose_entry_ended_is_neither_tried_again_nor_removed(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    claims, store, sid = claiming
+    claim_refused(claiming, fake)
+    store.abort(sid, "p", [b"k"])
+    time.sleep(3 * SETTLE_RETRY_S)  # retries would have come by now
+    assert marker_puts(fake) == 2 and ("remove", MARKER) not in fake.calls
+    assert claims.claims == 0 and MARKER not in fake.values
+
+
+def test_a_claim_refused_for_space_by_a_settled_master_is_not_tried_again(
+    claiming: tuple[Claims, Store, str], fake: RecordingStore
+) -> None:
+    """The store is full: a marker would take the place of values; the entry goes unclaimed."""
+    claim_refused(claiming, fake)
+    time.sleep(3 * SETTLE_RETRY_S)
+    assert marker_puts(fake) == 2 and claiming[0].claims == 0
