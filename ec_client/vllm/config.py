@@ -23,7 +23,9 @@ Keys of `ec_connector_extra_config`:
   else waits at most this long more. 0 steps at once, as vLLM would.
 - `ecd_connect_timeout_s`: how long to wait for the daemon at start, and how long one call
   retries while the daemon restarts. A call made while no daemon is there at all (no socket,
-  nothing listening) fails at once: the scheduler's steps never wait on it. Default 2.
+  nothing listening) fails at once: the scheduler's steps never wait on it. Also the most a
+  producer's answers wait for an Allocate not answered yet (SchedulerSide's
+  `_allocated_before_answer`). Default 2.
 - `ecd_cluster_namespace`: the namespace the pool's entries are shared under in the daemon's
   Mooncake Store (OpenPool's cluster_namespace, docs/design.md §13). `"auto"` (the default): the
   one vLLM's own store connector (`mooncake_store_embedding`) derives from the same config, set

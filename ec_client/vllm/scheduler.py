@@ -397,7 +397,8 @@ class SchedulerSide:
         request_finished), and in the disaggregated flow that answer sends the request on to
         the prefill/decode engine, which asks the daemon about its image and encodes it if
         the daemon has no entry. So a producer's answer waits, here, for the Allocate of any
-        of the request's outputs not answered yet, up to `ecd_connect_timeout_s`: the next
+        of the request's outputs not answered yet, up to `ecd_connect_timeout_s` after it was
+        sent (Steps.wait_allocated: a step's requests wait that long in all): the next
         engine then finds the entry PENDING (held for its commit), never missing. That
         Allocate went out before the forward pass (build_connector_meta), so it has usually
         been answered (a round trip of a fraction of a millisecond against a pass of

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -50,11 +51,13 @@ log = logging.getLogger("ec_client.vllm")
 @dataclass
 class Asked:
     """What one step_soon asked, to read its answer against; `generation` is the one it was
-    asked in (an answer from another is void, see `Steps.take_answers`)."""
+    asked in (an answer from another is void, see `Steps.take_answers`), `at` when (monotonic:
+    the waits for its answer are bounded from then, see `Steps.wait_allocated`)."""
 
     generation: tuple[str, str]
     acquires: list[str] = field(default_factory=list)
     allocates: dict[str, TensorSpec] = field(default_factory=dict)
+    at: float = field(default_factory=time.monotonic)
 
 
 class Steps:
@@ -114,15 +117,19 @@ class Steps:
             self.asked.append((future, asked))
 
     def wait_allocated(self, keys: set[str], timeout_s: float) -> bool:
-        """Wait, up to `timeout_s`, for the answers of the Steps on their way that ask to
-        allocate any of `keys` (the next take_answers takes them); whether there was one."""
+        """Wait for the answers of the Steps on their way that ask to allocate any of `keys`
+        (the next take_answers takes them), up to `timeout_s` after they were asked: so the
+        requests of one step that wait on one unanswered Step wait that long in all, not each;
+        whether there was one."""
         unanswered = [
-            future
+            (future, asked.at)
             for future, asked in self.asked
             if not future.done() and not keys.isdisjoint(asked.allocates)
         ]
         if unanswered:
-            concurrent.futures.wait(unanswered, timeout_s)
+            deadline = max(at for _, at in unanswered) + timeout_s
+            futures = [future for future, _ in unanswered]
+            concurrent.futures.wait(futures, max(deadline - time.monotonic(), 0.0))
         return bool(unanswered)
 
     def _ops(self) -> tuple[list[DeferredOp], list[DeferredOp], list[DeferredOp]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -549,20 +550,25 @@ def test_an_answer_whose_allocate_was_answered_during_the_forward_pass_waits_for
     assert side.answer_waits == 0
 
 
-def test_an_answer_waits_for_its_allocate_no_longer_than_the_connect_timeout(
+def test_the_answers_of_one_step_wait_for_its_allocate_no_longer_than_the_connect_timeout(
     client: FakeClient,
 ) -> None:
-    """A daemon that does not answer delays the engine's answers by ecd_connect_timeout_s at
-    most: the next engine may then encode the image again, nothing worse."""
-    side = scheduler(client, role="ec_producer", ecd_connect_timeout_s=0.2)
+    """A daemon that does not answer delays the engine by ecd_connect_timeout_s at most, not
+    that long per request: the next engine may then encode the images again, nothing worse."""
+    side = scheduler(client, role="ec_producer", ecd_connect_timeout_s=1.0)
     answering = threading.Event()
-    client.before_answer = lambda: answering.wait(5)
-    request = image_request("p1", ["img-a"], ROWS)
-    assert side.ensure_cache_available(request, 0)
-    side.update_state_after_alloc(request, 0)
-    side.build_connector_meta()
-    side.request_finished(request)
-    assert side.answer_waits == 1 and client.sent == []  # answered with the Step unread
+    client.before_answer = lambda: answering.wait(10)
+    requests = [image_request(f"p{i}", [f"img-{i}"], ROWS) for i in range(2)]
+    for request in requests:
+        assert side.ensure_cache_available(request, 0)
+        side.update_state_after_alloc(request, 0)
+    side.build_connector_meta()  # one Step allocates both
+    started = time.monotonic()
+    for request in requests:
+        side.request_finished(request)
+    waited = time.monotonic() - started
+    assert side.answer_waits == 2 and client.sent == []  # answered with the Step unread
+    assert 0.9 < waited < 1.7  # the Step's timeout once, not once per request (2 s)
     answering.set()
 
 
