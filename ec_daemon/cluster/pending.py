@@ -26,12 +26,11 @@ has answers success without writing (Mooncake 0.3.x). So ecd writes a *marker* o
   SETTLE_RETRY_S while the entry is written. While it holds claims, a thread of its own asks
   the node's thread every REFRESH_S to write its beat again, changed (one upsert, whatever the
   number of claims; a marker itself is never written again: a lookup during an upsert finds
-  the key absent, measured). The commit
-  removes the marker after the value's publish (same queue, so in that order: a reader never
-  finds neither while the value is on its way); an abort, an eviction or a delete of the entry
-  removes it at once (a producer's death is an abort: the life marks of
-  ec_protocol/pool/life_marks.py). Removals are forced: a reader's lookup holds a lease on the
-  marker that would refuse them.
+  the key absent, measured). The commit removes the marker after the value's publish (same
+  queue, so in that order: a reader never finds neither while the value is on its way); an
+  abort, an eviction or a delete of the entry removes it at once (a producer's death is an
+  abort: the life marks of ec_protocol/pool/life_marks.py). Removals are forced: a reader's
+  lookup holds a lease on the marker that would refuse them.
 - **A reader** (`RemoteWaits`): an Acquire's lookup at the master (ec_daemon.cluster.fetch) asks
   for the value and the marker in the same batch; a key with no value but a marker is read once
   (its writer, its size) and allocated here PENDING (a placeholder under a pull's session: local
@@ -208,7 +207,9 @@ class Claims:
                 if not self._node.refused_while_settling([refused.answer]):
                     raise
                 self._refused[key] = work
-                threading.Timer(SETTLE_RETRY_S, self._again, (key,)).start()
+                timer = threading.Timer(SETTLE_RETRY_S, self._again, (key,))
+                timer.daemon = True  # a daemon stopping does not wait for it
+                timer.start()
 
         return work
 
